@@ -1,0 +1,143 @@
+"""Typed, frozen engine configuration, loaded from YAML and validated on load.
+
+Every section is a frozen dataclass; an unknown key anywhere is an error that lists the valid keys, so a typo in a
+YAML file never silently falls back to a default. Kernel variants are names checked against the op registry when a
+model is patched (`flide.patch`), not here, so this module stays free of torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+GDN_CHUNK = 64  # the chunk length of the chunked gated delta rule (and of fla's kernels)
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Which registered variant runs each op (see `flide.ops.registry`)."""
+
+    fork_attention: str = "reference"
+    gated_delta: str = "reference"
+    fork_conv: str = "reference"
+    # selective: the last layer's MLP and the head run only at readout rows and only the label logits are computed.
+    # full: the last layer and the whole vocabulary run at every token, then the rows are read (the ablation).
+    readout: str = "selective"
+
+
+@dataclass(frozen=True)
+class CapacityConfig:
+    """Fixed capacities of a round's metadata. A round takes the smallest token bucket that holds it."""
+
+    buckets: tuple[int, ...] = (256, 512, 1024, 2048, 4096, 8192, 16384)
+    requests: int = 64
+    states: int = 192
+    branches: int = 1024
+    readout_rows: int = 1024
+
+    def chunks(self, tokens: int) -> int:
+        """GDN chunk capacity of a bucket: whole chunks of the stream plus one partial chunk per segment."""
+        return tokens // GDN_CHUNK + self.states + self.branches
+
+
+@dataclass(frozen=True)
+class LimitConfig:
+    max_questions: int = 64
+    max_prompt_tokens: int = 262144
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    device: str = "auto"  # auto: cuda when available, else cpu
+    dtype: str = "auto"  # auto: the model's own dtype; or float32, bfloat16, float16
+    # split: each state is tokenized once and each question's tail once; full: each prompt whole (slow, the oracle)
+    tokenization: str = "split"
+
+
+@dataclass(frozen=True)
+class FlideConfig:
+    kernels: KernelConfig = field(default_factory=KernelConfig)
+    capacities: CapacityConfig = field(default_factory=CapacityConfig)
+    limits: LimitConfig = field(default_factory=LimitConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def replace(self, **sections: dict[str, Any]) -> "FlideConfig":
+        """A copy with some keys of some sections changed: `config.replace(kernels={"readout": "full"})`."""
+        merged = self.to_dict()
+        for name, values in sections.items():
+            if name not in merged:
+                raise ValueError(f"Unknown config section {name!r}; valid sections: {', '.join(merged)}.")
+            merged[name] = {**merged[name], **values}
+        return config_from_dict(merged)
+
+
+_CHOICES = {
+    ("runtime", "dtype"): ("auto", "float32", "bfloat16", "float16"),
+    ("runtime", "tokenization"): ("split", "full"),
+}
+
+
+def _build(cls, values: Any, where: str):
+    if not isinstance(values, dict):
+        raise ValueError(f"Config `{where}` must be a mapping, got {type(values).__name__}.")
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise ValueError(f"Unknown config key(s) {', '.join(f'{where}.{k}' for k in unknown)}; "
+                         f"valid keys of `{where}`: {', '.join(known)}.")
+    kwargs = {}
+    for name, value in values.items():
+        default = getattr(cls(), name)
+        key = f"{where}.{name}"
+        if isinstance(default, tuple):
+            if not isinstance(value, (list, tuple)) or not value or not all(isinstance(v, int) and v > 0 for v in value):
+                raise ValueError(f"Config `{key}` must be a non-empty list of positive integers, got {value!r}.")
+            value = tuple(sorted(set(value)))
+        elif isinstance(default, bool) or isinstance(default, int):
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"Config `{key}` must be a positive integer, got {value!r}.")
+        elif isinstance(default, str):
+            if not isinstance(value, str):
+                raise ValueError(f"Config `{key}` must be a string, got {value!r}.")
+            choices = _CHOICES.get((where, name))
+            if choices and value not in choices:
+                raise ValueError(f"Config `{key}` must be one of {', '.join(choices)}, got {value!r}.")
+        kwargs[name] = value
+    return cls(**kwargs)
+
+
+def config_from_dict(values: dict[str, Any] | None) -> FlideConfig:
+    values = {} if values is None else values
+    sections = {f.name: f.type for f in dataclasses.fields(FlideConfig)}
+    if not isinstance(values, dict):
+        raise ValueError(f"A Flide config is a mapping of sections ({', '.join(sections)}), got {type(values).__name__}.")
+    unknown = sorted(set(values) - set(sections))
+    if unknown:
+        raise ValueError(f"Unknown config section(s) {', '.join(unknown)}; valid sections: {', '.join(sections)}.")
+    classes = {"kernels": KernelConfig, "capacities": CapacityConfig, "limits": LimitConfig, "runtime": RuntimeConfig}
+    return FlideConfig(**{name: _build(classes[name], section or {}, name) for name, section in values.items()})
+
+
+def load_config(config: "FlideConfig | dict | str | Path | None" = None) -> FlideConfig:
+    """A `FlideConfig` from a config, a dict, a YAML path, or None (the defaults, equal to configs/default.yaml)."""
+    if config is None:
+        return FlideConfig()
+    if isinstance(config, FlideConfig):
+        return config
+    if isinstance(config, dict):
+        return config_from_dict(config)
+    path = Path(config)
+    if not path.is_file():
+        raise ValueError(f"Config file {str(path)!r} does not exist.")
+    import yaml
+
+    try:
+        values = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as error:
+        raise ValueError(f"Config file {str(path)!r} is not valid YAML: {error}") from error
+    return config_from_dict(values)

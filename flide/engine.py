@@ -1,0 +1,153 @@
+"""The engine: System One requests in, answers out, every round of requests as one flat forward pass.
+
+    engine = flide.patch(model, tokenizer)            # any supported transformers model
+    engine.decide({"state": ..., "questions": {...}})  # -> {"name": answer}
+    engine.decide([r1, r2, ...])                       # packed into as few rounds as the capacities allow
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .config import FlideConfig, load_config
+from .graphs.buckets import plan_rounds
+from .requests import PreparedRequest, PromptTokenizer, RequestError, parse_request
+from .round import Footprint, Round, build_round, footprint
+
+logger = logging.getLogger("flide")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class Usage:
+    input_tokens: int  # each state counted once
+    stream_tokens: int  # tokens computed for the request in its round(s) (= input_tokens)
+    prompt_tokens: int  # what one sequence per question would have computed
+
+
+class Engine:
+    """Answers decision requests with a patched transformers model. Build it with `flide.patch` or
+    `Engine.from_pretrained`."""
+
+    def __init__(self, model, tokenizer, config: FlideConfig | dict | str | None = None, decision_config=None):
+        from transformers.decision import DecisionConfig
+        from transformers.decision.modeling_utils import DecisionMixin
+
+        from .models import adapt
+
+        self.config = load_config(config)
+        runtime = self.config.runtime
+        if runtime.dtype != "auto":
+            model = model.to(_DTYPES[runtime.dtype])
+        if runtime.device != "auto":
+            model = model.to(runtime.device)
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        if decision_config is None:  # as pipeline("decision") picks it
+            if isinstance(model, DecisionMixin):
+                decision_config = model.decision_config
+            else:
+                decision_config = DecisionConfig.from_pretrained(getattr(model, "name_or_path", "") or "")
+        decision_config.validate_noul_options()
+        self.decision_config = decision_config
+        self.flat = adapt(model, tokenizer, self.config.kernels)
+        self.prompts = PromptTokenizer(tokenizer, decision_config, runtime.tokenization)
+        tok = self.prompts.tokenizer
+        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
+        # Options per readout row: the most labels any question type can use
+        self.max_options = max([26, 2] + [len(labels) for labels in decision_config.labels.values()])
+
+    @property
+    def device(self) -> torch.device:
+        return self.flat.head.weight.device
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str, config: FlideConfig | dict | str | None = None, **kwargs) -> "Engine":
+        """Loads a model (causal LM or Jev decision model) and its tokenizer from a local folder or hub id."""
+        from .loading import load_model
+
+        cfg = load_config(config)
+        model, tokenizer = load_model(name_or_path, cfg, **kwargs)
+        return cls(model, tokenizer, cfg)
+
+    # ---- requests ----
+    def prepare(self, request: Any) -> PreparedRequest:
+        """Validates and tokenizes one request; raises RequestError (a ValueError) naming the offending field."""
+        state, questions = parse_request(request, self.decision_config, self.config.limits.max_questions)
+        try:
+            prepared = self.prompts.prepare(state, questions)
+        except RequestError:
+            raise
+        except (ValueError, TypeError) as error:  # a template that cannot render this state
+            raise RequestError("state", f"the decision template cannot render it: {error}") from None
+        limit = self.config.limits.max_prompt_tokens
+        for branch in prepared.branches:
+            n = len(prepared.trunks[branch.trunk]) + len(branch.tokens)
+            if n > limit:
+                raise RequestError("state", f"the prompt of question {branch.questions[0].name!r} has {n} tokens; "
+                                            f"the limit is {limit} (`limits.max_prompt_tokens`).", 413)
+            branch.options = []
+            for question in branch.questions:
+                try:
+                    branch.options.append(self.flat.head.option_rows(question))
+                except ValueError as error:
+                    raise RequestError(f"questions.{question.name}", str(error), 400) from None
+        return prepared
+
+    def decide(self, request: Any | list) -> dict | list[dict]:
+        """Answers one request (dict or JSON string) -> {question name: answer}, or a list of requests -> a list of
+        answer dicts, in order. A bad request raises RequestError (ValueError) naming its field; in a list, the
+        error names the request's index too."""
+        if isinstance(request, list):
+            prepared = []
+            for index, item in enumerate(request):
+                try:
+                    prepared.append(self.prepare(item))
+                except RequestError as error:
+                    raise RequestError(f"requests[{index}].{error.field}", error.message, error.status) from None
+            return self.run(prepared)
+        return self.run([self.prepare(request)])[0]
+
+    def usage(self, prepared: PreparedRequest) -> Usage:
+        return Usage(prepared.input_tokens, prepared.stream_tokens, prepared.prompt_tokens)
+
+    # ---- rounds ----
+    def run(self, prepared: list[PreparedRequest]) -> list[dict]:
+        """Answers prepared requests in as few flat rounds as the capacities allow."""
+        answers: list[dict] = [{} for _ in prepared]
+        needs: list[Footprint] = [footprint(p) for p in prepared]
+        for planned in plan_rounds(needs, self.config.capacities, self.max_options):
+            requests = [prepared[i] for i in planned.requests]
+            round_ = build_round(requests, planned.shape, self.pad_id)
+            scores = self.forward(round_)
+            for local, answer in self.answers(round_, scores).items():
+                index = planned.requests[local]
+                answers[index] = {q.name: answer[q.name] for q in prepared[index].questions}  # request order
+        return answers
+
+    def forward(self, round_: Round) -> torch.Tensor:
+        """One flat forward pass: the option scores [readout rows, options] of a round, on the CPU in float32."""
+        tensors = round_.tensors.to(self.device)
+        with torch.inference_mode():
+            scores = self.flat(tensors)
+        return scores.float().cpu()
+
+    def answers(self, round_: Round, scores: torch.Tensor) -> dict[int, dict]:
+        """Each read's scores through the decision config's logits processors, softmax, and `Question.answer`."""
+        out: dict[int, dict] = {}
+        processors = self.decision_config.logits_processors
+        for row, read in enumerate(round_.reads):
+            s = scores[row, : read.options]
+            s = processors[read.question.type](torch.from_numpy(read.tail)[None], s)
+            out.setdefault(read.request, {})[read.question.name] = read.question.answer(s.softmax(-1).tolist())
+        return out
+
+
+def dumps(answers: Any) -> str:
+    return json.dumps(answers, indent=2, ensure_ascii=False)

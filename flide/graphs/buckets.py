@@ -1,0 +1,64 @@
+"""Stream-length buckets: which round shape a set of requests takes, and how many requests go into each round.
+
+A round takes the smallest bucket whose capacities hold it. Requests are packed in arrival order into rounds of the
+largest bucket's capacities; a round that would overflow is closed and the next one started, so rounds split only
+at request boundaries. A single request larger than the largest bucket runs alone, in a shape of its own size (the
+same flat-stream code, eagerly: no captured graph has its shape).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config import GDN_CHUNK, CapacityConfig
+from ..round import Footprint, Shape
+
+
+@dataclass(frozen=True)
+class PlannedRound:
+    requests: list[int]  # indices into the caller's list, in order
+    shape: Shape
+    oversized: bool  # True: larger than every bucket (runs eagerly, never from a captured graph)
+
+
+def bucket_for(tokens: int, caps: CapacityConfig) -> int | None:
+    """The smallest bucket holding `tokens`, or None when none does."""
+    return next((b for b in caps.buckets if tokens <= b), None)
+
+
+def shape_for(need: Footprint, caps: CapacityConfig, options: int) -> tuple[Shape, bool]:
+    tokens = bucket_for(need.tokens, caps)
+    if tokens is not None and need.fits(caps, tokens):
+        return Shape(tokens, caps.states, caps.branches, caps.readout_rows, options), False
+    rounded = -(-max(need.tokens, 1) // GDN_CHUNK) * GDN_CHUNK
+    return Shape(rounded, max(need.states, 1), max(need.branches, 1), max(need.readout_rows, 1), options), True
+
+
+def plan_rounds(needs: list[Footprint], caps: CapacityConfig, options: int) -> list[PlannedRound]:
+    """Packs requests (their footprints, in order) into as few rounds as the capacities allow."""
+    largest = caps.buckets[-1]
+    rounds: list[PlannedRound] = []
+    current: list[int] = []
+    total: Footprint | None = None
+
+    def close():
+        nonlocal current, total
+        if current:
+            shape, oversized = shape_for(total, caps, options)
+            rounds.append(PlannedRound(current, shape, oversized))
+        current, total = [], None
+
+    for index, need in enumerate(needs):
+        if not need.fits(caps, largest):
+            close()
+            shape, _ = shape_for(need, caps, options)
+            rounds.append(PlannedRound([index], shape, True))
+            continue
+        combined = need if total is None else total + need
+        if not combined.fits(caps, largest):
+            close()
+            combined = need
+        current.append(index)
+        total = combined
+    close()
+    return rounds

@@ -1,0 +1,66 @@
+"""Model families Flide runs: `model_type` -> how to find the decoder stack and the head of a transformers model.
+
+`adapt` swaps the token mixers of the stack for Flide's (in place, weights untouched) and returns the flat model.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+from torch import nn
+
+from ..config import KernelConfig
+from ..ops.registry import resolve_all
+from .flat import FlatModel, Head
+from .layers import FlideAttention, FlideGatedDeltaNet
+from .jev import jev_parts
+from .causal_lm import causal_lm_parts
+
+# model_type -> parts(model, tokenizer) -> (text_model, Head)
+FAMILIES: dict[str, Callable] = {
+    "qwen3_5_text": causal_lm_parts,  # Qwen3.5: Gated DeltaNet + gated full attention
+    "qwen3_5": causal_lm_parts,  # the multimodal Qwen3.5: its text model (text requests)
+    "llama": causal_lm_parts,  # the plain full-attention families, through one generic patch
+    "qwen3": causal_lm_parts,
+    "qwen2": causal_lm_parts,
+    "mistral": causal_lm_parts,
+    "jev": jev_parts,  # JevForDecision: a decision head read at the marks, on a Qwen3.5 backbone
+}
+
+
+def supported_model_types() -> list[str]:
+    return sorted(FAMILIES)
+
+
+def swap_mixers(text_model: nn.Module, kernels: KernelConfig) -> None:
+    """Replaces every decoder layer's attention / Gated DeltaNet module with Flide's (idempotent)."""
+    ops = resolve_all(kernels)
+    for index, layer in enumerate(text_model.layers):
+        for name in ("input_layernorm", "post_attention_layernorm", "mlp"):
+            if not hasattr(layer, name):
+                raise ValueError(f"Decoder layer {index} ({type(layer).__name__}) has no `{name}`: its residual "
+                                 f"layout is not one Flide runs.")
+        if hasattr(layer, "linear_attn"):
+            original = getattr(layer.linear_attn, "original", layer.linear_attn)
+            layer.linear_attn = FlideGatedDeltaNet(original, ops["fork_conv"], ops["gated_delta"])
+        elif hasattr(layer, "self_attn"):
+            original = getattr(layer.self_attn, "original", layer.self_attn)
+            layer.self_attn = FlideAttention(original, ops["fork_attention"])
+        else:
+            raise ValueError(f"Decoder layer {index} ({type(layer).__name__}) has neither attention nor Gated DeltaNet.")
+
+
+def adapt(model: nn.Module, tokenizer, kernels: KernelConfig) -> FlatModel:
+    """The flat model of a transformers model; raises ValueError for a model type Flide does not know."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in FAMILIES:
+        raise ValueError(f"Flide does not support model type {model_type!r} ({type(model).__name__}); supported "
+                         f"model types: {', '.join(supported_model_types())}.")
+    text_model, head = FAMILIES[model_type](model, tokenizer)
+    swap_mixers(text_model, kernels)
+    readout = resolve_all(kernels)["readout"]
+    return FlatModel(text_model, head, readout, selective=kernels.readout == "selective")
+
+
+__all__ = ["FAMILIES", "FlatModel", "Head", "adapt", "supported_model_types", "swap_mixers"]

@@ -1,0 +1,68 @@
+"""The flat forward: one pass of a Hugging Face decoder stack over a round's whole stream.
+
+It runs the model's own modules (embedding, norms, MLPs, rotary tables) in the pre-norm residual order every
+supported family shares, with the token mixers swapped for Flide's (`layers.py`). With selective readout the last
+layer's MLP, the final norm and the head run only at the readout rows: every token still gives its keys, values
+and recurrent updates to the last layer's mixer, and nothing else of it is needed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ..round import RoundTensors
+from .layers import FlatContext
+
+
+@dataclass
+class Head:
+    """What turns a final hidden state into the scores of a question's options.
+
+    weight [rows, H] / bias: the head's matrix (lm_head for a causal LM: a row per vocabulary token; a decision head:
+    a row per verbalizer). option_rows(question) -> the rows of its options, in option order. softcap: tanh cap.
+    """
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    option_rows: Callable
+    softcap: float | None = None
+
+
+class FlatModel(nn.Module):
+    """A patched decoder stack and its head, run over RoundTensors -> option scores [readout_rows, options]."""
+
+    def __init__(self, text_model: nn.Module, head: Head, readout_op: Callable, selective: bool):
+        super().__init__()
+        self.text_model = text_model
+        self.head = head
+        self.readout_op = readout_op
+        self.selective = selective
+        for name in ("embed_tokens", "layers", "norm", "rotary_emb"):
+            if not hasattr(text_model, name):
+                raise ValueError(f"{type(text_model).__name__} has no `{name}`: not a decoder stack Flide can run.")
+
+    def mixer(self, layer: nn.Module) -> nn.Module:
+        return layer.linear_attn if hasattr(layer, "linear_attn") else layer.self_attn
+
+    def forward(self, r: RoundTensors) -> torch.Tensor:
+        m = self.text_model
+        h = m.embed_tokens(r.input_ids)  # [T, H]
+        cos, sin = m.rotary_emb(h[None], r.positions[None])
+        ctx = FlatContext(r, cos[0], sin[0])
+        last = len(m.layers) - 1
+        for i, layer in enumerate(m.layers):
+            h = h + self.mixer(layer)(layer.input_layernorm(h), flide=ctx)
+            if i == last and self.selective:
+                h = h[r.readout_rows]  # only the read rows go on through the last MLP, the norm and the head
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        h = m.norm(h)
+        rows = torch.arange(h.shape[0], device=h.device) if self.selective else r.readout_rows
+        head = self.head
+        scores = self.readout_op(h, rows, head.weight, head.bias, r.option_index)
+        if head.softcap is not None:
+            scores = head.softcap * torch.tanh(scores / head.softcap)
+        return scores

@@ -1,0 +1,121 @@
+"""The token mixers Flide swaps into Hugging Face decoder layers: attention and Gated DeltaNet over a flat stream.
+
+Each swapped module adopts the submodules and parameters of the layer it replaces (same objects, so weights and
+`state_dict` keys are unchanged) and runs the registered ops resolved at patch time. Called without a Flide round
+(`flide=None`) it runs the original transformers module, so a patched model still works as a plain HF model.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..ops.gated_delta import fork as gated_delta_fork
+from ..round import RoundTensors
+
+
+@dataclass
+class FlatContext:
+    """What every mixer of one forward pass reads: the round's metadata and the rotary tables of its positions."""
+
+    round: RoundTensors
+    cos: torch.Tensor  # [T, rotary_dim]
+    sin: torch.Tensor
+
+
+class _Swapped(nn.Module):
+    def __init__(self, original: nn.Module, names: tuple[str, ...]):
+        super().__init__()
+        for name in names:  # the same module / parameter objects: weights and state_dict keys are kept
+            value = getattr(original, name)
+            if isinstance(value, nn.Parameter):
+                self.register_parameter(name, value)
+            else:
+                self.add_module(name, value)
+        # Not a registered child: its parameters are ours already, and state_dict must not list them twice
+        self.__dict__["original"] = original
+
+    def forward(self, *args, flide: FlatContext | None = None, **kwargs):
+        if flide is None:
+            return self.original(*args, **kwargs)
+        return self.flat_forward(args[0] if args else kwargs["hidden_states"], flide)
+
+
+class FlideAttention(_Swapped):
+    """Full attention (Llama, Qwen3, Qwen3.5) over the flat stream through `fork_attention`.
+
+    Handles the family differences seen in transformers' modules: an output gate packed into q_proj (Qwen3.5),
+    RMSNorms over the head dim before RoPE (Qwen3, Qwen3.5), partial rotary (Qwen3.5; in the family's own
+    apply_rotary_pos_emb), GQA.
+    """
+
+    def __init__(self, original: nn.Module, attention_op: Callable):
+        names = ("q_proj", "k_proj", "v_proj", "o_proj") + tuple(n for n in ("q_norm", "k_norm") if hasattr(original, n))
+        super().__init__(original, names)
+        self.op = attention_op
+        self.head_dim = original.head_dim
+        self.scaling = float(original.scaling)
+        self.num_kv_heads = original.k_proj.out_features // self.head_dim
+        q_out = original.q_proj.out_features
+        self.num_heads = original.o_proj.in_features // self.head_dim
+        self.gated = q_out == 2 * self.num_heads * self.head_dim
+        self.apply_rotary = sys.modules[type(original).__module__].apply_rotary_pos_emb
+        if getattr(original, "sliding_window", None):
+            raise ValueError(f"{type(original).__name__} uses sliding-window attention, which Flide does not fork yet.")
+
+    def flat_forward(self, x: torch.Tensor, ctx: FlatContext) -> torch.Tensor:
+        T, D = x.shape[0], self.head_dim
+        if self.gated:
+            q, gate = torch.chunk(self.q_proj(x).view(T, -1, 2 * D), 2, dim=-1)
+            gate = gate.reshape(T, -1)
+        else:
+            q, gate = self.q_proj(x).view(T, -1, D), None
+        k = self.k_proj(x).view(T, -1, D)
+        v = self.v_proj(x).view(T, -1, D)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.apply_rotary(q, k, ctx.cos, ctx.sin, unsqueeze_dim=1)  # [T, H, D] with cos [T, d]
+        r = ctx.round
+        out = self.op(q.contiguous(), k.contiguous(), v.contiguous(), r.seg_lo, r.trunk_lo, r.trunk_hi, self.scaling)
+        out = out.reshape(T, -1)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return self.o_proj(out)
+
+
+class FlideGatedDeltaNet(_Swapped):
+    """Qwen3.5's Gated DeltaNet over the flat stream: the conv forks through `fork_conv`, the recurrence through two
+    calls of `gated_delta` (states first, then every question from its state's final recurrent state)."""
+
+    NAMES = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "norm", "out_proj", "A_log", "dt_bias")
+
+    def __init__(self, original: nn.Module, conv_op: Callable, delta_op: Callable):
+        super().__init__(original, self.NAMES)
+        if original.conv1d.bias is not None:
+            raise ValueError("Gated DeltaNet with a conv bias is not supported.")
+        if original.activation not in ("silu", "swish"):
+            raise ValueError(f"Gated DeltaNet with activation {original.activation!r} is not supported.")
+        self.conv_op, self.delta_op = conv_op, delta_op
+        self.key_dim, self.value_dim = original.key_dim, original.value_dim
+        self.head_k_dim, self.head_v_dim = original.head_k_dim, original.head_v_dim
+
+    def flat_forward(self, x: torch.Tensor, ctx: FlatContext) -> torch.Tensor:
+        T, r = x.shape[0], ctx.round
+        qkv = self.conv_op(self.in_proj_qkv(x), self.conv1d.weight.squeeze(1), r.seg_lo, r.trunk_lo, r.trunk_hi, True)
+        q, k, v = torch.split(qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q, k = q.reshape(T, -1, self.head_k_dim), k.reshape(T, -1, self.head_k_dim)
+        v = v.reshape(T, -1, self.head_v_dim)
+        beta = self.in_proj_b(x).sigmoid()
+        # float32, as transformers does: in half precision exp(A_log) could overflow
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        out, _ = gated_delta_fork(self.delta_op, q.contiguous(), k.contiguous(), v.contiguous(), g, beta,
+                                  r.state_start, r.state_len, r.branch_start, r.branch_len, r.branch_state,
+                                  self.head_k_dim ** -0.5, True)
+        z = self.in_proj_z(x).reshape(-1, self.head_v_dim)
+        out = self.norm(out.reshape(-1, self.head_v_dim), z).reshape(T, -1)
+        return self.out_proj(out)

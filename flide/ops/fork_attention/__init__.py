@@ -1,0 +1,22 @@
+"""flide::fork_attention_* custom ops. Variants: `reference` (pure torch, any device)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..registry import register
+from . import reference
+
+
+@torch.library.custom_op("flide::fork_attention_reference", mutates_args=())
+def fork_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_lo: torch.Tensor,
+                             trunk_lo: torch.Tensor, trunk_hi: torch.Tensor, scale: float) -> torch.Tensor:
+    return reference.fork_attention(q, k, v, seg_lo, trunk_lo, trunk_hi, scale)
+
+
+@fork_attention_reference.register_fake
+def _(q, k, v, seg_lo, trunk_lo, trunk_hi, scale):
+    return q.new_empty(q.shape[0], q.shape[1], v.shape[2])
+
+
+register("fork_attention", "reference")(fork_attention_reference)

@@ -1,0 +1,45 @@
+"""flide::gated_delta_* custom ops and the two-call fork built on them. Variants: `reference` (pure torch)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..registry import register
+from . import reference
+
+
+@torch.library.custom_op("flide::gated_delta_reference", mutates_args=())
+def gated_delta_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                          seg_start: torch.Tensor, seg_len: torch.Tensor, initial_state: torch.Tensor,
+                          initial_index: torch.Tensor, scale: float,
+                          use_qk_l2norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return reference.gated_delta(q, k, v, g, beta, seg_start, seg_len, initial_state, initial_index, scale,
+                                 use_qk_l2norm)
+
+
+@gated_delta_reference.register_fake
+def _(q, k, v, g, beta, seg_start, seg_len, initial_state, initial_index, scale, use_qk_l2norm):
+    T, Hv, V = v.shape
+    out = q.new_empty(T, Hv, V)
+    final = q.new_empty(seg_start.shape[0], Hv, k.shape[2], V, dtype=torch.float32)
+    return out, final
+
+
+register("gated_delta", "reference")(gated_delta_reference)
+
+
+def fork(kernel, q, k, v, g, beta, state_start, state_len, branch_start, branch_len, branch_state, scale: float,
+         use_qk_l2norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forked gated delta rule, in two calls of one varlen kernel.
+
+    Call 1 runs every state from a zero state and keeps each one's final recurrent state (float32); call 2 runs every
+    question from the final state of its state (`branch_state` indexes the states). Each call writes only the rows of
+    its own segments and zeros elsewhere, so their sum is the output of the whole stream, exactly.
+
+    Returns: (o [T, Hv, V], state_final [NS, Hv, K, V] float32).
+    """
+    no_initial = q.new_zeros(0, v.shape[1], k.shape[2], v.shape[2], dtype=torch.float32)
+    none = torch.full_like(state_start, -1)
+    o_states, finals = kernel(q, k, v, g, beta, state_start, state_len, no_initial, none, scale, use_qk_l2norm)
+    o_branches, _ = kernel(q, k, v, g, beta, branch_start, branch_len, finals, branch_state, scale, use_qk_l2norm)
+    return o_states + o_branches, finals

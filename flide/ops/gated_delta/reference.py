@@ -1,0 +1,116 @@
+"""The gated delta rule over the segments of a flat stream, in pure torch (chunked, float32).
+
+The recurrence, per value head, with S a [K, V] state:
+    S_t = exp(g_t) S_{t-1} + beta_t k_t (v_t - exp(g_t) S_{t-1}^T k_t)^T,      o_t = S_t^T (scale * q_t)
+Forking runs it twice (see `fork`): over all states from zero, keeping each state's final S (float32); then over
+all questions, each starting from the final S of its state, gathered by index.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...config import GDN_CHUNK
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def _gather_segments(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """x [T, ...] -> [N, L, ...] at rows [N, L], where row T is a zero row (padding)."""
+    padded = torch.cat([x, x.new_zeros(1, *x.shape[1:])])
+    return padded[rows]
+
+
+def _initial(initial_state: torch.Tensor, initial_index: torch.Tensor, shape) -> torch.Tensor:
+    if initial_state.shape[0] == 0:
+        return torch.zeros(shape, dtype=torch.float32, device=initial_index.device)
+    gathered = initial_state[initial_index.clamp(min=0)].float()
+    return torch.where((initial_index >= 0)[:, None, None, None], gathered, torch.zeros_like(gathered))
+
+
+def gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                seg_start: torch.Tensor, seg_len: torch.Tensor, initial_state: torch.Tensor,
+                initial_index: torch.Tensor, scale: float, use_qk_l2norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """
+    Args:
+        q, k: [T, Hk, K]; v: [T, Hv, V] with Hv a multiple of Hk (value head h reads key head h // (Hv // Hk)).
+        g: [T, Hv] log decay (<= 0); beta: [T, Hv].
+        seg_start, seg_len: [N] int64: the segments to run (length 0: skipped). Rows outside them are left at 0.
+        initial_state: [M, Hv, K, V] float32; initial_index: [N] int64 row of initial_state each segment starts
+            from, -1 for a zero state.
+        scale: query scale; use_qk_l2norm: L2-normalise q and k first (Qwen3.5 does, in float32).
+    Returns: (o [T, Hv, V] in q's dtype, final_state [N, Hv, K, V] float32).
+    """
+    T, Hk, K = k.shape
+    Hv, V = v.shape[1], v.shape[2]
+    N = seg_start.shape[0]
+    dev = q.device
+    longest = int(seg_len.max()) if N else 0
+    L = max(GDN_CHUNK, -(-longest // GDN_CHUNK) * GDN_CHUNK)
+    pos = torch.arange(L, device=dev)
+    valid = pos[None, :] < seg_len[:, None]
+    rows = torch.where(valid, seg_start[:, None] + pos[None, :], torch.full_like(valid, T, dtype=torch.long))
+
+    qs, ks = _gather_segments(q.float(), rows), _gather_segments(k.float(), rows)  # [N, L, Hk, K]
+    vs = _gather_segments(v.float(), rows)  # [N, L, Hv, V]
+    gs, bs = _gather_segments(g.float(), rows), _gather_segments(beta.float(), rows)  # [N, L, Hv]
+    if Hv != Hk:
+        qs, ks = (x.repeat_interleave(Hv // Hk, dim=2) for x in (qs, ks))
+    if use_qk_l2norm:
+        qs, ks = l2norm(qs), l2norm(ks)
+    qs = qs * scale
+    # [N, H, C, chunk, ...]
+    C = L // GDN_CHUNK
+    qs, ks, vs = (x.permute(0, 2, 1, 3).reshape(N, Hv, C, GDN_CHUNK, -1) for x in (qs, ks, vs))
+    gs, bs = (x.permute(0, 2, 1).reshape(N, Hv, C, GDN_CHUNK) for x in (gs, bs))
+
+    k_beta, v_beta = ks * bs[..., None], vs * bs[..., None]
+    cum = gs.cumsum(-1)  # log decay from the chunk start to each position
+    upper = torch.ones(GDN_CHUNK, GDN_CHUNK, dtype=torch.bool, device=dev).triu(1)
+    pair = (cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf")).exp()  # decay j -> i, i >= j
+    # The WY form of the delta rule inside a chunk: a unit lower-triangular system turns the updates into matmuls.
+    system = (k_beta @ ks.transpose(-1, -2)) * pair
+    new_v = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
+    k_cum = torch.linalg.solve_triangular(system, k_beta * cum.exp()[..., None], upper=False, unitriangular=True)
+    intra = (qs @ ks.transpose(-1, -2)) * pair
+    q_dec = qs * cum.exp()[..., None]
+    k_dec = ks * (cum[..., -1:] - cum).exp()[..., None]
+    chunk_decay = cum[..., -1].exp()[..., None, None]
+
+    state = _initial(initial_state, initial_index, (N, Hv, K, V))
+    out = torch.empty_like(new_v)
+    for c in range(C):
+        v_new = new_v[:, :, c] - k_cum[:, :, c] @ state
+        out[:, :, c] = q_dec[:, :, c] @ state + intra[:, :, c] @ v_new
+        state = state * chunk_decay[:, :, c] + k_dec[:, :, c].transpose(-1, -2) @ v_new
+
+    out = out.reshape(N, Hv, L, V).permute(0, 2, 1, 3)  # [N, L, Hv, V]
+    full = torch.zeros(T + 1, Hv, V, dtype=torch.float32, device=dev)
+    full[rows.reshape(-1)] = out.reshape(-1, Hv, V)  # padding lands on the spare row T
+    return full[:T].to(q.dtype), state
+
+
+def gated_delta_naive(q, k, v, g, beta, seg_start, seg_len, initial_state, initial_index, scale: float,
+                      use_qk_l2norm: bool):
+    """The test oracle: one segment and one token at a time, in float64."""
+    T, Hk, K = k.shape
+    Hv, V = v.shape[1], v.shape[2]
+    out = torch.zeros(T, Hv, V, dtype=torch.float64)
+    finals = []
+    for n in range(seg_start.shape[0]):
+        i = int(initial_index[n])
+        S = initial_state[i].double().clone() if i >= 0 else torch.zeros(Hv, K, V, dtype=torch.float64)
+        for t in range(int(seg_start[n]), int(seg_start[n] + seg_len[n])):
+            for h in range(Hv):
+                qt, kt = q[t, h // (Hv // Hk)].double(), k[t, h // (Hv // Hk)].double()
+                if use_qk_l2norm:
+                    qt, kt = qt / (qt.norm() ** 2 + 1e-6).sqrt(), kt / (kt.norm() ** 2 + 1e-6).sqrt()
+                S[h] = S[h] * torch.exp(g[t, h].double())
+                delta = (v[t, h].double() - S[h].T @ kt) * beta[t, h].double()
+                S[h] = S[h] + torch.outer(kt, delta)
+                out[t, h] = S[h].T @ (qt * scale)
+        finals.append(S)
+    finals = torch.stack(finals).float() if finals else torch.zeros(0, Hv, K, V)
+    return out.to(q.dtype), finals

@@ -1,0 +1,40 @@
+"""flide::readout_* custom ops. Variants: `selective` (only the label logits at the readout rows) and `full` (the
+whole head at every row; with it the model also runs its last layer at every token)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..registry import register
+from . import reference
+
+
+@torch.library.custom_op("flide::readout_selective", mutates_args=())
+def readout_selective(hidden: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                      option_index: torch.Tensor) -> torch.Tensor:
+    return reference.readout_selective(hidden, rows, weight, bias, option_index)
+
+
+@torch.library.custom_op("flide::readout_full", mutates_args=())
+def readout_full(hidden: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                 option_index: torch.Tensor) -> torch.Tensor:
+    return reference.readout_full(hidden, rows, weight, bias, option_index)
+
+
+@readout_selective.register_fake
+def _(hidden, rows, weight, bias, option_index):
+    return weight.new_empty(option_index.shape)
+
+
+@readout_full.register_fake
+def _(hidden, rows, weight, bias, option_index):
+    return weight.new_empty(option_index.shape)
+
+
+# `gathers_rows_first` tells the model whether its last layer may run at the readout rows only.
+readout_selective.gathers_rows_first = True
+readout_full.gathers_rows_first = False
+register("readout", "selective")(readout_selective)
+register("readout", "full")(readout_full)

@@ -1,0 +1,284 @@
+"""System One request -> questions -> trunk tokens + branch tokens.
+
+Parsing, validation and prompt rendering are transformers' own (`transformers.decision`): each question's prompt is
+the one `prepare_inputs` renders for the state with that question alone. What Flide adds is the split of those
+prompts into a shared trunk and a branch per question, tokenized so that the state is tokenized once:
+
+- The trunk of a prompt is its question-independent prefix, found by rendering the same prompt with two probe
+  instructions and cutting where they differ, then moving the cut back to a *safe boundary*: right after a newline
+  that is followed by a non-space character. Byte-level BPE pre-tokenizers (Qwen, Llama 3, GPT) never join a newline
+  with the non-space character after it, so `tokens(text) == tokens(text[:cut]) + tokens(text[cut:])` there.
+- Prompts whose trunks are the same text share one trunk (usually one per request; templates that print the
+  question type before the state give one per type). Each distinct trunk is tokenized once, each tail once.
+
+`runtime.tokenization: full` tokenizes every prompt whole instead; the tests check the two agree token for token
+with `prepare_inputs` on random and real requests.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from transformers.decision import DECISION_PROMPT, Question
+from transformers.decision.template_utils import MARK, SPLIT
+from transformers.tokenization_utils_base import AddedToken
+from transformers.utils.chat_template_utils import (
+    _compile_jinja_template,
+    _encode_chat_piece,
+    _get_control_token_patterns,
+    _get_template_variables,
+    encode_marked_chat,
+    mark_control_tokens,
+)
+
+
+class RequestError(ValueError):
+    """A request the engine cannot answer. `field` names the offending field (dotted path) and `status` is the HTTP
+    status a server answers with: 422 malformed, 400 unanswerable by this model, 413 too large."""
+
+    def __init__(self, field: str, message: str, status: int = 422):
+        super().__init__(f"{field}: {message}")
+        self.field, self.message, self.status = field, message, status
+
+
+@dataclass
+class Branch:
+    """One prompt's tokens after its trunk, and where its questions are read."""
+
+    trunk: int  # index into PreparedRequest.trunks
+    tokens: np.ndarray  # [n] int64
+    reads: np.ndarray  # [len(questions)] int64 read rows, counted from the start of the prompt (trunk included)
+    questions: list[Question]
+    tail: np.ndarray  # the prompt's tokens after its last mark (what transformers' logits processors receive)
+    options: list[list[int]] = field(default_factory=list)  # head rows of each question's options (set by the engine)
+
+
+@dataclass
+class PreparedRequest:
+    """A validated, tokenized request: its trunks (states) and branches (one per prompt)."""
+
+    trunks: list[np.ndarray]
+    branches: list[Branch]
+    questions: list[Question] = field(default_factory=list)  # in request order
+    prompt_tokens: int = 0  # sum over prompts of their whole length: what one sequence per question would compute
+
+    @property
+    def stream_tokens(self) -> int:
+        return sum(len(t) for t in self.trunks) + sum(len(b.tokens) for b in self.branches)
+
+    @property
+    def input_tokens(self) -> int:
+        """Tokens of the request counting each state once (System One `usage.input_tokens`)."""
+        return self.stream_tokens
+
+
+def parse_request(request: Any, decision_config, max_questions: int) -> tuple[Any, list[Question]]:
+    """Validates a System One request (dict or JSON) and parses its questions with transformers' `Question`.
+
+    Returns (state, questions in request order). Raises RequestError naming the offending field.
+    """
+    if isinstance(request, (bytes, bytearray)):
+        request = request.decode("utf-8", errors="replace")
+    if isinstance(request, str):
+        try:
+            request = json.loads(request)
+        except json.JSONDecodeError as error:
+            raise RequestError("body", f"the request is not valid JSON ({error.msg} at line {error.lineno} column "
+                                       f"{error.colno}).") from None
+    if not isinstance(request, dict):
+        raise RequestError("body", f'a request is an object {{"state": ..., "questions": {{...}}}}, got '
+                                   f"{type(request).__name__}.")
+    if "state" not in request:
+        raise RequestError("state", "is missing: a request needs the state its questions are about.")
+    questions = request.get("questions")
+    if "questions" not in request:
+        raise RequestError("questions", "is missing: a request needs at least one question.")
+    if not isinstance(questions, dict) or not questions:
+        raise RequestError("questions", f"maps question names to questions, with at least one question; got "
+                                        f"{json.dumps(questions)[:80] if _jsonable(questions) else type(questions).__name__}.")
+    if len(questions) > max_questions:
+        raise RequestError("questions", f"has {len(questions)} questions; at most {max_questions} per request.")
+    assets = request.get("assets")
+    if assets:
+        raise RequestError("assets", "images need a model whose processor handles them; this is a text model.", 400)
+    parsed = []
+    for name, question in questions.items():
+        where = f"questions.{name}"
+        if not isinstance(question, dict):
+            raise RequestError(where, f"must be an object with `type` and `instructions`, got {type(question).__name__}.")
+        kind = question.get("type")
+        if kind not in Question.questions_types:
+            raise RequestError(f"{where}.type", f"must be one of {', '.join(Question.questions_types)}, got {kind!r}.")
+        if kind != "noul" and not question.get("criteria"):
+            raise RequestError(f"{where}.criteria", f"a {kind} question needs `criteria` with its options.")
+        if kind == "score" and not isinstance(question.get("criteria"), list):
+            raise RequestError(f"{where}.criteria", "a score question lists its levels, lowest first.")
+        if kind == "choice" and not isinstance(question.get("criteria"), dict):
+            raise RequestError(f"{where}.criteria", "a choice question maps each option to a description or null.")
+        try:
+            parsed.append(Question.from_request(name, question, decision_config))
+        except ValueError as error:
+            field_name = f"{where}.criteria" if "options" in str(error) else where
+            status = 400 if "labels" in str(error) else 422
+            raise RequestError(field_name, str(error), status) from None
+    return request["state"], parsed
+
+
+def _jsonable(value) -> bool:
+    try:
+        json.dumps(value)
+        return True
+    except (TypeError, ValueError):
+        return False
+
+
+def common_prefix_length(a: str, b: str) -> int:
+    """Length of the longest common prefix, by binary search over C-level slice compares."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def safe_cut(text: str, limit: int) -> int:
+    """The largest c <= limit where tokenization can split: right after a newline followed by a non-space (or 0)."""
+    pos = min(limit, len(text))
+    while pos > 0:
+        newline = text.rfind("\n", 0, pos)
+        if newline < 0:
+            return 0
+        cut = newline + 1
+        if cut <= limit and cut < len(text) and not text[cut].isspace():
+            return cut
+        pos = newline
+    return 0
+
+
+class PromptTokenizer:
+    """Renders and tokenizes decision prompts exactly as `transformers.decision.prepare_inputs` does, in two parts."""
+
+    PROBES = ("\u2460", "\u2461")  # two instructions that differ from their first character on
+
+    def __init__(self, tokenizer, decision_config, mode: str = "split"):
+        self.tokenizer = getattr(tokenizer, "tokenizer", tokenizer)
+        self.config = decision_config
+        self.mode = mode
+        tok = self.tokenizer
+        if MARK not in tok.get_vocab():  # as prepare_inputs does: sentinels are special, requests can't write them
+            tok.add_tokens([AddedToken(token, special=True, normalized=False) for token in (MARK, SPLIT)])
+        self.mark_id, self.split_id = tok.convert_tokens_to_ids([MARK, SPLIT])
+        self.template_variables = _get_template_variables(decision_config.chat_template or DECISION_PROMPT)
+        self.groups_all = "questions" in self.template_variables
+        chat_template = decision_config.chat_template
+        self.chat_template = tok.get_chat_template(chat_template) if chat_template is None else chat_template
+        self.sanitize = decision_config.sanitize_control_tokens
+        if self.sanitize:
+            control = tok._get_control_tokens(self.chat_template)
+            self.control_re, self.markers_re = _get_control_token_patterns(control)[0], None
+            self.markers_re = _get_control_token_patterns(tuple(tok.added_tokens_encoder))[1]
+        self.newline_ids = tok.encode("\n", add_special_tokens=False)
+        self._probe_cache: dict[str, str] = {}
+
+    # ---- rendering (transformers' prepare_inputs, text only) ----
+    def render(self, state: Any, group: list[Question]) -> str:
+        """The text `apply_chat_template` tokenizes for this prompt (control tokens of user text marked)."""
+        kwargs: dict[str, Any] = {"add_generation_prompt": True, "enable_thinking": False}
+        if self.config.chat_template is None:
+            text = _compile_jinja_template(DECISION_PROMPT).render(state=state, question=group[0])
+            conversation = [{"role": "user", "content": text}]
+        else:
+            inputs = {"state": state, "question": asdict(group[0]), "questions": [asdict(q) for q in group]}
+            kwargs |= {name: value for name, value in inputs.items() if name in self.template_variables}
+            conversation = [{"role": "user", "content": ""}]
+        if self.sanitize:
+            conversation = mark_control_tokens(conversation, self.control_re)
+            kwargs = mark_control_tokens(kwargs, self.control_re)
+        return self.tokenizer.apply_chat_template(conversation, chat_template=self.chat_template, tokenize=False,
+                                                  **kwargs)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of a whole rendered prompt, as apply_chat_template(tokenize=True) gives them."""
+        if self.sanitize:
+            return encode_marked_chat(self.tokenizer, text)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def encode_tail(self, text: str) -> list[int]:
+        """Token ids of the text after a safe cut, encoded as transformers encodes a piece inside a chat."""
+        if not text:
+            return []
+        if not self.sanitize:
+            return _encode_chat_piece(self.tokenizer, text, False, self.newline_ids)
+        pieces = self.markers_re.split(text)
+        ids = _encode_chat_piece(self.tokenizer, pieces[0], False, self.newline_ids) if pieces[0] else []
+        for i, piece in enumerate(pieces[1:], start=1):
+            if piece:
+                ids += _encode_chat_piece(self.tokenizer, piece, i % 2 == 1, self.newline_ids)
+        return ids
+
+    def _probe_prefix(self, state: Any, group: list[Question]) -> str:
+        """The question-independent prefix of this group's prompt: where two probe instructions first differ."""
+        key = json.dumps([{k: v for k, v in asdict(q).items() if k != "instructions"} for q in group], default=str)
+        if key not in self._probe_cache:
+            texts = []
+            for probe in self.PROBES:
+                probed = [Question(q.name, q.type, probe, q.options, q.labels, q.descriptions) for q in group]
+                texts.append(self.render(state, probed))
+            self._probe_cache[key] = texts[0][: common_prefix_length(*texts)]
+        return self._probe_cache[key]
+
+    # ---- the request ----
+    def prepare(self, state: Any, questions: list[Question]) -> PreparedRequest:
+        self._probe_cache = {}
+        groups = [questions] if self.groups_all else [[q] for q in questions]
+        texts = [self.render(state, group) for group in groups]
+        trunk_ids: dict[str, int] = {}
+        trunks: list[np.ndarray] = []
+        branches: list[Branch] = []
+        prompt_tokens = 0
+        for group, text in zip(groups, texts):
+            if self.mode == "full":
+                ids, cut_ids = self.encode(text), 0
+                trunk_text = ""
+            else:
+                prefix = self._probe_prefix(state, group)
+                limit = common_prefix_length(prefix, text)
+                cut = safe_cut(text, limit)
+                trunk_text = text[:cut]
+            if trunk_text not in trunk_ids:
+                trunk_ids[trunk_text] = len(trunks)
+                trunks.append(np.asarray(self.encode(trunk_text) if trunk_text else [], dtype=np.int64))
+            trunk_index = trunk_ids[trunk_text]
+            head = trunks[trunk_index]
+            tail = np.asarray(ids if self.mode == "full" else self.encode_tail(text[len(trunk_text):]), dtype=np.int64)
+            branch = self._branch(trunk_index, head, tail, group)
+            prompt_tokens += len(branch.tokens) + len(trunks[trunk_index])
+            branches.append(branch)
+        # Sentinels are dropped from trunks after every branch has counted its marks
+        trunks = [t[(t != self.mark_id) & (t != self.split_id)] for t in trunks]
+        return PreparedRequest(trunks, branches, list(questions), prompt_tokens)
+
+    def _branch(self, trunk_index: int, head: np.ndarray, tail: np.ndarray, group: list[Question]) -> Branch:
+        """Drops the sentinels (as transformers' read_marks does) and places the reads: the token before each mark,
+        or the last token of a prompt without marks."""
+        ids = np.concatenate([head, tail])
+        keep = (ids != self.mark_id) & (ids != self.split_id)
+        kept_before = np.cumsum(keep)
+        marks = kept_before[ids == self.mark_id]
+        if len(marks) == 0:
+            marks = np.asarray([int(keep.sum())])
+        if len(marks) != len(group):
+            raise RequestError("questions", f"the decision template placed {len(marks)} marks for {len(group)} "
+                                            f"question(s).", 400)
+        if (marks < 1).any():
+            raise RequestError("questions", "the decision template reads before the first token.", 400)
+        branch_tokens = tail[keep[len(head):]]
+        after_last_mark = ids[keep][int(marks[-1]):]
+        return Branch(trunk_index, branch_tokens, (marks - 1).astype(np.int64), list(group), after_last_mark)

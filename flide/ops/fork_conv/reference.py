@@ -41,4 +41,4 @@ def fork_conv(x: torch.Tensor, weight: torch.Tensor, seg_lo: torch.Tensor, trunk
     out = torch.einsum("twd,dw->td", windows, weight)
     if silu:
         out = F.silu(out)
-    return out.to(x.dtype)
+    return out.to(x.dtype).contiguous()  # einsum hands back [T, D] transposed in memory; the fake impl says contiguous

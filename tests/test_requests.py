@@ -1,0 +1,264 @@
+"""Request validation, error reporting, answer shapes, configs and import hygiene (CPU, tiny random models)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import flide
+from flide.models.tiny import tiny_model, tiny_tokenizer
+
+REPO = Path(__file__).resolve().parent.parent
+
+# Capacities sized for these small requests: the reference ops run every capacity row, so the defaults (sized for a
+# GPU) would make each CPU round take tens of seconds.
+SMALL = {"capacities": {"buckets": [256, 512], "requests": 4, "states": 4, "branches": 8, "readout_rows": 8}}
+
+GOOD = {
+    "state": {"ticket": "I was charged twice for my order, please help.", "customer": "calm"},
+    "questions": {
+        "urgent": {"type": "noul", "instructions": "Needs a reply within the hour?"},
+        "team": {"type": "choice", "instructions": "Which team?", "criteria": {"billing": "refunds", "tech": None}},
+        "tone": {"type": "score", "instructions": "How upset?", "criteria": ["calm", "annoyed", "furious"]},
+    },
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """torch on one thread: OpenMP threads contending for a small shared CPU make batched triangular solves (the
+    gated delta rule) up to 1000x slower, and these models are tiny."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model(tok):
+    return tiny_model("qwen3_5_text")
+
+
+@pytest.fixture(scope="module")
+def engine(model, tok):
+    return flide.patch(model, tok, config=SMALL)
+
+
+@pytest.fixture(scope="module")
+def good_answer(engine):
+    return engine.decide(copy.deepcopy(GOOD))
+
+
+@pytest.fixture(scope="module")
+def reference(model, tok):
+    """pipeline("decision")'s answer to GOOD, on an unpatched model with the same weights."""
+    from transformers import pipeline
+
+    return pipeline("decision", model=tiny_model("qwen3_5_text"), tokenizer=tok)(copy.deepcopy(GOOD))
+
+
+def with_(**changes):
+    request = copy.deepcopy(GOOD)
+    for key, value in changes.items():
+        if value is _DROP:
+            request.pop(key)
+        else:
+            request[key] = value
+    return request
+
+
+def with_question(name, question):
+    request = copy.deepcopy(GOOD)
+    request["questions"][name] = question
+    return request
+
+
+_DROP = object()
+NOUL = {"type": "noul", "instructions": "Is it?"}
+
+# (id, request, field, status, words the message must contain)
+BAD = [
+    ("missing-state", with_(state=_DROP), "state", 422, ["missing"]),
+    ("missing-questions", with_(questions=_DROP), "questions", 422, ["missing"]),
+    ("empty-questions", with_(questions={}), "questions", 422, ["at least one question"]),
+    ("questions-not-dict", with_(questions=[NOUL]), "questions", 422, ["maps question names"]),
+    ("question-not-dict", with_question("bad", "Is it urgent?"), "questions.bad", 422, ["must be an object"]),
+    ("unknown-type", with_question("bad", {"type": "yesno", "instructions": "?"}), "questions.bad.type", 422,
+     ["choice", "score", "noul", "yesno"]),
+    ("choice-no-criteria", with_question("bad", {"type": "choice", "instructions": "?"}), "questions.bad.criteria",
+     422, ["criteria"]),
+    ("score-no-criteria", with_question("bad", {"type": "score", "instructions": "?"}), "questions.bad.criteria",
+     422, ["criteria"]),
+    ("too-many-options", with_question("bad", {"type": "choice", "instructions": "?",
+                                               "criteria": {f"option {i}": None for i in range(27)}}),
+     "questions.bad", (400, 422), ["26", "27"]),
+    ("invalid-json", '{"state": "x", "questions": {', "body", 422, ["not valid JSON"]),
+    ("json-list", json.dumps([GOOD]), "body", 422, ["object", "list"]),
+    ("assets-on-text-model", with_(assets={"img-1": {"type": "image", "format": "png", "data_base64": "AAAA"}}),
+     "assets", 400, ["text model"]),
+    ("too-many-questions", with_(questions={f"q{i}": NOUL for i in range(65)}), "questions", (413, 422), ["65", "64"]),
+]
+
+
+def check_error(error: flide.RequestError, field: str, status, words) -> None:
+    assert isinstance(error, ValueError)
+    message = str(error)
+    assert error.field == field or (field.startswith("questions.bad") and error.field.startswith(field)), error.field
+    if status is not None:
+        assert error.status in (status if isinstance(status, tuple) else (status,)), error.status
+    assert message.startswith(f"{error.field}: ") and error.message in message
+    assert 10 < len(error.message) < 400 and "\n" not in error.message and "Traceback" not in message
+    for word in words:
+        assert word.lower() in message.lower(), f"{word!r} not in {message!r}"
+
+
+@pytest.mark.parametrize("request_, field, status, words", [case[1:] for case in BAD], ids=[c[0] for c in BAD])
+def test_bad_request_names_its_field_and_engine_survives(engine, good_answer, request_, field, status, words):
+    with pytest.raises(flide.RequestError) as info:
+        engine.decide(copy.deepcopy(request_))
+    check_error(info.value, field, status, words)
+    assert engine.decide(copy.deepcopy(GOOD)) == good_answer
+
+
+def test_labels_that_are_not_single_tokens(model, tok):
+    from transformers.decision import DecisionConfig
+
+    engine = flide.patch(model, tok, config=SMALL, decision_config=DecisionConfig(labels={"noul": ["Definitely yes",
+                                                                                                    "No"]}))
+    choice_only = {"state": GOOD["state"], "questions": {"team": GOOD["questions"]["team"]}}
+    before = engine.decide(copy.deepcopy(choice_only))
+    with pytest.raises(flide.RequestError) as info:
+        engine.decide(copy.deepcopy(GOOD))
+    check_error(info.value, "questions.urgent", 400, ["single tokens"])
+    assert engine.decide(copy.deepcopy(choice_only)) == before
+
+
+def test_prompt_over_token_limit(model, tok):
+    engine = flide.patch(model, tok, config={**SMALL, "limits": {"max_prompt_tokens": 50}})
+    short = {"state": "Hi.", "questions": {"ok": {"type": "noul", "instructions": "Urgent?"}}}
+    before = engine.decide(short)
+    long = {"state": "the customer was charged twice " * 20, "questions": short["questions"]}
+    with pytest.raises(flide.RequestError) as info:
+        engine.decide(long)
+    check_error(info.value, "state", 413, ["max_prompt_tokens", "50"])
+    assert engine.decide(short) == before
+
+
+def test_error_in_a_list_names_the_request(engine, good_answer):
+    with pytest.raises(flide.RequestError) as info:
+        engine.decide([copy.deepcopy(GOOD), with_question("bad", {"type": "yesno"}), copy.deepcopy(GOOD)])
+    assert info.value.field.startswith("requests[1].")
+    assert info.value.field == "requests[1].questions.bad.type"
+    assert engine.decide(copy.deepcopy(GOOD)) == good_answer
+
+
+def test_json_string_request(engine, good_answer):
+    assert engine.decide(json.dumps(GOOD)) == good_answer
+    assert engine.decide(json.dumps(GOOD).encode()) == good_answer
+
+
+def shape(value):
+    """The structure of an answer: dict keys in order, value types (bool is not an int here)."""
+    if isinstance(value, dict):
+        return [(key, shape(item)) for key, item in value.items()]
+    if isinstance(value, list):
+        return [shape(item) for item in value]
+    return type(value).__name__
+
+
+def test_answers_have_transformers_shapes(good_answer, reference):
+    assert list(good_answer) == list(reference)
+    for name in GOOD["questions"]:
+        assert good_answer[name]["type"] == GOOD["questions"][name]["type"]
+        assert shape(good_answer[name]) == shape(reference[name]), name
+    assert set(type(v).__name__ for v in good_answer["team"]["probabilities"].values()) == {"float"}
+
+
+def test_answers_match_the_pipeline(good_answer, reference):
+    for name, ref in reference.items():
+        got = good_answer[name]
+        if ref["type"] == "noul":
+            assert got["noul"] == pytest.approx(ref["noul"], abs=1e-5)
+        else:
+            assert got["probabilities"] == pytest.approx(ref["probabilities"], abs=1e-5)
+
+
+def test_answer_keeps_question_order(engine):
+    names = ["zeta", "alpha", "mid", "beta"]
+    kinds = [GOOD["questions"]["tone"], GOOD["questions"]["urgent"], GOOD["questions"]["team"], NOUL]
+    request = {"state": "Order 66 arrived late.", "questions": dict(zip(names, kinds))}
+    assert list(engine.decide(request)) == names
+
+
+# ---- configs ----
+def test_default_yaml_mirrors_defaults():
+    assert flide.load_config(REPO / "configs" / "default.yaml") == flide.FlideConfig()
+    assert flide.load_config(str(REPO / "configs" / "default.yaml")) == flide.load_config(None)
+
+
+def test_unknown_config_key_lists_valid_keys(tmp_path):
+    with pytest.raises(ValueError) as info:
+        flide.load_config({"kernels": {"fork_atention": "reference"}})
+    for key in ("fork_atention", "fork_attention", "gated_delta", "fork_conv", "readout"):
+        assert key in str(info.value)
+    path = tmp_path / "bad.yaml"
+    path.write_text("limits:\n  max_question: 3\n")
+    with pytest.raises(ValueError, match="max_questions") as info:
+        flide.load_config(path)
+    assert "max_prompt_tokens" in str(info.value)
+
+
+def test_unknown_config_section_lists_sections():
+    with pytest.raises(ValueError) as info:
+        flide.load_config({"kernel": {}})
+    for section in ("kernel", "kernels", "capacities", "limits", "runtime"):
+        assert section in str(info.value)
+
+
+def test_unknown_kernel_variant_lists_variants(model, tok):
+    with pytest.raises(ValueError) as info:
+        flide.patch(model, tok, config={"kernels": {"fork_attention": "nope"}})
+    message = str(info.value)
+    assert "nope" in message and "fork_attention" in message and "reference" in message
+
+
+def test_unsupported_model_type_lists_supported(tok):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=len(tok), n_positions=64))
+    with pytest.raises(ValueError) as info:
+        flide.patch(gpt2, tok)
+    message = str(info.value)
+    assert "gpt2" in message
+    for supported in ("qwen3_5_text", "llama", "qwen3", "qwen2", "mistral", "jev"):
+        assert supported in message
+
+
+# ---- import hygiene ----
+def _python(code: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    return subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_import_does_not_initialise_cuda():
+    done = _python("import flide, torch; flide.patch; assert not torch.cuda.is_initialized()")
+    assert done.returncode == 0, done.stderr
+
+
+def test_import_is_lazy():
+    done = _python("import sys, flide; assert 'torch' not in sys.modules, 'torch'; "
+                   "assert 'transformers' not in sys.modules, 'transformers'")
+    assert done.returncode == 0, done.stderr

@@ -122,7 +122,8 @@ class Engine:
         """Answers prepared requests in as few flat rounds as the capacities allow."""
         answers: list[dict] = [{} for _ in prepared]
         needs: list[Footprint] = [footprint(p) for p in prepared]
-        for planned in plan_rounds(needs, self.config.capacities, self.max_options):
+        # Eager rounds take their own size: fixed bucket shapes only pay off once graphs are captured per bucket
+        for planned in plan_rounds(needs, self.config.capacities, self.max_options, exact=True):
             requests = [prepared[i] for i in planned.requests]
             round_ = build_round(requests, planned.shape, self.pad_id)
             scores = self.forward(round_)

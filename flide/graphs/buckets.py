@@ -26,16 +26,25 @@ def bucket_for(tokens: int, caps: CapacityConfig) -> int | None:
     return next((b for b in caps.buckets if tokens <= b), None)
 
 
-def shape_for(need: Footprint, caps: CapacityConfig, options: int) -> tuple[Shape, bool]:
+def exact_shape(need: Footprint, options: int) -> Shape:
+    """A shape of the round's own size (eager runs: no captured graph needs fixed capacities)."""
+    tokens = -(-max(need.tokens, 1) // GDN_CHUNK) * GDN_CHUNK
+    return Shape(tokens, max(need.states, 1), max(need.branches, 1), max(need.readout_rows, 1), options)
+
+
+def shape_for(need: Footprint, caps: CapacityConfig, options: int, exact: bool = False) -> tuple[Shape, bool]:
+    """The bucketed shape of a round (or its exact shape when `exact`), and whether it exceeds every bucket."""
     tokens = bucket_for(need.tokens, caps)
+    if exact:
+        return exact_shape(need, options), tokens is None or not need.fits(caps, tokens)
     if tokens is not None and need.fits(caps, tokens):
         return Shape(tokens, caps.states, caps.branches, caps.readout_rows, options), False
-    rounded = -(-max(need.tokens, 1) // GDN_CHUNK) * GDN_CHUNK
-    return Shape(rounded, max(need.states, 1), max(need.branches, 1), max(need.readout_rows, 1), options), True
+    return exact_shape(need, options), True
 
 
-def plan_rounds(needs: list[Footprint], caps: CapacityConfig, options: int) -> list[PlannedRound]:
-    """Packs requests (their footprints, in order) into as few rounds as the capacities allow."""
+def plan_rounds(needs: list[Footprint], caps: CapacityConfig, options: int, exact: bool = False) -> list[PlannedRound]:
+    """Packs requests (their footprints, in order) into as few rounds as the capacities allow. With `exact`, each
+    round gets a shape of its own size instead of its bucket's (for eager runs)."""
     largest = caps.buckets[-1]
     rounds: list[PlannedRound] = []
     current: list[int] = []
@@ -44,14 +53,14 @@ def plan_rounds(needs: list[Footprint], caps: CapacityConfig, options: int) -> l
     def close():
         nonlocal current, total
         if current:
-            shape, oversized = shape_for(total, caps, options)
+            shape, oversized = shape_for(total, caps, options, exact)
             rounds.append(PlannedRound(current, shape, oversized))
         current, total = [], None
 
     for index, need in enumerate(needs):
         if not need.fits(caps, largest):
             close()
-            shape, _ = shape_for(need, caps, options)
+            shape, _ = shape_for(need, caps, options, exact)
             rounds.append(PlannedRound([index], shape, True))
             continue
         combined = need if total is None else total + need

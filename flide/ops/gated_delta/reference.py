@@ -45,9 +45,16 @@ def gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     """
     T, Hk, K = k.shape
     Hv, V = v.shape[1], v.shape[2]
+    # Only the segments that hold tokens are computed (the reference may sync with the host: it is never captured
+    # in a graph); an empty segment's final state is its initial state.
+    final = _initial(initial_state, initial_index, (seg_start.shape[0], Hv, K, V))
+    active = torch.nonzero(seg_len > 0).flatten()
+    if active.numel() == 0:
+        return q.new_zeros(T, Hv, V), final
+    seg_start, seg_len, initial_index = seg_start[active], seg_len[active], initial_index[active]
     N = seg_start.shape[0]
     dev = q.device
-    longest = int(seg_len.max()) if N else 0
+    longest = int(seg_len.max())
     L = max(GDN_CHUNK, -(-longest // GDN_CHUNK) * GDN_CHUNK)
     pos = torch.arange(L, device=dev)
     valid = pos[None, :] < seg_len[:, None]
@@ -89,7 +96,8 @@ def gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     out = out.reshape(N, Hv, L, V).permute(0, 2, 1, 3)  # [N, L, Hv, V]
     full = torch.zeros(T + 1, Hv, V, dtype=torch.float32, device=dev)
     full[rows.reshape(-1)] = out.reshape(-1, Hv, V)  # padding lands on the spare row T
-    return full[:T].to(q.dtype), state
+    final[active] = state
+    return full[:T].to(q.dtype), final
 
 
 def gated_delta_naive(q, k, v, g, beta, seg_start, seg_len, initial_state, initial_index, scale: float,

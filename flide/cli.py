@@ -1,0 +1,92 @@
+"""`flide` command line.
+
+    flide decide [--model PATH_OR_HUB_ID] [--config YAML] [--random-weights] [--tokenizer PATH] REQUEST.json|-
+
+REQUEST.json holds one System One request or a list of them ('-' reads standard input); the answers are printed as
+JSON. Without --model, an embedded tiny Qwen3.5 with random weights answers (offline; it says so on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+
+
+def _build_engine(args):
+    import flide
+    from flide.config import load_config
+
+    cfg = load_config(args.config)
+    if args.model is None:
+        from flide.models.tiny import tiny_model, tiny_tokenizer
+
+        print("flide: no --model given: answering with the embedded tiny Qwen3.5 (qwen3_5_text) whose weights are "
+              "RANDOM; its answers carry no meaning. Pass --model PATH for a real checkpoint.", file=sys.stderr)
+        return flide.patch(tiny_model("qwen3_5_text"), tiny_tokenizer(), cfg)
+    if args.random_weights:
+        from flide.loading import load_tokenizer, random_model
+
+        model = random_model(args.model, dtype="float32" if cfg.runtime.dtype == "auto" else cfg.runtime.dtype,
+                             device=cfg.runtime.device)
+        print(f"flide: {args.model}: RANDOM weights in the shapes of its config; answers carry no meaning.",
+              file=sys.stderr)
+        return flide.patch(model, load_tokenizer(args.tokenizer or args.model), cfg)
+    return flide.Engine.from_pretrained(args.model, config=cfg)
+
+
+def _read_requests(path: str):
+    text = sys.stdin.read() if path == "-" else open(path, encoding="utf-8").read()
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise SystemExit(f"flide: {path}: not valid JSON ({error.msg} at line {error.lineno} column {error.colno}).")
+
+
+def cmd_decide(args) -> int:
+    from flide.requests import RequestError
+
+    try:
+        requests = _read_requests(args.request)
+    except OSError as error:
+        print(f"flide: cannot read {args.request}: {error.strerror}", file=sys.stderr)
+        return 2
+    try:
+        engine = _build_engine(args)
+    except ValueError as error:
+        print(f"flide: {error}", file=sys.stderr)
+        return 2
+    start = time.perf_counter()
+    try:
+        answers = engine.decide(requests)
+    except RequestError as error:
+        print(f"flide: bad request: {error}", file=sys.stderr)
+        return 2
+    if args.timing:
+        print(f"flide: answered in {(time.perf_counter() - start) * 1e3:.1f} ms", file=sys.stderr)
+    print(json.dumps(answers, indent=2, ensure_ascii=False))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="flide", description="Flat-graph inference for decision models.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log what the engine does")
+    sub = parser.add_subparsers(dest="command", required=True)
+    decide = sub.add_parser("decide", help="answer System One requests from a JSON file and print the answers")
+    decide.add_argument("request", help="a JSON file with one request or a list of requests; '-' for stdin")
+    decide.add_argument("--model", help="checkpoint folder or hub id (default: the embedded tiny random model)")
+    decide.add_argument("--config", help="engine YAML config (default: configs/default.yaml's values)")
+    decide.add_argument("--random-weights", action="store_true",
+                        help="build --model from its config.json with random weights (benchmarks, tests)")
+    decide.add_argument("--tokenizer", help="tokenizer folder, when it is not the model's")
+    decide.add_argument("--timing", action="store_true", help="print the answering time on stderr")
+    decide.set_defaults(func=cmd_decide)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

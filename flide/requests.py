@@ -6,8 +6,8 @@ prompts into a shared trunk and a branch per question, tokenized so that the sta
 
 - The trunk of a prompt is its question-independent prefix, found by rendering the same prompt with two probe
   instructions and cutting where they differ, then moving the cut back to a *safe boundary*: right after a newline
-  that is followed by a non-space character. Byte-level BPE pre-tokenizers (Qwen, Llama 3, GPT) never join a newline
-  with the non-space character after it, so `tokens(text) == tokens(text[:cut]) + tokens(text[cut:])` there.
+  whose following whitespace holds no other line break. Byte-level BPE pre-tokenizers (Qwen, Llama 3, GPT) never
+  let a pre-token cross such a point, so `tokens(text) == tokens(text[:cut]) + tokens(text[cut:])` there.
 - Prompts whose trunks are the same text share one trunk (usually one per request; templates that print the
   question type before the state give one per type). Each distinct trunk is tokenized once, each tail once.
 
@@ -148,15 +148,27 @@ def common_prefix_length(a: str, b: str) -> int:
     return lo
 
 
+def _newline_follows(text: str, start: int) -> bool:
+    """Whether the run of whitespace starting at `start` holds a line break (then `\s*[\r\n]+` could span it)."""
+    end = start
+    while end < len(text) and text[end].isspace():
+        if text[end] in "\r\n":
+            return True
+        end += 1
+    return end == len(text)
+
+
 def safe_cut(text: str, limit: int) -> int:
-    """The largest c <= limit where tokenization can split: right after a newline followed by a non-space (or 0)."""
+    """The largest c <= limit where tokenization can split (or 0): right after a newline whose following whitespace
+    holds no other line break. Every alternative of the byte-level BPE split regex that covers a newline either ends
+    at it or continues only through more line breaks, so no pre-token crosses such a c."""
     pos = min(limit, len(text))
     while pos > 0:
         newline = text.rfind("\n", 0, pos)
         if newline < 0:
             return 0
         cut = newline + 1
-        if cut <= limit and cut < len(text) and not text[cut].isspace():
+        if cut <= limit and not _newline_follows(text, cut):
             return cut
         pos = newline
     return 0

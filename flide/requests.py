@@ -149,7 +149,7 @@ def common_prefix_length(a: str, b: str) -> int:
 
 
 def _newline_follows(text: str, start: int) -> bool:
-    """Whether the run of whitespace starting at `start` holds a line break (then `\s*[\r\n]+` could span it)."""
+    r"""Whether the run of whitespace starting at `start` holds a line break (then `\s*[\r\n]+` could span it)."""
     end = start
     while end < len(text) and text[end].isspace():
         if text[end] in "\r\n":

@@ -237,7 +237,10 @@ class PromptTokenizer:
 
     def _probe_prefix(self, state: Any, group: list[Question]) -> str:
         """The question-independent prefix of this group's prompt: where two probe instructions first differ."""
-        key = json.dumps([{k: v for k, v in asdict(q).items() if k != "instructions"} for q in group], default=str)
+        # Probed once per question type (and group size): templates print what depends on the question type before
+        # the state (Jev), while the options come after it; if a template printed options first, `prepare` still
+        # cuts at the common prefix of the probe and the real prompt, so the trunk stays a prefix of it.
+        key = json.dumps([q.type for q in group])
         if key not in self._probe_cache:
             texts = []
             for probe in self.PROBES:

@@ -13,7 +13,7 @@ from transformers.decision import DecisionConfig
 from transformers.models.jev.configuration_jev import JEV_TEMPLATE
 
 import flide
-from flide.models.tiny import tiny_jev, tiny_model, tiny_tokenizer
+from flide.models.tiny import tiny_jev, tiny_model, tiny_qwen3_5_multimodal, tiny_tokenizer
 from flide.testing import max_difference, random_request
 
 PIPELINE_ATOL = 1e-5
@@ -41,6 +41,7 @@ CASES = {
     "llama": (lambda: tiny_model("llama"), None, 50),
     "jev_qwen3_5": (lambda: tiny_jev(), None, 50),
     "jev_qwen3_5_template": (lambda: tiny_jev(), jev_decision_config(), 50),
+    "qwen3_5_multimodal": (lambda: tiny_qwen3_5_multimodal(), None, 12),
     "qwen3": (lambda: tiny_model("qwen3"), None, 12),
     "qwen2": (lambda: tiny_model("qwen2"), None, 12),
     "mistral": (lambda: tiny_model("mistral"), None, 12),

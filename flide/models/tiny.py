@@ -108,3 +108,17 @@ def tiny_jev(vocab_size: int | None = None, seed: int = 0, softcap: float | None
     torch.manual_seed(seed)
     model = JevForDecision(JevConfig(hidden_size=text.hidden_size, text_config=text.to_dict(), softcap=softcap))
     return model.float().eval()
+
+
+def tiny_qwen3_5_multimodal(vocab_size: int | None = None, seed: int = 0):
+    """A random tiny Qwen3_5ForConditionalGeneration (model_type `qwen3_5`): Flide runs its text model."""
+    import torch
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    if vocab_size is None:
+        vocab_size = len(tiny_tokenizer()) + 2
+    config = Qwen3_5Config(text_config={**TINY_CONFIGS["qwen3_5_text"], "vocab_size": vocab_size},
+                           vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                                              out_hidden_size=64))
+    torch.manual_seed(seed)
+    return Qwen3_5ForConditionalGeneration(config).float().eval()

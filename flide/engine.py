@@ -77,11 +77,14 @@ class Engine:
         return cls(model, tokenizer, cfg)
 
     # ---- requests ----
-    def prepare(self, request: Any) -> PreparedRequest:
-        """Validates and tokenizes one request; raises RequestError (a ValueError) naming the offending field."""
+    def prepare(self, request: Any, prompts: PromptTokenizer | None = None) -> PreparedRequest:
+        """Validates and tokenizes one request; raises RequestError (a ValueError) naming the offending field.
+
+        `prompts`: the PromptTokenizer to use (a thread's own copy, `engine.prompts.copy_for_thread()`, when
+        several threads prepare requests at once); default the engine's."""
         state, questions = parse_request(request, self.decision_config, self.config.limits.max_questions)
         try:
-            prepared = self.prompts.prepare(state, questions)
+            prepared = (prompts or self.prompts).prepare(state, questions)
         except RequestError:
             raise
         except (ValueError, TypeError) as error:  # a template that cannot render this state

@@ -197,7 +197,12 @@ class PromptTokenizer:
             self.control_re, self.markers_re = _get_control_token_patterns(control)[0], None
             self.markers_re = _get_control_token_patterns(tuple(tok.added_tokens_encoder))[1]
         self.newline_ids = tok.encode("\n", add_special_tokens=False)
-        self._probe_cache: dict[str, str] = {}
+
+    def copy_for_thread(self) -> "PromptTokenizer":
+        """An independent copy (its own tokenizer) for a tokenizing thread."""
+        import copy
+
+        return PromptTokenizer(copy.deepcopy(self.tokenizer), self.config, self.mode)
 
     # ---- rendering (transformers' prepare_inputs, text only) ----
     def render(self, state: Any, group: list[Question]) -> str:
@@ -235,23 +240,25 @@ class PromptTokenizer:
                 ids += _encode_chat_piece(self.tokenizer, piece, i % 2 == 1, self.newline_ids)
         return ids
 
-    def _probe_prefix(self, state: Any, group: list[Question]) -> str:
+    def _probe_prefix(self, state: Any, group: list[Question], cache: dict[str, str]) -> str:
         """The question-independent prefix of this group's prompt: where two probe instructions first differ."""
         # Probed once per question type (and group size): templates print what depends on the question type before
         # the state (Jev), while the options come after it; if a template printed options first, `prepare` still
         # cuts at the common prefix of the probe and the real prompt, so the trunk stays a prefix of it.
         key = json.dumps([q.type for q in group])
-        if key not in self._probe_cache:
+        if key not in cache:
             texts = []
             for probe in self.PROBES:
                 probed = [Question(q.name, q.type, probe, q.options, q.labels, q.descriptions) for q in group]
                 texts.append(self.render(state, probed))
-            self._probe_cache[key] = texts[0][: common_prefix_length(*texts)]
-        return self._probe_cache[key]
+            cache[key] = texts[0][: common_prefix_length(*texts)]
+        return cache[key]
 
     # ---- the request ----
     def prepare(self, state: Any, questions: list[Question]) -> PreparedRequest:
-        self._probe_cache = {}
+        """Renders and tokenizes one request. Keeps no state between calls, but transformers' fast tokenizers flip
+        a flag while encoding control tokens as text: give each thread its own tokenizer (see `copy_for_thread`)."""
+        probes: dict[str, str] = {}
         groups = [questions] if self.groups_all else [[q] for q in questions]
         texts = [self.render(state, group) for group in groups]
         trunk_ids: dict[str, int] = {}
@@ -263,7 +270,7 @@ class PromptTokenizer:
                 ids, cut_ids = self.encode(text), 0
                 trunk_text = ""
             else:
-                prefix = self._probe_prefix(state, group)
+                prefix = self._probe_prefix(state, group, probes)
                 limit = common_prefix_length(prefix, text)
                 cut = safe_cut(text, limit)
                 trunk_text = text[:cut]

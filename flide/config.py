@@ -57,11 +57,24 @@ class RuntimeConfig:
 
 
 @dataclass(frozen=True)
+class ServeConfig:
+    """`flide serve` (flide/serve): admission, time limits and body limits of the HTTP server."""
+
+    max_queue: int = 1024  # requests admitted but not yet in a round; one more is answered 503 with Retry-After
+    request_timeout_s: float = 60.0  # from arrival to answer; past it the request is answered 504
+    max_body_bytes: int = 16777216  # a larger body is answered 413 before it is read
+    max_json_depth: int = 64  # deeper nesting of arrays and objects is answered 422
+    prepare_threads: int = 4  # threads that render and tokenize requests, each with its own tokenizer copy
+    retry_after_s: int = 1  # the Retry-After header of 503 answers
+
+
+@dataclass(frozen=True)
 class FlideConfig:
     kernels: KernelConfig = field(default_factory=KernelConfig)
     capacities: CapacityConfig = field(default_factory=CapacityConfig)
     limits: LimitConfig = field(default_factory=LimitConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -98,6 +111,10 @@ def _build(cls, values: Any, where: str):
             if not isinstance(value, (list, tuple)) or not value or not all(isinstance(v, int) and v > 0 for v in value):
                 raise ValueError(f"Config `{key}` must be a non-empty list of positive integers, got {value!r}.")
             value = tuple(sorted(set(value)))
+        elif isinstance(default, float):
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+                raise ValueError(f"Config `{key}` must be a positive number, got {value!r}.")
+            value = float(value)
         elif isinstance(default, bool) or isinstance(default, int):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"Config `{key}` must be a positive integer, got {value!r}.")
@@ -119,7 +136,8 @@ def config_from_dict(values: dict[str, Any] | None) -> FlideConfig:
     unknown = sorted(set(values) - set(sections))
     if unknown:
         raise ValueError(f"Unknown config section(s) {', '.join(unknown)}; valid sections: {', '.join(sections)}.")
-    classes = {"kernels": KernelConfig, "capacities": CapacityConfig, "limits": LimitConfig, "runtime": RuntimeConfig}
+    classes = {"kernels": KernelConfig, "capacities": CapacityConfig, "limits": LimitConfig, "runtime": RuntimeConfig,
+               "serve": ServeConfig}
     return FlideConfig(**{name: _build(classes[name], section or {}, name) for name, section in values.items()})
 
 

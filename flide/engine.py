@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,6 +63,9 @@ class Engine:
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
         # Options per readout row: the most labels any question type can use
         self.max_options = max([26, 2] + [len(labels) for labels in decision_config.labels.values()])
+        # The head's label lookup encodes labels with the shared tokenizer on a cache miss; threads that prepare
+        # requests at once (flide serve) take turns there (fast tokenizers are not safe to share while encoding)
+        self._head_lock = threading.Lock()
 
     @property
     def device(self) -> torch.device:
@@ -98,7 +102,9 @@ class Engine:
             branch.options = []
             for question in branch.questions:
                 try:
-                    branch.options.append(self.flat.head.option_rows(question))
+                    with self._head_lock:
+                        rows = self.flat.head.option_rows(question)
+                    branch.options.append(rows)
                 except ValueError as error:
                     raise RequestError(f"questions.{question.name}", str(error), 400) from None
         return prepared

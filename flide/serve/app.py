@@ -1,0 +1,215 @@
+"""The System One HTTP server: a FastAPI app over an `Engine` and its round `Scheduler`.
+
+    POST /v1/systemone   a System One request -> {"model", "answers", "usage"}   (answers as `engine.decide` gives)
+    GET  /health         200 while the model thread runs, else 503
+    GET  /v1/models      the served model
+    GET  /metrics        Prometheus text
+    GET  /openapi.json   the schema (/docs renders it)
+
+Errors are `{"detail": [{"loc": [...], "msg": ..., "type": ...}]}`: 422 malformed (the field named), 400 a request
+this model cannot answer, 404 another model, 413 too large, 415 not JSON, 503 overloaded (Retry-After), 504 past
+`serve.request_timeout_s`. The endpoint reads its body itself: validation is Flide's (`body.py`, `Engine.prepare`),
+so no request reaches pydantic and the messages are the engine's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+import uuid
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, Response
+
+from ..config import ServeConfig
+from ..requests import RequestError
+from . import schema
+from .body import ApiError, from_request_error, parse_body
+from .metrics import Metrics
+from .scheduler import Overloaded, Scheduler
+
+logger = logging.getLogger("flide.serve")
+
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+_ERRORS = {status: {"model": schema.ErrorResponse} for status in (400, 404, 413, 415, 422, 500, 503, 504)}
+
+
+def model_name_of(engine, name_or_path: str | None = None) -> str:
+    """The name the server answers as: the --model argument, else the model's own name, else its type."""
+    model = engine.model
+    return name_or_path or getattr(model, "name_or_path", "") or f"{model.config.model_type}"
+
+
+def create_app(engine, model_name: str | None = None, settings: ServeConfig | None = None,
+               scheduler: Scheduler | None = None) -> FastAPI:
+    """The app serving `engine`. The scheduler's threads start and stop with the app's lifespan (uvicorn, or
+    `with TestClient(app)`)."""
+    from .. import __version__
+
+    settings = settings or engine.config.serve
+    name = model_name or model_name_of(engine)
+    metrics = Metrics()
+    scheduler = scheduler or Scheduler(engine, settings, metrics)
+    metrics = scheduler.metrics
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        scheduler.start()
+        try:
+            yield
+        finally:
+            scheduler.stop()
+
+    app = FastAPI(title="Flide", version=__version__, lifespan=lifespan,
+                  description="System One decisions, every round of requests as one flat forward pass.")
+    app.state.engine, app.state.scheduler, app.state.metrics, app.state.model_name = engine, scheduler, metrics, name
+
+    def error_response(error: ApiError, request_id: str) -> JSONResponse:
+        headers = {"X-Request-Id": request_id, **error.headers}
+        return JSONResponse(error.detail(), status_code=error.status, headers=headers)
+
+    def prepare(body: bytes):
+        """In a pool thread: bytes -> checked dict -> PreparedRequest."""
+        start = time.perf_counter()
+        request = parse_body(body, (name,), settings.max_json_depth)
+        try:
+            prepared = scheduler.prepare(request)
+        except RequestError as error:
+            raise from_request_error(error, request) from None
+        metrics.prepare.observe(time.perf_counter() - start)
+        return request, prepared
+
+    async def answer(request: Request, request_id: str, fields: dict) -> JSONResponse:
+        content_type = request.headers.get("content-type")
+        if content_type is not None and not _is_json(content_type):
+            raise ApiError(415, ["header", "content-type"], f"is {content_type[:100]!r}: send the request as JSON "
+                                                            f"(Content-Type: application/json).")
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > settings.max_body_bytes:
+            raise ApiError(413, ["body"], f"has {int(length)} bytes; the limit is {settings.max_body_bytes} "
+                                          f"(`serve.max_body_bytes`).")
+        ticket = scheduler.admit(request_id)
+        if ticket is None:
+            raise ApiError(503, [], f"the server is busy: {scheduler.waiting} requests wait for a round "
+                                    f"(`serve.max_queue` {settings.max_queue}); retry after "
+                                    f"{settings.retry_after_s} s.", headers={"Retry-After": str(settings.retry_after_s)})
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + settings.request_timeout_s
+        request_json = None
+        try:
+            body = await asyncio.wait_for(_read_body(request, settings.max_body_bytes), deadline - loop.time())
+            request_json, prepared = await asyncio.wait_for(loop.run_in_executor(scheduler.pool, prepare, body),
+                                                            deadline - loop.time())
+            fields["questions"] = len(prepared.questions)
+            usage = engine.usage(prepared)
+            fields["input_tokens"] = usage.input_tokens
+            answers = await asyncio.wait_for(asyncio.wrap_future(scheduler.submit(ticket, prepared)),
+                                             deadline - loop.time())
+        except asyncio.TimeoutError:
+            raise ApiError(504, [], f"no answer within {settings.request_timeout_s:g} s "
+                                    f"(`serve.request_timeout_s`).") from None
+        except Overloaded as error:
+            raise ApiError(503, [], str(error), headers={"Retry-After": str(settings.retry_after_s)}) from None
+        except RequestError as error:
+            raise from_request_error(error, request_json) from None
+        except ApiError:
+            raise
+        except Exception as error:  # the model failed on this request alone (its round's others were answered)
+            raise ApiError(500, [], f"the model failed on this request ({type(error).__name__}: "
+                                    f"{str(error)[:300]}); request id {request_id}.") from None
+        finally:
+            scheduler.release(ticket)
+        payload = {"model": name, "answers": answers, "usage": {"input_tokens": usage.input_tokens,
+                                                                "output_tokens": 0}}
+        return JSONResponse(payload, headers={"X-Request-Id": request_id})
+
+    @app.post("/v1/systemone", response_model=schema.SystemOneResponse, responses=_ERRORS,
+              openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
+                  "schema": schema.request_schemas()[0]}}}},
+              summary="Answer a System One request")
+    async def systemone(request: Request):
+        """Every question of the request answered with a probability for each option; the request joins the next
+        round of the model thread."""
+        start = time.perf_counter()
+        given = request.headers.get("x-request-id", "")
+        request_id = given if _REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
+        fields: dict = {"request_id": request_id}
+        status = 500
+        try:
+            response = await answer(request, request_id, fields)
+            status = response.status_code
+            metrics.latency.observe(time.perf_counter() - start)
+            return response
+        except ApiError as error:
+            status = error.status
+            fields["error"] = f"{'.'.join(map(str, error.loc))}: {error.msg}"[:300]
+            return error_response(error, request_id)
+        except Exception:
+            logger.exception("request %s: internal error", request_id)
+            return error_response(ApiError(500, [], f"internal error; request id {request_id}."), request_id)
+        finally:
+            metrics.requests.labels(str(status)).inc()
+            fields["status"] = status
+            fields["ms"] = round((time.perf_counter() - start) * 1e3, 1)
+            logger.info("request", extra={"fields": fields})
+
+    @app.get("/health", response_model=schema.Health, responses={503: {"model": schema.Health}})
+    async def health():
+        """200 while the model thread runs; 503 once it has stopped."""
+        ok = scheduler.alive
+        return JSONResponse({"status": "ok" if ok else "unavailable", "model": name,
+                             "queue_depth": scheduler.waiting}, status_code=200 if ok else 503)
+
+    @app.get("/v1/models", response_model=schema.ModelList)
+    async def models():
+        """The served model (its name is what `model` of a request may say)."""
+        limits = engine.config.limits
+        return {"object": "list", "data": [{
+            "id": name, "object": "model", "created": created, "owned_by": "flide",
+            "model_type": engine.model.config.model_type, "max_questions": limits.max_questions,
+            "max_prompt_tokens": limits.max_prompt_tokens}]}
+
+    @app.get("/metrics", response_class=Response)
+    async def prometheus():
+        """Prometheus metrics: requests by status, latencies, round sizes, queue depth, tokens computed."""
+        body, content_type = metrics.render()
+        return Response(body, media_type=content_type)
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            spec = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+            spec.setdefault("components", {}).setdefault("schemas", {}).update(schema.request_schemas()[1])
+            app.openapi_schema = spec
+        return app.openapi_schema
+
+    app.openapi = openapi
+    return app
+
+
+def _is_json(content_type: str) -> bool:
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, refused (413) as soon as it passes `limit` bytes, whatever Content-Length said."""
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, ["body"], f"is over {limit} bytes (`serve.max_body_bytes`).")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def run_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000) -> None:
+    """Serves `app` with uvicorn until interrupted (its own access log off: the app logs each request)."""
+    import uvicorn
+
+    uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_config=None, access_log=False,
+                                  timeout_graceful_shutdown=10)).run()

@@ -1,0 +1,48 @@
+"""Prometheus metrics of `flide serve`, in a registry of their own (one per app, so tests can build many apps).
+
+Names follow Prometheus conventions: `_total` counters, `_seconds` histograms, base units.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_ROUND_REQUESTS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+_ROUND_TOKENS = tuple(2**i for i in range(6, 19))  # 64 .. 262144
+
+
+class Metrics:
+    """Every metric the server exports. `render()` -> (body, content type) for GET /metrics."""
+
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry(auto_describe=True)
+        self.requests = Counter("flide_requests", "System One requests answered, by HTTP status.", ["status"],
+                                registry=r)
+        self.latency = Histogram("flide_request_latency_seconds", "Arrival to answer of answered (200) requests.",
+                                 buckets=_LATENCY, registry=r)
+        self.prepare = Histogram("flide_prepare_seconds", "Validating, rendering and tokenizing one request.",
+                                 buckets=_LATENCY, registry=r)
+        self.queue_wait = Histogram("flide_queue_wait_seconds", "Prepared request waiting for its round.",
+                                    buckets=_LATENCY, registry=r)
+        self.round_seconds = Histogram("flide_round_seconds", "One round on the model thread (forward + answers).",
+                                       buckets=_LATENCY, registry=r)
+        self.round_requests = Histogram("flide_round_requests", "Requests per round.", buckets=_ROUND_REQUESTS,
+                                        registry=r)
+        self.round_tokens = Histogram("flide_round_tokens", "Tokens computed per round (every state once).",
+                                      buckets=_ROUND_TOKENS, registry=r)
+        self.rounds = Counter("flide_rounds", "Rounds run, retries of a failed round's requests one by one included.",
+                              registry=r)
+        self.round_failures = Counter("flide_round_failures", "Rounds that raised, by kind (oom, error).", ["kind"],
+                                      registry=r)
+        self.tokens_computed = Counter("flide_tokens_computed", "Tokens computed by the model in rounds.", registry=r)
+        self.input_tokens = Counter("flide_input_tokens", "usage.input_tokens of answered requests.", registry=r)
+        self.prompt_tokens = Counter("flide_prompt_tokens", "Tokens one prompt per question would have computed for "
+                                                            "the answered requests (the baseline's work).", registry=r)
+        self.queue_depth = Gauge("flide_queue_depth", "Requests admitted and not yet in a round (being prepared or "
+                                                      "waiting).", registry=r)
+        self.running = Gauge("flide_running_requests", "Requests in the round now running.", registry=r)
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

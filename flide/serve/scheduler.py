@@ -1,0 +1,255 @@
+"""Continuous rounds: one model thread runs rounds back to back; requests that arrive while a round runs are packed
+into the next one.
+
+    admit (queue bound) -> prepare (thread pool: validate, render, tokenize) -> submit -> model thread: take the
+    longest prefix of the waiting requests that fits one round (`plan_rounds`), `engine.run` it, answer each future
+
+- Only the model thread touches the model, so rounds never overlap and need no lock. Preparing runs in a pool whose
+  threads each own a copy of the prompt tokenizer (`PromptTokenizer.copy_for_thread`): transformers' fast
+  tokenizers flip a flag on the shared Rust object while encoding control tokens as text, so sharing one between
+  threads can encode a request's text with another's setting.
+- The queue bound counts requests admitted and not yet taken into a round (being prepared or waiting), so a burst is
+  refused at the door (503 + Retry-After) instead of piling up behind the model.
+- A request that timed out before its round is skipped (its future is cancelled); one that times out inside a round
+  is computed anyway and its answer dropped.
+- A round that raises is retried one request at a time, so only the request that fails alone is failed; an
+  out-of-memory round answers its requests `Overloaded` (503) and the thread goes on with the next round.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from ..config import ServeConfig
+from ..graphs.buckets import plan_rounds
+from ..requests import PreparedRequest
+from ..round import Footprint, footprint
+from .metrics import Metrics
+
+logger = logging.getLogger("flide.serve")
+
+
+class Overloaded(Exception):
+    """The server cannot take or finish this request now (queue full, out of memory, shutting down): 503."""
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One request on its way through the scheduler."""
+
+    request_id: str
+    counted: bool = True  # holds a place under `max_queue` until taken into a round (or given up)
+    prepared: PreparedRequest | None = None
+    need: Footprint | None = None
+    ready_at: float = 0.0
+    future: Future = field(default_factory=Future)  # -> the answers dict, in question order
+
+
+class Scheduler:
+    """Runs an `Engine`'s rounds on one model thread; see the module docstring."""
+
+    def __init__(self, engine, settings: ServeConfig, metrics: Metrics | None = None):
+        self.engine = engine
+        self.settings = settings
+        self.metrics = metrics or Metrics()
+        self._cond = threading.Condition()
+        self._ready: deque[Ticket] = deque()
+        self._waiting = 0
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._local = threading.local()
+        self._copies: queue.SimpleQueue = queue.SimpleQueue()
+        self.pool: ThreadPoolExecutor | None = None
+
+    # ---- life ----
+    def start(self) -> None:
+        """Copies the prompt tokenizer for each prepare thread (here, once: a large vocabulary takes a while to
+        copy), then starts the pool and the model thread."""
+        threads = self.settings.prepare_threads
+        for _ in range(threads):
+            self._copies.put(self.engine.prompts.copy_for_thread())
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="flide-prepare", initializer=self._take_copy)
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="flide-model", daemon=True)
+        self._thread.start()
+        logger.info("scheduler: model thread started; %d prepare threads; queue bound %d; timeout %.1f s", threads,
+                    self.settings.max_queue, self.settings.request_timeout_s)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Finishes the running round, answers what still waits `Overloaded`, and stops the threads."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        with self._cond:
+            while self._ready:
+                ticket = self._ready.popleft()
+                self._release_locked(ticket)
+                if ticket.future.set_running_or_notify_cancel():
+                    ticket.future.set_exception(Overloaded("the server is shutting down."))
+        if self.pool is not None:
+            self.pool.shutdown(wait=False, cancel_futures=True)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    @property
+    def waiting(self) -> int:
+        """Requests admitted and not yet in a round."""
+        return self._waiting
+
+    # ---- admission ----
+    def admit(self, request_id: str) -> Ticket | None:
+        """A ticket holding a place in the queue, or None when `max_queue` requests already wait."""
+        with self._cond:
+            if self._stopping or self._waiting >= self.settings.max_queue:
+                return None
+            self._waiting += 1
+            self.metrics.queue_depth.set(self._waiting)
+        return Ticket(request_id)
+
+    def release(self, ticket: Ticket) -> None:
+        """Gives the ticket's place back (idempotent; done when it enters a round or the request ends)."""
+        with self._cond:
+            self._release_locked(ticket)
+
+    def _release_locked(self, ticket: Ticket) -> None:
+        if ticket.counted:
+            ticket.counted = False
+            self._waiting -= 1
+            self.metrics.queue_depth.set(self._waiting)
+
+    # ---- preparing (pool threads) ----
+    def _take_copy(self) -> None:
+        self._local.prompts = self._copies.get_nowait()
+
+    def prepare(self, request) -> PreparedRequest:
+        """`engine.prepare` with this thread's own prompt tokenizer (call it from a pool thread)."""
+        prompts = getattr(self._local, "prompts", None)
+        if prompts is None:  # a thread outside the pool: give it a copy of its own too
+            prompts = self._local.prompts = self.engine.prompts.copy_for_thread()
+        return self.engine.prepare(request, prompts=prompts)
+
+    # ---- rounds (the model thread) ----
+    def submit(self, ticket: Ticket, prepared: PreparedRequest) -> Future:
+        """Queues a prepared request for the next round; the future gets its answers."""
+        ticket.prepared, ticket.need, ticket.ready_at = prepared, footprint(prepared), time.perf_counter()
+        with self._cond:
+            if self._stopping:
+                raise Overloaded("the server is shutting down.")
+            self._ready.append(ticket)
+            self._cond.notify()
+        return ticket.future
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._ready and not self._stopping:
+                    self._cond.wait()
+                if self._stopping:
+                    return
+                batch = self._take()
+            if batch:
+                try:
+                    self._run(batch)
+                except BaseException as error:  # never leave a future unanswered, never let the thread die quietly
+                    logger.exception("scheduler: round handling failed")
+                    for ticket in batch:
+                        if not ticket.future.done():
+                            ticket.future.set_exception(error if isinstance(error, Exception) else Overloaded(
+                                "the model thread stopped."))
+                    if not isinstance(error, Exception):
+                        raise
+
+    def _take(self) -> list[Ticket]:
+        """The longest prefix of the waiting requests that fits one round (called holding the lock)."""
+        caps = self.engine.config.capacities
+        window: list[Ticket] = []
+        while self._ready and len(window) < caps.requests:
+            ticket = self._ready.popleft()
+            if ticket.future.cancelled():  # timed out while waiting
+                self._release_locked(ticket)
+                continue
+            window.append(ticket)
+        if not window:
+            return []
+        first = plan_rounds([t.need for t in window], caps, self.engine.max_options, exact=True)[0]
+        n = len(first.requests)
+        assert first.requests == list(range(n)), first.requests  # rounds are packed in order
+        self._ready.extendleft(reversed(window[n:]))
+        batch = []
+        for ticket in window[:n]:
+            self._release_locked(ticket)
+            if ticket.future.set_running_or_notify_cancel():
+                batch.append(ticket)
+        return batch
+
+    def _run(self, batch: list[Ticket]) -> None:
+        import torch
+
+        start = time.perf_counter()
+        for ticket in batch:
+            self.metrics.queue_wait.observe(start - ticket.ready_at)
+        self.metrics.running.set(len(batch))
+        try:
+            answers = self._forward([t.prepared for t in batch])
+        except torch.OutOfMemoryError:
+            self._out_of_memory(batch)
+        except Exception as error:
+            self.metrics.round_failures.labels("error").inc()
+            if len(batch) == 1:
+                logger.exception("scheduler: request %s failed in its round", batch[0].request_id)
+                batch[0].future.set_exception(error)
+                return
+            logger.warning("scheduler: a round of %d requests raised %s: %s; running them one at a time",
+                           len(batch), type(error).__name__, error)
+            for ticket in batch:
+                self._run_alone(ticket)
+        else:
+            for ticket, answer in zip(batch, answers):
+                ticket.future.set_result(answer)
+        finally:
+            self.metrics.running.set(0)
+
+    def _run_alone(self, ticket: Ticket) -> None:
+        import torch
+
+        try:
+            ticket.future.set_result(self._forward([ticket.prepared])[0])
+        except torch.OutOfMemoryError:
+            self._out_of_memory([ticket])
+        except Exception as error:
+            logger.exception("scheduler: request %s failed alone in its round", ticket.request_id)
+            ticket.future.set_exception(error)
+
+    def _out_of_memory(self, batch: list[Ticket]) -> None:
+        import torch
+
+        self.metrics.round_failures.labels("oom").inc()
+        logger.error("scheduler: out of memory in a round of %d requests (%d tokens); answering them 503",
+                     len(batch), sum(t.prepared.stream_tokens for t in batch))
+        if torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+        for ticket in batch:
+            ticket.future.set_exception(Overloaded("the model ran out of memory in this request's round; retry."))
+
+    def _forward(self, prepared: list[PreparedRequest]) -> list[dict]:
+        """One round (`prepared` fits one by construction) -> answers, and its metrics."""
+        start = time.perf_counter()
+        answers = self.engine.run(prepared)
+        tokens = sum(p.stream_tokens for p in prepared)
+        m = self.metrics
+        m.round_seconds.observe(time.perf_counter() - start)
+        m.rounds.inc()
+        m.round_requests.observe(len(prepared))
+        m.round_tokens.observe(tokens)
+        m.tokens_computed.inc(tokens)
+        return answers

@@ -1,9 +1,12 @@
 """`flide` command line.
 
     flide decide [--model PATH_OR_HUB_ID] [--config YAML] [--random-weights] [--tokenizer PATH] REQUEST.json|-
+    flide serve  [--model PATH_OR_HUB_ID] [--config YAML] [--random-weights] [--tokenizer PATH] [--host 127.0.0.1]
+                 [--port 8000] [--timeout S] [--max-queue N] [--log-format text|json]
 
 REQUEST.json holds one System One request or a list of them ('-' reads standard input); the answers are printed as
-JSON. Without --model, an embedded tiny Qwen3.5 with random weights answers (offline; it says so on stderr).
+JSON. `serve` answers POST /v1/systemone over HTTP (see flide/serve). Without --model, an embedded tiny Qwen3.5 with
+random weights answers (offline; it says so on stderr).
 """
 
 from __future__ import annotations
@@ -70,19 +73,79 @@ def cmd_decide(args) -> int:
     return 0
 
 
+TINY_NAME = "flide-tiny-qwen3.5-random"
+
+
+def cmd_serve(args) -> int:
+    from flide.config import load_config
+
+    from flide.serve.logs import setup_logging
+
+    setup_logging(args.log_format, logging.DEBUG if args.verbose else logging.INFO)
+    log = logging.getLogger("flide.serve")
+    overrides = {key: value for key, value in (("request_timeout_s", args.timeout), ("max_queue", args.max_queue))
+                 if value is not None}
+    try:
+        cfg = load_config(args.config)
+        if overrides:
+            cfg = cfg.replace(serve=overrides)
+    except ValueError as error:
+        print(f"flide: {error}", file=sys.stderr)
+        return 2
+    args.config = cfg
+    start = time.perf_counter()
+    log.info("loading %s", args.model or "the embedded tiny model (no --model)")
+    try:
+        engine = _build_engine(args)
+    except ValueError as error:
+        print(f"flide: {error}", file=sys.stderr)
+        return 2
+    from flide.serve import create_app, model_name_of, run_server
+
+    name = TINY_NAME if args.model is None else model_name_of(engine, args.model)
+    model = engine.model
+    params = sum(p.numel() for p in model.parameters())
+    log.info("model %s: %s, %.1fM parameters, %s on %s; loaded in %.1f s", name, model.config.model_type, params / 1e6,
+             str(next(model.parameters()).dtype).replace("torch.", ""), engine.device, time.perf_counter() - start)
+    warm = time.perf_counter()
+    engine.decide({"state": "Warm-up.", "questions": {"ok": {"type": "noul", "instructions": "Ready?"}}})
+    log.info("warm-up round: %.0f ms", (time.perf_counter() - warm) * 1e3)
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("listening on %s: the server has no authentication; anyone who reaches it can use it", args.host)
+    log.info("serving %s on http://%s:%d (POST /v1/systemone, GET /health, /v1/models, /metrics, /docs)", name,
+             args.host, args.port)
+    run_server(create_app(engine, name, cfg.serve), args.host, args.port)
+    return 0
+
+
+def _model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="checkpoint folder or hub id (default: the embedded tiny random model)")
+    parser.add_argument("--config", help="engine YAML config (default: configs/default.yaml's values)")
+    parser.add_argument("--random-weights", action="store_true",
+                        help="build --model from its config.json with random weights (benchmarks, tests)")
+    parser.add_argument("--tokenizer", help="tokenizer folder, when it is not the model's")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="flide", description="Flat-graph inference for decision models.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log what the engine does")
     sub = parser.add_subparsers(dest="command", required=True)
     decide = sub.add_parser("decide", help="answer System One requests from a JSON file and print the answers")
     decide.add_argument("request", help="a JSON file with one request or a list of requests; '-' for stdin")
-    decide.add_argument("--model", help="checkpoint folder or hub id (default: the embedded tiny random model)")
-    decide.add_argument("--config", help="engine YAML config (default: configs/default.yaml's values)")
-    decide.add_argument("--random-weights", action="store_true",
-                        help="build --model from its config.json with random weights (benchmarks, tests)")
-    decide.add_argument("--tokenizer", help="tokenizer folder, when it is not the model's")
+    _model_arguments(decide)
     decide.add_argument("--timing", action="store_true", help="print the answering time on stderr")
     decide.set_defaults(func=cmd_decide)
+    serve = sub.add_parser("serve", help="serve POST /v1/systemone over HTTP (continuous rounds)")
+    _model_arguments(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--timeout", type=float, help="seconds from arrival to answer, else 504 "
+                                                     "(default: serve.request_timeout_s of the config, 60)")
+    serve.add_argument("--max-queue", type=int, help="requests waiting for a round before 503s "
+                                                     "(default: serve.max_queue of the config, 1024)")
+    serve.add_argument("--log-format", choices=("text", "json"), default="text",
+                       help="text, or one JSON object per line")
+    serve.set_defaults(func=cmd_serve)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
     return args.func(args)

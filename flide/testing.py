@@ -89,3 +89,34 @@ def max_difference(a: dict, b: dict) -> float:
             raise AssertionError(f"option counts differ for {name!r}")
         worst = max(worst, max(abs(x - y) for x, y in zip(pa, pb)))
     return worst
+
+
+def random_round_tensors(rng: random.Random, tokens: int, max_requests: int = 6, max_questions: int = 8,
+                         max_state: int = 400, max_question: int = 60):
+    """RoundTensors of a random round laid out by `build_round` in a stream of exactly `tokens` tokens: random
+    requests (states of 0..max_state tokens, 1..max_questions questions of 1..max_question tokens) while they fit.
+    Token ids are random; readout rows are each question's last token. For op tests and benchmarks."""
+    import numpy as np
+
+    from .requests import Branch, PreparedRequest
+    from .round import Shape, build_round
+
+    requests, used = [], 0
+    for _ in range(max_requests):
+        state = rng.randint(0, max_state)
+        questions = [rng.randint(1, max_question) for _ in range(rng.randint(1, max_questions))]
+        need = state + sum(questions)
+        if used + need > tokens:
+            break
+        used += need
+        trunk = np.asarray([rng.randrange(1000) for _ in range(state)], dtype=np.int64)
+        branches = [Branch(0, np.asarray([rng.randrange(1000) for _ in range(n)], dtype=np.int64),
+                        np.asarray([state + n - 1]), [object()], np.zeros(0, dtype=np.int64), [[1, 2]])
+                    for n in questions]
+        requests.append(PreparedRequest([trunk], branches))
+    if not requests:  # at least one request: a state that fills what there is
+        trunk = np.arange(max(tokens - 1, 0), dtype=np.int64) % 1000
+        requests.append(PreparedRequest([trunk], [Branch(0, np.asarray([7]), np.asarray([len(trunk)]), [object()],
+                                                         np.zeros(0, dtype=np.int64), [[1, 2]])]))
+    shape = Shape(tokens, 64, 512, 512, 2)
+    return build_round(requests, shape, pad_id=0).tensors

@@ -1,11 +1,12 @@
-"""flide::fork_attention_* custom ops. Variants: `reference` (pure torch, any device)."""
+"""flide::fork_attention_* custom ops. Variants: `reference` (pure torch, any device), `flex` (FlexAttention with
+block tables built on the GPU; CUDA)."""
 
 from __future__ import annotations
 
 import torch
 
 from ..registry import register
-from . import reference
+from . import flex, reference
 
 
 @torch.library.custom_op("flide::fork_attention_reference", mutates_args=())
@@ -20,3 +21,21 @@ def _(q, k, v, seg_lo, trunk_lo, trunk_hi, scale):
 
 
 register("fork_attention", "reference")(fork_attention_reference)
+
+
+@torch.library.custom_op("flide::fork_attention_flex", mutates_args=(), device_types="cuda")
+def fork_attention_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_lo: torch.Tensor,
+                        trunk_lo: torch.Tensor, trunk_hi: torch.Tensor, scale: float) -> torch.Tensor:
+    return flex.fork_attention(q, k, v, seg_lo, trunk_lo, trunk_hi, scale)
+
+
+@fork_attention_flex.register_fake
+def _(q, k, v, seg_lo, trunk_lo, trunk_hi, scale):
+    return q.new_empty(q.shape[0], q.shape[1], v.shape[2])
+
+
+def _cuda_only() -> str | None:
+    return None if torch.cuda.is_available() else "it needs a CUDA GPU"
+
+
+register("fork_attention", "flex", available=_cuda_only)(fork_attention_flex)

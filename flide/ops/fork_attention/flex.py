@@ -1,0 +1,82 @@
+"""Fork attention through FlexAttention, with block tables built on the GPU from the round's metadata.
+
+For a query block Q and a key block K (128 x 128), the number of keys of K each query of Q sees is the size of two
+interval intersections (its state `[trunk_lo, trunk_hi)` and its own segment `[seg_lo, t]`), so the whole table is
+a few vectorised ops over [T, T/128]: blocks every query sees fully are "full" (no mask evaluated), blocks some
+query sees partly are "partial" (the mask is evaluated), the rest are skipped, which skips other requests' keys.
+No host sync: the launch configuration depends on T alone, so the op replays inside a CUDA graph with any round.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+BLOCK = 128
+
+
+def _overlap(lo: torch.Tensor, hi: torch.Tensor, block_lo: torch.Tensor, block_hi: torch.Tensor) -> torch.Tensor:
+    """|[lo, hi) ∩ [block_lo, block_hi)| for every row of lo/hi [T, 1] and every block [1, NB]."""
+    return (torch.minimum(hi, block_hi) - torch.maximum(lo, block_lo)).clamp(min=0)
+
+
+def block_tables(seg_lo: torch.Tensor, trunk_lo: torch.Tensor, trunk_hi: torch.Tensor, block: int = BLOCK):
+    """(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices), each with leading dims [1, 1], for
+    BlockMask.from_kv_blocks. T must be a multiple of `block`."""
+    T = seg_lo.shape[0]
+    nb = T // block
+    t = torch.arange(T, device=seg_lo.device)
+    block_lo = (torch.arange(nb, device=seg_lo.device) * block)[None, :]
+    block_hi = block_lo + block
+    seen = _overlap(trunk_lo[:, None], trunk_hi[:, None], block_lo, block_hi)
+    seen = seen + _overlap(seg_lo[:, None], (t + 1)[:, None], block_lo, block_hi)  # [T, NB]
+    seen = seen.view(nb, block, nb)
+    any_seen = seen.amax(1) > 0
+    full = seen.amin(1) == block
+    partial = any_seen & ~full
+
+    def table(flags: torch.Tensor):
+        count = flags.sum(-1, dtype=torch.int32)
+        # the flagged blocks first, in ascending order (a stable sort of 0 = flagged, 1 = not)
+        order = torch.argsort((~flags).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+        return count[None, None], order[None, None]
+
+    return (*table(partial), *table(full))
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    # One compiled kernel per (stream length, heads, dim, dtype): every bucket of every attention shape. Past
+    # dynamo's default limit of 8 it would silently fall back to the slow eager flex, so allow enough of them.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
+    torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 4096)
+    return torch.compile(flex_attention, dynamic=False, fullgraph=True)
+
+
+def fork_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_lo: torch.Tensor, trunk_lo: torch.Tensor,
+                   trunk_hi: torch.Tensor, scale: float) -> torch.Tensor:
+    """Same contract as `reference.fork_attention` ([T, H, D] in, [T, Hq, Dv] out), on CUDA tensors."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    T = q.shape[0]
+    pad = (-T) % BLOCK
+    if pad:  # pad rows see only themselves (seg_lo = t), so they never turn a block partial for real rows
+        extra = torch.arange(T, T + pad, device=q.device)
+        seg_lo = torch.cat([seg_lo, extra])
+        trunk_lo = torch.cat([trunk_lo, torch.zeros_like(extra)])
+        trunk_hi = torch.cat([trunk_hi, torch.zeros_like(extra)])
+        q, k, v = (torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v))
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        own = (kv_idx >= seg_lo[q_idx]) & (kv_idx <= q_idx)
+        state = (kv_idx >= trunk_lo[q_idx]) & (kv_idx < trunk_hi[q_idx])
+        return own | state
+
+    mask = BlockMask.from_kv_blocks(*block_tables(seg_lo, trunk_lo, trunk_hi), BLOCK_SIZE=BLOCK, mask_mod=mask_mod,
+                                    seq_lengths=(T + pad, T + pad))
+    out = _compiled_flex()(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                           block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    return out[0].transpose(0, 1)[:T].contiguous()

@@ -20,15 +20,6 @@ PIPELINE_ATOL = 1e-5
 ROUND_ATOL = 1e-6
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Two threads on this two-core machine fight any other load; one is steadier and about as fast at these sizes.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def jev_decision_config() -> DecisionConfig:
     """Jev's own prompt: the question type printed before the state, read at a `<|mark|>`; temperatures per type."""
     return DecisionConfig(chat_template=JEV_TEMPLATE, noul_options=["false", "true"],

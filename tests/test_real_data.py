@@ -18,23 +18,9 @@ if not workloads.data_available():
 import flide  # noqa: E402
 from flide.models.tiny import tiny_model, tiny_tokenizer  # noqa: E402
 
-# One round per decide() call, sized to the workloads below (RACE: 8 passages, 33 questions, ~7k tiny tokens;
-# MultiRC: 3 requests, 36 questions, ~5k): the reference ops compute every capacity row, so GPU-sized defaults
-# would cost minutes on a CPU.
+# Capacities sized to the workloads below (RACE: 8 passages, 33 questions, ~7k tiny tokens; MultiRC: 3 requests,
+# 36 questions, ~5k), so that each decide() call runs as one round.
 CONFIG = {"capacities": {"buckets": [8192], "requests": 8, "states": 8, "branches": 48, "readout_rows": 48}}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """torch on one thread: on a small shared CPU, OpenMP threads contending for the cores make the batched
-    triangular solves of the gated delta rule (Flide's reference op and transformers' torch path alike) up to 1000x
-    slower; the models here are tiny, so one thread loses nothing."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

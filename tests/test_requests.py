@@ -30,18 +30,6 @@ GOOD = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """torch on one thread: OpenMP threads contending for a small shared CPU make batched triangular solves (the
-    gated delta rule) up to 1000x slower, and these models are tiny."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def tok():
     return tiny_tokenizer()

@@ -106,6 +106,11 @@ class Scheduler:
         """Requests admitted and not yet in a round."""
         return self._waiting
 
+    @property
+    def queued(self) -> int:
+        """Requests prepared and waiting for the next round."""
+        return len(self._ready)
+
     # ---- admission ----
     def admit(self, request_id: str) -> Ticket | None:
         """A ticket holding a place in the queue, or None when `max_queue` requests already wait."""
@@ -227,6 +232,7 @@ class Scheduler:
         except torch.OutOfMemoryError:
             self._out_of_memory([ticket])
         except Exception as error:
+            self.metrics.round_failures.labels("error").inc()
             logger.exception("scheduler: request %s failed alone in its round", ticket.request_id)
             ticket.future.set_exception(error)
 

@@ -1,8 +1,11 @@
 """A round: many requests laid out as ONE flat token stream, with its tree in fixed-capacity metadata tensors.
 
-Layout, request after request with no padding between them (padding only at the tail, up to the bucket):
+Layout, level-major with no padding between segments (padding only at the tail, up to the bucket):
 
-    [state A1][question A1a][question A1b]...[state B1][question B1a]...[pad ... pad]
+    [state A1][state B1]...[question A1a][question A1b][question B1a]...[pad ... pad]
+
+All states come first so that the two calls of the forked Gated DeltaNet each cover one contiguous region (the
+states, then the questions): a varlen kernel then runs over exactly the tokens of its call.
 
 Metadata (all int64; capacities T tokens, NS states, NB branches, O readout rows, L options per row):
     input_ids [T], positions [T]          a question's positions continue from the end of its state
@@ -121,15 +124,19 @@ def build_round(requests: list[PreparedRequest], shape: Shape, pad_id: int) -> R
     """Lays `requests` out as one stream of `shape.tokens` tokens (each branch's `options` must be set)."""
     seg_tokens, seg_is_state, seg_state, seg_pos0 = [], [], [], []
     read_request, read_prompt_pos, read_seg, read_questions, read_options, read_tails = [], [], [], [], [], []
-    n_states = 0
+    # Level-major: all states first (segment k is state k), then all questions
+    first_state = []
+    for req in requests:
+        first_state.append(len(seg_tokens))
+        for trunk in req.trunks:
+            seg_state.append(len(seg_tokens)), seg_tokens.append(trunk), seg_is_state.append(True), seg_pos0.append(0)
+    n_states = len(seg_tokens)
     for r, req in enumerate(requests):
         by_trunk: dict[int, list] = {}
         for branch in req.branches:
             by_trunk.setdefault(branch.trunk, []).append(branch)
         for t, trunk in enumerate(req.trunks):
-            state_index, trunk_seg = n_states, len(seg_tokens)
-            n_states += 1
-            seg_tokens.append(trunk), seg_is_state.append(True), seg_state.append(state_index), seg_pos0.append(0)
+            state_index = trunk_seg = first_state[r] + t
             for branch in by_trunk.get(t, []):
                 seg = len(seg_tokens)
                 seg_tokens.append(branch.tokens), seg_is_state.append(False), seg_state.append(state_index)

@@ -84,7 +84,11 @@ def make_round(structure: list[list[tuple[int, list[int]]]], pad: int = 3, spare
     token, options [[1, 2]]), with `pad` tail tokens and unused zero-length rows in the segment tables. Also records
     where each state and branch lies, computed here, independently of `build_round`."""
     rng = np.random.default_rng(seed)
-    requests, segments, cursor, reads = [], [], 0, 0
+    requests, segments, reads = [], [], 0
+    # Level-major layout: every state (request by request), then every question (request by request, grouped by
+    # state), then the tail padding
+    cursor = 0
+    branch_cursor = sum(state_len for states in structure for state_len, _ in states)
     for r, states in enumerate(structure):
         trunks, branches = [], []
         for t, (state_len, branch_lens) in enumerate(states):
@@ -96,8 +100,8 @@ def make_round(structure: list[list[tuple[int, list[int]]]], pad: int = 3, spare
                 branches.append(Branch(trunk=t, tokens=rng.integers(10, 1000, size=n).astype(np.int64),
                                        reads=np.asarray([state_len + n - 1], dtype=np.int64), questions=[None],
                                        tail=np.zeros(0, dtype=np.int64), options=[[1, 2]]))
-                ranges.append(range(cursor, cursor + n))
-                cursor += n
+                ranges.append(range(branch_cursor, branch_cursor + n))
+                branch_cursor += n
                 reads += 1
             segments.append(Segment(r, state, ranges))
         # build_round groups a request's branches by trunk, each trunk's in request order: hand them over with the
@@ -105,6 +109,7 @@ def make_round(structure: list[list[tuple[int, list[int]]]], pad: int = 3, spare
         labels = [branch.trunk for branch in branches]
         queues = {tr: [b for b in branches if b.trunk == tr] for tr in set(labels)}
         requests.append(PreparedRequest(trunks, [queues[tr].pop(0) for tr in rng.permutation(labels)]))
+    cursor = branch_cursor
     n_states = sum(len(s) for s in structure)
     n_branches = sum(len(b) for s in structure for _, b in s)
     shape = Shape(tokens=cursor + pad, states=n_states + spare_states, branches=n_branches + spare_branches,
@@ -272,20 +277,20 @@ def test_fork_attention_requests_independent(variant, block, monkeypatch):
         rows = fr.request_rows(r)
         assert torch.equal(changed[rows], base[rows])
     assert not torch.equal(changed[other], base[other])
-    # 2. another request is inserted in front (the layout shifts): request 0's rows, moved, agree to 1e-6
+    # 2. another request is inserted in front (every segment moves): each request's rows, moved, agree to 1e-6
     extra = [(6, [3, 2])]
     fr2 = make_round([extra] + structure, pad=4)
-    shift = 6 + 3 + 2
     t2 = fr2.t
 
-    def shifted(x):
-        return torch.cat([randn(shift, *x.shape[1:], seed=123), x[:fr.used],
-                          randn(fr2.tokens - shift - fr.used, *x.shape[1:], seed=124)])
+    def moved(x, seed):
+        out = randn(fr2.tokens, *x.shape[1:], seed=seed)
+        for r in range(3):
+            out[fr2.request_rows(r + 1)] = x[fr.request_rows(r)]
+        return out
 
-    out2 = op(shifted(q), shifted(k), shifted(v), t2.seg_lo, t2.trunk_lo, t2.trunk_hi, 0.25)
+    out2 = op(moved(q, 123), moved(k, 124), moved(v, 125), t2.seg_lo, t2.trunk_lo, t2.trunk_hi, 0.25)
     for r in range(3):
-        rows = fr.request_rows(r)
-        torch.testing.assert_close(out2[[i + shift for i in rows]], base[rows], atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(out2[fr2.request_rows(r + 1)], base[fr.request_rows(r)], atol=1e-6, rtol=1e-6)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

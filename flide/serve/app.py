@@ -24,6 +24,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
+from starlette.requests import ClientDisconnect
 
 from ..config import ServeConfig
 from ..requests import RequestError
@@ -73,7 +74,7 @@ def create_app(engine, model_name: str | None = None, settings: ServeConfig | No
         headers = {"X-Request-Id": request_id, **error.headers}
         return JSONResponse(error.detail(), status_code=error.status, headers=headers)
 
-    def prepare(body: bytes):
+    def prepare(body: bytes, request_id: str):
         """In a pool thread: bytes -> checked dict -> PreparedRequest."""
         start = time.perf_counter()
         request = parse_body(body, (name,), settings.max_json_depth)
@@ -81,6 +82,10 @@ def create_app(engine, model_name: str | None = None, settings: ServeConfig | No
             prepared = scheduler.prepare(request)
         except RequestError as error:
             raise from_request_error(error, request) from None
+        except Exception as error:  # a bug, not a bad request: say so, and log where
+            logger.exception("request %s: preparing it failed", request_id)
+            raise ApiError(500, [], f"internal error while preparing the request ({type(error).__name__}); request "
+                                    f"id {request_id}.") from None
         metrics.prepare.observe(time.perf_counter() - start)
         return request, prepared
 
@@ -103,13 +108,16 @@ def create_app(engine, model_name: str | None = None, settings: ServeConfig | No
         request_json = None
         try:
             body = await asyncio.wait_for(_read_body(request, settings.max_body_bytes), deadline - loop.time())
-            request_json, prepared = await asyncio.wait_for(loop.run_in_executor(scheduler.pool, prepare, body),
-                                                            deadline - loop.time())
+            request_json, prepared = await asyncio.wait_for(
+                loop.run_in_executor(scheduler.pool, prepare, body, request_id), deadline - loop.time())
             fields["questions"] = len(prepared.questions)
             usage = engine.usage(prepared)
             fields["input_tokens"] = usage.input_tokens
             answers = await asyncio.wait_for(asyncio.wrap_future(scheduler.submit(ticket, prepared)),
                                              deadline - loop.time())
+        except ClientDisconnect:
+            raise ApiError(499, ["body"], "the client closed the connection before sending the whole body.",
+                           "client_closed") from None
         except asyncio.TimeoutError:
             raise ApiError(504, [], f"no answer within {settings.request_timeout_s:g} s "
                                     f"(`serve.request_timeout_s`).") from None

@@ -31,7 +31,7 @@ class KernelConfig:
 class CapacityConfig:
     """Fixed capacities of a round's metadata. A round takes the smallest token bucket that holds it."""
 
-    buckets: tuple[int, ...] = (256, 512, 1024, 2048, 4096, 8192, 16384)
+    buckets: tuple[int, ...] = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
     requests: int = 64
     states: int = 192
     branches: int = 1024

@@ -38,19 +38,26 @@ def fork_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_lo: to
     out = torch.empty(T, Hq, Dv, dtype=q.dtype, device=q.device)
     qf = q.float().view(T, Hkv, group, D)
     kf, vf = k.float(), v.float()
-    key_lo = torch.minimum(seg_lo, torch.where(trunk_hi > trunk_lo, trunk_lo, seg_lo))
     for start in range(0, T, QUERY_BLOCK):
         stop = min(start + QUERY_BLOCK, T)
         rows = torch.arange(start, stop, device=q.device)
-        # Keys a block can see start at its earliest state or segment start: skip the rest of the stream.
-        lo = int(key_lo[start:stop].min())
-        keys = torch.arange(lo, stop, device=q.device)
+        keys = _block_keys(seg_lo[start:stop], trunk_lo[start:stop], trunk_hi[start:stop], stop)
         mask = visible(seg_lo, trunk_lo, trunk_hi, rows, keys)  # [R, S]
-        scores = torch.einsum("rhgd,shd->hgrs", qf[start:stop], kf[lo:stop]) * scale
+        scores = torch.einsum("rhgd,shd->hgrs", qf[start:stop], kf[keys]) * scale
         scores = scores.masked_fill(~mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
-        out[start:stop] = torch.einsum("hgrs,shd->rhgd", probs, vf[lo:stop]).reshape(stop - start, Hq, Dv).to(q.dtype)
+        out[start:stop] = torch.einsum("hgrs,shd->rhgd", probs, vf[keys]).reshape(stop - start, Hq, Dv).to(q.dtype)
     return out
+
+
+def _block_keys(seg_lo: torch.Tensor, trunk_lo: torch.Tensor, trunk_hi: torch.Tensor, stop: int) -> torch.Tensor:
+    """The keys some row of a query block may see: the states its questions fork from, and the stream from its
+    earliest own segment start to its end. Only these are scored (the reference may sync with the host)."""
+    spans = {(int(lo), int(hi)) for lo, hi in torch.stack([trunk_lo, trunk_hi], 1).unique(dim=0).tolist() if hi > lo}
+    own_lo = int(seg_lo.min())
+    parts = [torch.arange(lo, min(hi, own_lo), device=seg_lo.device) for lo, hi in sorted(spans) if lo < own_lo]
+    parts.append(torch.arange(own_lo, stop, device=seg_lo.device))
+    return torch.cat(parts).unique()
 
 
 def fork_attention_naive(q, k, v, seg_lo, trunk_lo, trunk_hi, scale: float) -> torch.Tensor:

@@ -155,3 +155,16 @@ def test_patch_keeps_weights_and_hf_forward():
     assert torch.equal(model(ids).logits, before)
     assert type(model.model.layers[0].linear_attn).__name__ == "FlideGatedDeltaNet"
     assert type(model.model.layers[3].self_attn).__name__ == "FlideAttention"
+
+
+def test_custom_decision_config_on_a_causal_lm():
+    """Labels, temperatures and the noul option order of a decision config are honoured as the pipeline does."""
+    config = DecisionConfig(labels={"choice": list("abcdefgh"), "score": list("012345"), "noul": ["No", "Yes"]},
+                            temperature={"choice": 0.5, "score": 1.7, "noul": 3.0}, noul_options=["false", "true"])
+    model, tok = tiny_model("qwen3_5_text", seed=21), tiny_tokenizer()
+    rng = random.Random(21)
+    requests = [random_request(rng, max_words=80) for _ in range(10)]
+    decide = pipeline("decision", model=model, tokenizer=tok, decision_config=config)
+    expected = [decide(r) for r in requests]
+    got = flide.patch(model, tok, decision_config=config).decide(requests)
+    assert max(max_difference(e, g) for e, g in zip(expected, got)) <= PIPELINE_ATOL

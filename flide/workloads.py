@@ -4,8 +4,9 @@
     requests = workloads.race(limit=8)           # [{"state": article, "questions": {"q0": {"type": "choice", ...}}}]
     engine.decide(requests)
 
-The data folder is `$FLIDE_DATA`, or `<repo>/../shared/data` (next to the repository). It is read, never copied
-into the repository; `data_available()` tells tests whether to skip. Each loader takes `limit` (the most requests
+The data folder is `$FLIDE_DATA`, or `<repo>/../shared/data` (next to the repository); every loader also takes
+`folder=` (the benchmark configs' `data_dir:`, which needs no environment). It is read, never copied into the
+repository; `data_available()` tells tests whether to skip. Each loader takes `limit` (the most requests
 returned; None: all) and builds requests in file order, so the same call always gives the same requests.
 
 The workloads of the paper (section 4.1): RACE with one question per passage (`race(one_question=True)`) and with
@@ -33,24 +34,25 @@ def data_dir() -> Path:
     return Path(os.environ.get("FLIDE_DATA", REPO.parent / "shared" / "data"))
 
 
-def data_available() -> bool:
-    """Whether the shared data folder exists (tests skip cleanly when it does not)."""
-    return data_dir().is_dir()
+def data_available(folder: str | Path | None = None) -> bool:
+    """Whether the shared data folder (or `folder`) exists (tests skip cleanly when it does not)."""
+    return Path(folder or data_dir()).is_dir()
 
 
-def _path(*parts: str) -> Path:
-    folder = data_dir()
+def _path(*parts: str, folder: str | Path | None = None) -> Path:
+    folder = Path(folder) if folder is not None else data_dir()
     if not folder.is_dir():
-        raise FileNotFoundError(f"The shared data folder {str(folder)!r} does not exist: set FLIDE_DATA to the folder "
-                                f"holding race/, multirc/, quality/ and jev/ (see ../shared/notes/DATA.md).")
+        raise FileNotFoundError(f"The shared data folder {str(folder)!r} does not exist: set FLIDE_DATA (or pass "
+                                f"folder=) to the folder holding race/, multirc/, quality/ and jev/ (see "
+                                f"../shared/notes/DATA.md).")
     path = folder.joinpath(*parts)
     if not path.is_file():
         raise FileNotFoundError(f"{str(path)!r} is missing from the shared data folder {str(folder)!r}.")
     return path
 
 
-def _jsonl(*parts: str) -> Iterator[dict]:
-    with _path(*parts).open(encoding="utf-8") as lines:
+def _jsonl(*parts: str, folder: str | Path | None = None) -> Iterator[dict]:
+    with _path(*parts, folder=folder).open(encoding="utf-8") as lines:
         for line in lines:
             if line.strip():
                 yield json.loads(line)
@@ -79,14 +81,14 @@ def _choice(instructions: str, options: Iterable[str]) -> dict[str, Any]:
 
 
 # ---- RACE ----
-def race(limit: int | None = None, one_question: bool = False) -> list[dict]:
+def race(limit: int | None = None, one_question: bool = False, folder: str | Path | None = None) -> list[dict]:
     """RACE dev (middle, then high): one request per passage, the article as the state and each question a `choice`
     question `q0`, `q1`, ... whose options are the four option texts (no descriptions). one_question: keep only the
     first question of each passage."""
 
     def requests() -> Iterator[dict]:
         for name in ("race_dev_middle.jsonl", "race_dev_high.jsonl"):
-            for passage in _jsonl("race", name):
+            for passage in _jsonl("race", name, folder=folder):
                 pairs = list(zip(passage["questions"], passage["options"]))[: 1 if one_question else None]
                 yield {"state": passage["article"],
                        "questions": {f"q{i}": _choice(q, options) for i, (q, options) in enumerate(pairs)}}
@@ -95,7 +97,7 @@ def race(limit: int | None = None, one_question: bool = False) -> list[dict]:
 
 
 # ---- MultiRC ----
-def multirc(limit: int | None = None, max_questions: int = 64) -> list[dict]:
+def multirc(limit: int | None = None, max_questions: int = 64, folder: str | Path | None = None) -> list[dict]:
     """MultiRC validation: every answer candidate of a paragraph is a `noul` question `q{qi}_a{ai}` ("is this answer
     correct?"), at most `max_questions` per request: a paragraph with more is split into consecutive requests of the
     same state."""
@@ -103,7 +105,7 @@ def multirc(limit: int | None = None, max_questions: int = 64) -> list[dict]:
         raise ValueError(f"max_questions must be >= 1, got {max_questions}.")
 
     def requests() -> Iterator[dict]:
-        for row in _jsonl("multirc", "val.jsonl"):
+        for row in _jsonl("multirc", "val.jsonl", folder=folder):
             passage = row["passage"]
             questions = [(f"q{qi}_a{ai}", {"type": "noul",
                                            "instructions": f"{q['question']}\nProposed answer: {a['text']}"})
@@ -128,14 +130,14 @@ def parse_quality_question(text: str) -> dict[str, Any]:
 
 
 def quality(limit: int | None = None, cut_tokens: int | None = None, tokenizer=None,
-            one_question: bool = False) -> list[dict]:
+            one_question: bool = False, folder: str | Path | None = None) -> list[dict]:
     """QuALITY (LEval's packaging): one request per article, the article as the state and each of its questions a
     `choice` question `q0`, `q1`, ... with the A-D option texts as options. one_question: only the first question of
     each article. cut_tokens (needs `tokenizer`): the article cut to its first `cut_tokens` tokens (the decode of
     them; the articles are tokenized in one batch)."""
     if cut_tokens is not None and tokenizer is None:
         raise ValueError("quality(cut_tokens=...) needs the tokenizer that counts the tokens.")
-    rows = _take(_jsonl("quality", "leval_quality.jsonl"), limit)
+    rows = _take(_jsonl("quality", "leval_quality.jsonl", folder=folder), limit)
     articles = [row["input"] for row in rows]
     if cut_tokens is not None and articles:
         tok = getattr(tokenizer, "tokenizer", tokenizer)
@@ -150,9 +152,9 @@ def quality(limit: int | None = None, cut_tokens: int | None = None, tokenizer=N
 
 
 # ---- Open-Jev support ticket ----
-def jev_support(limit: int | None = None) -> list[dict]:
+def jev_support(limit: int | None = None, folder: str | Path | None = None) -> list[dict]:
     """The Open-Jev support ticket: one request (a state object and 28 typed questions), as stored."""
-    request = json.loads(_path("jev", "open_jev_support_28.json").read_text(encoding="utf-8"))
+    request = json.loads(_path("jev", "open_jev_support_28.json", folder=folder).read_text(encoding="utf-8"))
     if not (isinstance(request, dict) and "state" in request and isinstance(request.get("questions"), dict)
             and request["questions"]):
         raise ValueError("jev/open_jev_support_28.json is not a System One request {\"state\": ..., \"questions\": "

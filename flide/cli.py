@@ -1,6 +1,7 @@
 """`flide` command line.
 
     flide decide [--model PATH_OR_HUB_ID] [--config YAML] [--random-weights] [--tokenizer PATH] REQUEST.json|-
+    flide bench  CONFIG.yaml [--workloads ...] [--engines ...] [--out DIR] [--dry-run]
     flide serve  [--model PATH_OR_HUB_ID] [--config YAML] [--random-weights] [--tokenizer PATH] [--host 127.0.0.1]
                  [--port 8000] [--timeout S] [--max-queue N] [--log-format text|json]
 
@@ -127,6 +128,12 @@ def _model_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:  # the benchmark runner owns its arguments (see `flide bench --help`)
+        from flide.bench import main as bench_main
+
+        logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+        return bench_main(argv[1:])
     parser = argparse.ArgumentParser(prog="flide", description="Flat-graph inference for decision models.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log what the engine does")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -146,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--log-format", choices=("text", "json"), default="text",
                        help="text, or one JSON object per line")
     serve.set_defaults(func=cmd_serve)
+    sub.add_parser("bench", help="run a YAML-configured benchmark grid (configs/bench/*.yaml): flide bench CONFIG",
+                   add_help=False)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
     return args.func(args)

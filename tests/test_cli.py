@@ -53,3 +53,9 @@ def test_bad_request_exits_2_naming_the_field():
 def test_unknown_config_key_is_reported():
     done = run_cli("decide", "-", "--config", "/nonexistent.yaml", stdin=json.dumps(REQUEST))
     assert done.returncode == 2 and "does not exist" in done.stderr
+
+
+def test_bench_subcommand_reaches_the_runner():
+    done = run_cli("bench", "configs/bench/cpu_smoke.yaml", "--dry-run")
+    assert done.returncode == 0, done.stderr
+    assert "cpu_smoke" in done.stdout and "engines" in done.stdout

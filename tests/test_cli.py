@@ -58,4 +58,5 @@ def test_unknown_config_key_is_reported():
 def test_bench_subcommand_reaches_the_runner():
     done = run_cli("bench", "configs/bench/cpu_smoke.yaml", "--dry-run")
     assert done.returncode == 0, done.stderr
-    assert "cpu_smoke" in done.stdout and "engines" in done.stdout
+    printed = done.stdout + done.stderr
+    assert "cpu_smoke" in printed and "engines" in printed

@@ -94,7 +94,6 @@ def main() -> None:
                 # the pipeline on the same (patched) model runs transformers' own modules: patching keeps them
                 rows.append({"engine": "pipeline-bf16", "workload": name, "metric": "latency_ms",
                              "value": timed(lambda: decide(one), 3, sync)})
-        del decide
     for name in sets:
         ref = answers[("pipeline", "fp32", name)]
         for engine_name, label in (("flide", "fp32"), ("flide", "bf16"), ("pipeline", "bf16")):

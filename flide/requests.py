@@ -267,7 +267,7 @@ class PromptTokenizer:
         prompt_tokens = 0
         for group, text in zip(groups, texts):
             if self.mode == "full":
-                ids, cut_ids = self.encode(text), 0
+                ids = self.encode(text)
                 trunk_text = ""
             else:
                 prefix = self._probe_prefix(state, group, probes)

@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import functools
 from typing import Callable
 
 from torch import nn

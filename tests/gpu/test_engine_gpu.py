@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import random
 
-import torch
 from transformers import pipeline
 
 import flide

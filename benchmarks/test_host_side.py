@@ -14,18 +14,15 @@ import pytest
 
 from flide.config import CapacityConfig
 from flide.graphs.buckets import plan_rounds
-from flide.requests import Branch, PreparedRequest
 from flide.round import build_round, footprint
+from flide.testing import synthetic_request
 
 
-def race_sized(n: int = 64, state: int = 300, questions: int = 4, question: int = 45) -> list[PreparedRequest]:
+def race_sized(n: int = 64, state: int = 300, questions: int = 4, question: int = 45) -> list:
     rng = np.random.default_rng(0)
-    requests = []
-    for _ in range(n):
-        branches = [Branch(0, rng.integers(10, 1000, size=question), np.asarray([state + question - 1]), [object()],
-                           np.zeros(0, dtype=np.int64), [[11, 12, 13, 14]]) for _ in range(questions)]
-        requests.append(PreparedRequest([rng.integers(10, 1000, size=state)], branches))
-    return requests
+    return [synthetic_request(rng.integers(10, 1000, size=state),
+                              [rng.integers(10, 1000, size=question) for _ in range(questions)], [11, 12, 13, 14])
+            for _ in range(n)]
 
 
 @pytest.mark.benchmark(group="host-side round")

@@ -149,13 +149,17 @@ def load_config(config: "FlideConfig | dict | str | Path | None" = None) -> Flid
         return config
     if isinstance(config, dict):
         return config_from_dict(config)
-    path = Path(config)
+    return config_from_dict(read_yaml(config, "Config file"))
+
+
+def read_yaml(path: str | Path, what: str) -> Any:
+    """The contents of a YAML file; ValueError (starting with `what` and the path) if it is missing or invalid."""
+    path = Path(path)
     if not path.is_file():
-        raise ValueError(f"Config file {str(path)!r} does not exist.")
+        raise ValueError(f"{what} {str(path)!r} does not exist.")
     import yaml
 
     try:
-        values = yaml.safe_load(path.read_text(encoding="utf-8"))
+        return yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as error:
-        raise ValueError(f"Config file {str(path)!r} is not valid YAML: {error}") from error
-    return config_from_dict(values)
+        raise ValueError(f"{what} {str(path)!r} is not valid YAML: {error}") from error

@@ -7,8 +7,6 @@
 
 from __future__ import annotations
 
-import json
-import logging
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -17,12 +15,10 @@ import torch
 
 from .config import FlideConfig, load_config
 from .graphs.buckets import plan_rounds
+from .loading import DTYPES
 from .requests import PreparedRequest, PromptTokenizer, RequestError, parse_request
 from .round import Footprint, Round, build_round, footprint
 
-logger = logging.getLogger("flide")
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -45,7 +41,7 @@ class Engine:
         self.config = load_config(config)
         runtime = self.config.runtime
         if runtime.dtype != "auto":
-            model = model.to(_DTYPES[runtime.dtype])
+            model = model.to(DTYPES[runtime.dtype])
         if runtime.device != "auto":
             model = model.to(runtime.device)
         self.model = model.eval()
@@ -157,7 +153,3 @@ class Engine:
             s = processors[read.question.type](torch.from_numpy(read.tail)[None], s)
             out.setdefault(read.request, {})[read.question.name] = read.question.answer(s.softmax(-1).tolist())
         return out
-
-
-def dumps(answers: Any) -> str:
-    return json.dumps(answers, indent=2, ensure_ascii=False)

@@ -16,7 +16,7 @@ from .config import FlideConfig
 
 logger = logging.getLogger("flide")
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "tokenizer.model")
 
@@ -65,7 +65,7 @@ def load_model(name_or_path: str, cfg: FlideConfig, **kwargs):
     from transformers import AutoConfig, AutoModelForCausalLM, JevForDecision
 
     device = pick_device(cfg.runtime.device)
-    dtype = "auto" if cfg.runtime.dtype == "auto" else _DTYPES[cfg.runtime.dtype]
+    dtype = "auto" if cfg.runtime.dtype == "auto" else DTYPES[cfg.runtime.dtype]
     try:
         config = AutoConfig.from_pretrained(name_or_path)
     except (OSError, ValueError) as error:
@@ -91,7 +91,7 @@ def random_model(config_path: str | Path, dtype: torch.dtype | str = torch.bfloa
     values.pop("architectures", None)
     values.pop("torch_dtype", None)
     config = AutoConfig.for_model(values.pop("model_type"), **values)
-    dtype = _DTYPES[dtype] if isinstance(dtype, str) else dtype
+    dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
     target = pick_device(device)
     torch.manual_seed(seed)
     with torch.device(target):

@@ -193,8 +193,8 @@ class PromptTokenizer:
         self.chat_template = tok.get_chat_template(chat_template) if chat_template is None else chat_template
         self.sanitize = decision_config.sanitize_control_tokens
         if self.sanitize:
-            control = tok._get_control_tokens(self.chat_template)
-            self.control_re, self.markers_re = _get_control_token_patterns(control)[0], None
+            # user text is marked with the template's control tokens; encoding splits at every added token's mark
+            self.control_re = _get_control_token_patterns(tok._get_control_tokens(self.chat_template))[0]
             self.markers_re = _get_control_token_patterns(tuple(tok.added_tokens_encoder))[1]
         self.newline_ids = tok.encode("\n", add_special_tokens=False)
 

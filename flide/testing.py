@@ -12,6 +12,17 @@ _WORDS = ("the a of to and in is was for on that with as it by at be this are fr
           "naïve café 42 3.14 (x) [y] {z} \"quoted\" it's don't -- ... !? http://e.x/a?b=c").split()
 
 
+# A valid request with one question of each type (shared by the request and server tests)
+SUPPORT_TICKET = {
+    "state": {"ticket": "I was charged twice for my order, please help.", "customer": "calm"},
+    "questions": {
+        "urgent": {"type": "noul", "instructions": "Needs a reply within the hour?"},
+        "team": {"type": "choice", "instructions": "Which team?", "criteria": {"billing": "refunds", "tech": None}},
+        "tone": {"type": "score", "instructions": "How upset?", "criteria": ["calm", "annoyed", "furious"]},
+    },
+}
+
+
 def _text(rng: random.Random, words: int) -> str:
     out = []
     for _ in range(words):
@@ -91,14 +102,25 @@ def max_difference(a: dict, b: dict) -> float:
     return worst
 
 
+def synthetic_request(trunk, questions: list, options: list[int] | None = None):
+    """A PreparedRequest made of given token arrays (no tokenizer): one trunk, one branch per question, each read at
+    its last token with head rows `options` (default [1, 2]). For op tests and benchmarks."""
+    import numpy as np
+
+    from .requests import Branch, PreparedRequest
+
+    trunk = np.asarray(trunk, dtype=np.int64)
+    options = [1, 2] if options is None else list(options)
+    branches = [Branch(0, np.asarray(tokens, dtype=np.int64), np.asarray([len(trunk) + len(tokens) - 1]), [object()],
+                       np.zeros(0, dtype=np.int64), [options]) for tokens in questions]
+    return PreparedRequest([trunk], branches)
+
+
 def random_round_tensors(rng: random.Random, tokens: int, max_requests: int = 6, max_questions: int = 8,
                          max_state: int = 400, max_question: int = 60):
     """RoundTensors of a random round laid out by `build_round` in a stream of exactly `tokens` tokens: random
     requests (states of 0..max_state tokens, 1..max_questions questions of 1..max_question tokens) while they fit.
     Token ids are random; readout rows are each question's last token. For op tests and benchmarks."""
-    import numpy as np
-
-    from .requests import Branch, PreparedRequest
     from .round import Shape, build_round
 
     requests, used = [], 0
@@ -109,14 +131,9 @@ def random_round_tensors(rng: random.Random, tokens: int, max_requests: int = 6,
         if used + need > tokens:
             break
         used += need
-        trunk = np.asarray([rng.randrange(1000) for _ in range(state)], dtype=np.int64)
-        branches = [Branch(0, np.asarray([rng.randrange(1000) for _ in range(n)], dtype=np.int64),
-                        np.asarray([state + n - 1]), [object()], np.zeros(0, dtype=np.int64), [[1, 2]])
-                    for n in questions]
-        requests.append(PreparedRequest([trunk], branches))
+        trunk = [rng.randrange(1000) for _ in range(state)]
+        requests.append(synthetic_request(trunk, [[rng.randrange(1000) for _ in range(n)] for n in questions]))
     if not requests:  # at least one request: a state that fills what there is
-        trunk = np.arange(max(tokens - 1, 0), dtype=np.int64) % 1000
-        requests.append(PreparedRequest([trunk], [Branch(0, np.asarray([7]), np.asarray([len(trunk)]), [object()],
-                                                         np.zeros(0, dtype=np.int64), [[1, 2]])]))
+        requests.append(synthetic_request([i % 1000 for i in range(max(tokens - 1, 0))], [[7]]))
     shape = Shape(tokens, 64, 512, 512, 2)
     return build_round(requests, shape, pad_id=0).tensors

@@ -13,21 +13,12 @@ import pytest
 
 import flide
 from flide.models.tiny import tiny_model, tiny_tokenizer
+from flide.testing import SUPPORT_TICKET as GOOD
 
 REPO = Path(__file__).resolve().parent.parent
 
-# Capacities sized for these small requests: the reference ops run every capacity row, so the defaults (sized for a
-# GPU) would make each CPU round take tens of seconds.
+# Capacities sized for these small requests, so that rounds are split and packed as they would be at scale.
 SMALL = {"capacities": {"buckets": [256, 512], "requests": 4, "states": 4, "branches": 8, "readout_rows": 8}}
-
-GOOD = {
-    "state": {"ticket": "I was charged twice for my order, please help.", "customer": "calm"},
-    "questions": {
-        "urgent": {"type": "noul", "instructions": "Needs a reply within the hour?"},
-        "team": {"type": "choice", "instructions": "Which team?", "criteria": {"billing": "refunds", "tech": None}},
-        "tone": {"type": "score", "instructions": "How upset?", "criteria": ["calm", "annoyed", "furious"]},
-    },
-}
 
 
 @pytest.fixture(scope="module")

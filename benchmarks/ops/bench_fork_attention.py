@@ -24,16 +24,12 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from flide.ops.registry import resolve  # noqa: E402
-from flide.requests import Branch, PreparedRequest  # noqa: E402
+from flide.testing import synthetic_request  # noqa: E402
 from flide.round import Shape, build_round  # noqa: E402
 
 
 def stream(requests: int, state: int, questions: int, question: int):
-    preps = []
-    for _ in range(requests):
-        branches = [Branch(0, np.ones(question, dtype=np.int64), np.asarray([state + question - 1]), [object()],
-                           np.zeros(0, dtype=np.int64), [[1, 2]]) for _ in range(questions)]
-        preps.append(PreparedRequest([np.ones(state, dtype=np.int64)], branches))
+    preps = [synthetic_request(np.ones(state), [np.ones(question)] * questions) for _ in range(requests)]
     tokens = requests * (state + questions * question)
     tokens = -(-tokens // 128) * 128
     return build_round(preps, Shape(tokens, requests, requests * questions, requests * questions, 2), 0).tensors

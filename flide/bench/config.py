@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..config import read_yaml
+
 REPO = Path(__file__).resolve().parents[2]
 
 WORKLOADS = ("race1", "race", "quality1", "quality", "multirc", "sweep")
@@ -280,15 +282,7 @@ def config_from_dict(values: dict[str, Any]) -> BenchConfig:
 
 def load_bench_config(path: str | Path) -> BenchConfig:
     """A `BenchConfig` from a YAML file (errors name the file and the offending key)."""
-    import yaml
-
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"Benchmark config {str(path)!r} does not exist.")
-    try:
-        values = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError as error:
-        raise ValueError(f"Benchmark config {str(path)!r} is not valid YAML: {error}") from error
+    values = read_yaml(path, "Benchmark config")
     try:
         return config_from_dict(values if values is not None else {})
     except ValueError as error:

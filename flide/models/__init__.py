@@ -32,9 +32,9 @@ def supported_model_types() -> list[str]:
     return sorted(FAMILIES)
 
 
-def swap_mixers(text_model: nn.Module, kernels: KernelConfig) -> None:
-    """Replaces every decoder layer's attention / Gated DeltaNet module with Flide's (idempotent)."""
-    ops = resolve_all(kernels)
+def swap_mixers(text_model: nn.Module, ops: dict) -> None:
+    """Replaces every decoder layer's attention / Gated DeltaNet module with Flide's (idempotent); `ops` is
+    `resolve_all(kernels)`."""
     for index, layer in enumerate(text_model.layers):
         for name in ("input_layernorm", "post_attention_layernorm", "mlp"):
             if not hasattr(layer, name):
@@ -57,9 +57,9 @@ def adapt(model: nn.Module, tokenizer, kernels: KernelConfig) -> FlatModel:
         raise ValueError(f"Flide does not support model type {model_type!r} ({type(model).__name__}); supported "
                          f"model types: {', '.join(supported_model_types())}.")
     text_model, head = FAMILIES[model_type](model, tokenizer)
-    swap_mixers(text_model, kernels)
-    readout = resolve_all(kernels)["readout"]
-    return FlatModel(text_model, head, readout, selective=kernels.readout == "selective")
+    ops = resolve_all(kernels)
+    swap_mixers(text_model, ops)
+    return FlatModel(text_model, head, ops["readout"], selective=ops["readout"].gathers_rows_first)
 
 
 __all__ = ["FAMILIES", "FlatModel", "Head", "adapt", "supported_model_types", "swap_mixers"]

@@ -15,11 +15,12 @@ def fork_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     return reference.fork_attention(q, k, v, seg_lo, trunk_lo, trunk_hi, scale)
 
 
-@fork_attention_reference.register_fake
-def _(q, k, v, seg_lo, trunk_lo, trunk_hi, scale):
+def _fake(q, k, v, seg_lo, trunk_lo, trunk_hi, scale):
+    """Every variant's output: [T, Hq, Dv] in q's dtype."""
     return q.new_empty(q.shape[0], q.shape[1], v.shape[2])
 
 
+fork_attention_reference.register_fake(_fake)
 register("fork_attention", "reference")(fork_attention_reference)
 
 
@@ -29,9 +30,7 @@ def fork_attention_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_l
     return flex.fork_attention(q, k, v, seg_lo, trunk_lo, trunk_hi, scale)
 
 
-@fork_attention_flex.register_fake
-def _(q, k, v, seg_lo, trunk_lo, trunk_hi, scale):
-    return q.new_empty(q.shape[0], q.shape[1], v.shape[2])
+fork_attention_flex.register_fake(_fake)
 
 
 def _cuda_only() -> str | None:

@@ -33,7 +33,7 @@ def _(hidden, rows, weight, bias, option_index):
     return weight.new_empty(option_index.shape)
 
 
-# `gathers_rows_first` tells the model whether its last layer may run at the readout rows only.
+# Read by the model (flide.models.adapt): whether the last layer may run at the readout rows only.
 readout_selective.gathers_rows_first = True
 readout_full.gathers_rows_first = False
 register("readout", "selective")(readout_selective)

@@ -17,11 +17,12 @@ GDN_CHUNK = 64  # the chunk length of the chunked gated delta rule (and of fla's
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """Which registered variant runs each op (see `flide.ops.registry`)."""
+    """Which registered variant runs each op (see `flide.ops.registry`). `auto`: the fastest variant that runs on the
+    model's device (`flide.ops.registry.AUTO`), the pure-torch references on the CPU."""
 
-    fork_attention: str = "reference"
-    gated_delta: str = "reference"
-    fork_conv: str = "reference"
+    fork_attention: str = "auto"
+    gated_delta: str = "auto"
+    fork_conv: str = "auto"
     # selective: the last layer's MLP and the head run only at readout rows and only the label logits are computed.
     # full: the last layer and the whole vocabulary run at every token, then the rows are read (the ablation).
     readout: str = "selective"
@@ -54,6 +55,9 @@ class RuntimeConfig:
     dtype: str = "auto"  # auto: the model's own dtype; or float32, bfloat16, float16
     # split: each state is tokenized once and each question's tail once; full: each prompt whole (slow, the oracle)
     tokenization: str = "split"
+    # auto: one CUDA graph per bucket (torch.compile reduce-overhead) when on CUDA and every kernel variant can be
+    # captured, else eager rounds of their own size; on: graphs or an error saying why not; off: eager (the ablation)
+    graphs: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -92,6 +96,7 @@ class FlideConfig:
 _CHOICES = {
     ("runtime", "dtype"): ("auto", "float32", "bfloat16", "float16"),
     ("runtime", "tokenization"): ("split", "full"),
+    ("runtime", "graphs"): ("auto", "on", "off"),
 }
 
 
@@ -119,6 +124,8 @@ def _build(cls, values: Any, where: str):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"Config `{key}` must be a positive integer, got {value!r}.")
         elif isinstance(default, str):
+            if isinstance(value, bool) and (where, name) == ("runtime", "graphs"):
+                value = "on" if value else "off"  # YAML 1.1 reads a bare on/off as a boolean
             if not isinstance(value, str):
                 raise ValueError(f"Config `{key}` must be a string, got {value!r}.")
             choices = _CHOICES.get((where, name))

@@ -53,7 +53,11 @@ class Engine:
                 decision_config = DecisionConfig.from_pretrained(getattr(model, "name_or_path", "") or "")
         decision_config.validate_noul_options()
         self.decision_config = decision_config
-        self.flat = adapt(model, tokenizer, self.config.kernels)
+        from .ops.registry import concrete
+
+        # the variants `auto` picks on the model's device: what runs, and what the graph runner checks
+        self.kernels = concrete(self.config.kernels, next(model.parameters()).device)
+        self.flat = adapt(model, tokenizer, self.kernels)
         self.prompts = PromptTokenizer(tokenizer, decision_config, runtime.tokenization)
         tok = self.prompts.tokenizer
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
@@ -62,6 +66,30 @@ class Engine:
         # The head's label lookup encodes labels with the shared tokenizer on a cache miss; threads that prepare
         # requests at once (flide serve) take turns there (fast tokenizers are not safe to share while encoding)
         self._head_lock = threading.Lock()
+        self.runner = self._graph_runner() if self._use_graphs() else None
+
+    def _use_graphs(self) -> bool:
+        from .ops.registry import not_capturable
+
+        mode = self.config.runtime.graphs
+        if mode == "off":
+            return False
+        reasons = []
+        if self.device.type != "cuda":
+            reasons.append(f"the model is on {self.device.type}, not CUDA")
+        blocked = not_capturable(self.kernels)
+        if blocked:
+            reasons.append(f"these kernel variants cannot be captured: {', '.join(blocked)}")
+        if reasons and mode == "on":
+            raise ValueError(f"`runtime.graphs: on` cannot hold: {'; '.join(reasons)}.")
+        return not reasons
+
+    def _graph_runner(self):
+        from .graphs.runner import GraphRunner
+
+        runner = GraphRunner(self.flat, self.config.capacities, self.max_options, self.device, self.pad_id)
+        runner.capture()
+        return runner
 
     @property
     def device(self) -> torch.device:
@@ -127,11 +155,16 @@ class Engine:
         """Answers prepared requests in as few flat rounds as the capacities allow."""
         answers: list[dict] = [{} for _ in prepared]
         needs: list[Footprint] = [footprint(p) for p in prepared]
-        # Eager rounds take their own size: fixed bucket shapes only pay off once graphs are captured per bucket
-        for planned in plan_rounds(needs, self.config.capacities, self.max_options, exact=True):
+        # Eager rounds take their own size; with graphs a round takes its bucket's shape and replays its graph, and
+        # only a request larger than every bucket runs eagerly in a shape of its own (the same flat forward)
+        graphs = self.runner is not None
+        for planned in plan_rounds(needs, self.config.capacities, self.max_options, exact=not graphs):
             requests = [prepared[i] for i in planned.requests]
-            round_ = build_round(requests, planned.shape, self.pad_id)
-            scores = self.forward(round_)
+            if graphs and not planned.oversized:
+                round_, scores = self.runner.run(requests, planned.shape)
+            else:
+                round_ = build_round(requests, planned.shape, self.pad_id)
+                scores = self.forward(round_)
             for local, answer in self.answers(round_, scores).items():
                 index = planned.requests[local]
                 answers[index] = {q.name: answer[q.name] for q in prepared[index].questions}  # request order

@@ -32,13 +32,25 @@ def exact_shape(need: Footprint, options: int) -> Shape:
     return Shape(tokens, max(need.states, 1), max(need.branches, 1), max(need.readout_rows, 1), options)
 
 
+def bucket_shape(tokens: int, caps: CapacityConfig, options: int) -> Shape:
+    """The capacities of bucket `tokens`: every segment has a token and reads rarely outnumber tokens, so no bucket
+    needs more rows than tokens (small buckets then carry small tables, their kernels launch small grids and the
+    last layer's MLP runs over few readout rows). A round that needs more takes a larger bucket."""
+    return Shape(tokens, min(caps.states, tokens), min(caps.branches, tokens), min(caps.readout_rows, tokens), options)
+
+
+def holds(shape: Shape, need: Footprint) -> bool:
+    return (need.tokens <= shape.tokens and need.states <= shape.states and need.branches <= shape.branches
+            and need.readout_rows <= shape.readout_rows)
+
+
 def shape_for(need: Footprint, caps: CapacityConfig, options: int, exact: bool = False) -> tuple[Shape, bool]:
     """The bucketed shape of a round (or its exact shape when `exact`), and whether it exceeds every bucket."""
-    tokens = bucket_for(need.tokens, caps)
-    if exact:
-        return exact_shape(need, options), tokens is None or not need.fits(caps, tokens)
-    if tokens is not None and need.fits(caps, tokens):
-        return Shape(tokens, caps.states, caps.branches, caps.readout_rows, options), False
+    if need.fits(caps, caps.buckets[-1]):
+        for tokens in caps.buckets:
+            shape = bucket_shape(tokens, caps, options)
+            if holds(shape, need):
+                return (exact_shape(need, options) if exact else shape), False
     return exact_shape(need, options), True
 
 

@@ -57,7 +57,8 @@ def adapt(model: nn.Module, tokenizer, kernels: KernelConfig) -> FlatModel:
         raise ValueError(f"Flide does not support model type {model_type!r} ({type(model).__name__}); supported "
                          f"model types: {', '.join(supported_model_types())}.")
     text_model, head = FAMILIES[model_type](model, tokenizer)
-    ops = resolve_all(kernels)
+    device = next(model.parameters()).device
+    ops = resolve_all(kernels, device)  # `auto` picks for the device the model is on
     swap_mixers(text_model, ops)
     return FlatModel(text_model, head, ops["readout"], selective=ops["readout"].gathers_rows_first)
 

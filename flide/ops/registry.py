@@ -14,10 +14,13 @@ OP_FAMILIES = ("fork_attention", "gated_delta", "fork_conv", "readout")
 
 _REGISTRY: dict[tuple[str, str], Callable] = {}
 _AVAILABLE: dict[tuple[str, str], Callable[[], str | None]] = {}
+_NOT_CAPTURABLE: set[tuple[str, str]] = set()
 
 
-def register(op: str, variant: str, available: Callable[[], str | None] | None = None):
-    """Decorator: registers `fn` as `variant` of `op`. `available()` returns None, or why the variant can't run here."""
+def register(op: str, variant: str, available: Callable[[], str | None] | None = None, capturable: bool = True):
+    """Decorator: registers `fn` as `variant` of `op`. `available()` returns None, or why the variant can't run here.
+    `capturable=False`: the variant syncs with the host or sizes its launches from the data, so it cannot run inside
+    a CUDA graph (the flat-graph runner refuses it)."""
     if op not in OP_FAMILIES:
         raise ValueError(f"Unknown op {op!r}; ops: {', '.join(OP_FAMILIES)}.")
 
@@ -28,6 +31,8 @@ def register(op: str, variant: str, available: Callable[[], str | None] | None =
         _REGISTRY[key] = fn
         if available is not None:
             _AVAILABLE[key] = available
+        if not capturable:
+            _NOT_CAPTURABLE.add(key)
         return fn
 
     return wrap
@@ -59,6 +64,43 @@ def resolve(op: str, variant: str) -> Callable:
     return _REGISTRY[key]
 
 
-def resolve_all(kernels) -> dict[str, Callable]:
-    """Resolves every op of a `KernelConfig` at once: {op: implementation}."""
+# `auto`: the first of these variants that is registered and can run, by device type (else `reference`)
+AUTO = {
+    "fork_attention": {"cuda": ("flex", "reference")},
+    "gated_delta": {"cuda": ("fla", "reference")},
+    "fork_conv": {"cuda": ("triton", "reference")},
+    "readout": {},
+}
+
+
+def concrete(kernels, device: str = "cpu"):
+    """The `KernelConfig` with every `auto` replaced by the variant it picks on `device` (a device type or
+    torch.device): the fastest registered variant that can run there, the reference ones on the CPU."""
+    import dataclasses
+
+    _load_all()
+    device_type = getattr(device, "type", str(device).split(":")[0])
+    picked = {}
+    for op in OP_FAMILIES:
+        if getattr(kernels, op) != "auto":
+            continue
+        for variant in AUTO[op].get(device_type, ()) + ("reference",):
+            key = (op, variant)
+            if key in _REGISTRY and _AVAILABLE.get(key, lambda: None)() is None:
+                picked[op] = variant
+                break
+    return dataclasses.replace(kernels, **picked)
+
+
+def resolve_all(kernels, device: str = "cpu") -> dict[str, Callable]:
+    """Resolves every op of a `KernelConfig` at once (`auto` as `concrete` picks it on `device`): {op: implementation}."""
+    kernels = concrete(kernels, device)
     return {op: resolve(op, getattr(kernels, op)) for op in OP_FAMILIES}
+
+
+def not_capturable(kernels) -> list[str]:
+    """The `kernels.<op>: <variant>` choices of a `KernelConfig` that cannot run inside a CUDA graph."""
+    _load_all()
+    kernels = concrete(kernels)
+    return [f"kernels.{op}: {getattr(kernels, op)}" for op in OP_FAMILIES
+            if (op, getattr(kernels, op)) in _NOT_CAPTURABLE]

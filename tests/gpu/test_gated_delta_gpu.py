@@ -1,7 +1,6 @@
-"""The fla kernel of the gated delta rule (flide::gated_delta_fla, not yet a registered variant) against the
-reference, through the two-call fork over level-major rounds (odd segment lengths, many segments, fp32 and bf16),
-and replayed inside a CUDA graph with other rounds. Known to fail on the H200 at the time of writing (an illegal
-memory access in fla's chunk_local_cumsum on the second case of a process): see NOTES.md."""
+"""The `fla` variant of the gated delta rule (flide::gated_delta_fla) against the reference, through the two-call
+fork over level-major rounds (odd segment lengths, many segments, fp32 and bf16), and replayed inside a CUDA graph
+with other rounds."""
 
 from __future__ import annotations
 
@@ -36,7 +35,7 @@ def inputs(tokens: int, dtype, seed: int, hk: int = 4, hv: int = 8, d: int = 128
 
 
 def kernel(variant):
-    return torch.ops.flide.gated_delta_fla if variant == "fla" else resolve("gated_delta", variant)
+    return resolve("gated_delta", variant)
 
 
 def run_fork(variant, x, r):
@@ -85,3 +84,41 @@ def test_fla_fork_replays_in_a_cuda_graph_with_other_rounds():
                                     r2.branch_state, 128 ** -0.5, True)
         assert torch.equal(o, eager_o)
         assert torch.equal(final, eager_final)
+
+
+def segments_round(state_lens, branch_lens, branch_state, capacity_states, capacity_branches):
+    """Level-major metadata by hand: the states, then the branches, the stream filled to its last row."""
+    starts, at = [], 0
+    for n in list(state_lens) + list(branch_lens):
+        starts.append(at)
+        at += n
+    ns, nb = len(state_lens), len(branch_lens)
+
+    def table(values, capacity, fill):
+        return torch.tensor(list(values) + [fill] * (capacity - len(values)), device="cuda")
+
+    return at, dict(state_start=table(starts[:ns], capacity_states, at), state_len=table(state_lens, capacity_states, 0),
+                    branch_start=table(starts[ns:], capacity_branches, at),
+                    branch_len=table(branch_lens, capacity_branches, 0),
+                    branch_state=table(branch_state, capacity_branches, 0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fla_fork_odd_lengths_stream_full_to_the_end(dtype):
+    # states of 1, 63, 64, 65, 500 and 3,600 tokens, questions of 1, 63, 64, 65 tokens; no padding row after the
+    # last segment, and one unused row in each table
+    tokens, meta = segments_round([1, 63, 64, 65, 500, 3600], [1, 63, 64, 65, 40, 1, 7], [0, 1, 2, 3, 4, 5, 5], 7, 8)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    q, k = (torch.randn(tokens, 4, 128, device="cuda", generator=g).to(dtype) for _ in range(2))
+    v = torch.randn(tokens, 8, 128, device="cuda", generator=g).to(dtype)
+    decay = -F.softplus(torch.randn(tokens, 8, device="cuda", generator=g)) * 0.5
+    beta = torch.sigmoid(torch.randn(tokens, 8, device="cuda", generator=g)).to(dtype)
+    args = (meta["state_start"], meta["state_len"], meta["branch_start"], meta["branch_len"], meta["branch_state"])
+    ref_o, ref_final = fork(kernel("reference"), q.float(), k.float(), v.float(), decay, beta.float(), *args,
+                            128 ** -0.5, True)
+    o, final = fork(kernel("fla"), q, k, v, decay, beta, *args, 128 ** -0.5, True)
+    assert torch.isfinite(o).all() and torch.isfinite(final).all()
+    assert rel_err(o, ref_o) < TOL[dtype]
+    assert rel_err(final[:6], ref_final[:6]) < TOL[dtype]
+    for start, n in [(0, 1), (1, 63), (64, 64), (128, 65)]:  # every state on its own too, short ones included
+        assert rel_err(o[start:start + n], ref_o[start:start + n]) < TOL[dtype]

@@ -77,6 +77,10 @@ def fork_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_lo: to
 
     mask = BlockMask.from_kv_blocks(*block_tables(seg_lo, trunk_lo, trunk_hi), BLOCK_SIZE=BLOCK, mask_mod=mask_mod,
                                     seq_lengths=(T + pad, T + pad))
-    out = _compiled_flex()(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+    if torch.compiler.is_compiling():  # traced into the caller's graph (the flat graphs): Inductor compiles it there
+        from torch.nn.attention.flex_attention import flex_attention as flex
+    else:
+        flex = _compiled_flex()
+    out = flex(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                            block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     return out[0].transpose(0, 1)[:T].contiguous()

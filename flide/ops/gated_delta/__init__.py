@@ -1,5 +1,5 @@
-"""flide::gated_delta_* custom ops and the two-call fork built on them. Variants: `reference` (pure torch). In
-progress: `flide::gated_delta_fla` (fla-core's chunked Triton kernels with fixed-capacity chunk lists; CUDA)."""
+"""flide::gated_delta_* custom ops and the two-call fork built on them. Variants: `reference` (pure torch, any
+device), `fla` (fla-core's chunked Triton kernels with fixed-capacity chunk lists built on the GPU; CUDA)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def _fake(q, k, v, g, beta, seg_start, seg_len, initial_state, initial_index, sc
     return out, final
 
 
-register("gated_delta", "reference")(gated_delta_reference)
+register("gated_delta", "reference", capturable=False)(gated_delta_reference)
 
 
 @torch.library.custom_op("flide::gated_delta_fla", mutates_args=(), device_types="cuda")
@@ -37,9 +37,7 @@ def gated_delta_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
 
 
 gated_delta_fla.register_fake(_fake)  # the same shapes as the reference
-# Not registered as a variant yet: on the H200 its second call in one process can hit an illegal memory access
-# inside fla's chunk_local_cumsum (tests/gpu/test_gated_delta_gpu.py shows it; NOTES.md, open problems). It is
-# registered once those tests pass.
+register("gated_delta", "fla", available=fla.available)(gated_delta_fla)
 
 
 def fork(kernel, q, k, v, g, beta, state_start, state_len, branch_start, branch_len, branch_state, scale: float,

@@ -2,9 +2,13 @@
 
 Contract beyond the reference's: the call's non-empty segments are contiguous and in stream order, and unused rows
 (length 0) come last. The round layout guarantees it (all states, then all questions), so cu_seqlens is a cumsum of
-the lengths, built on the GPU; fla's static chunk list (`prepare_chunk_indices_static`: T/64 + N rows, sentinel rows
-past the real chunks) gives every kernel a grid that depends on the capacities alone. Rows outside the call's span
-are zeroed: fla leaves them unwritten, and a NaN there would leak through 0-probability attention products.
+the lengths, built on the GPU. The chunk list has a fixed capacity (T/64 + N + 1 rows), so every kernel's grid
+depends on the capacities alone. Its rows past the real chunks must name a real, empty sequence: fla's gated delta
+kernels read `cu_seqlens[i_n]` without checking fla's own sentinel (i_n = -1, which only its KDA kernels test), so a
+sentinel row would read one element before cu_seqlens and launch on garbage bounds (the illegal memory accesses
+seen on the H200). We append one zero-length sequence at the end of the call and point the spare rows at it; every
+kernel returns at once there (`i_t * BT >= T`). Rows outside the call's span are zeroed: fla leaves them
+unwritten, and a NaN there would leak through 0-probability attention products.
 """
 
 from __future__ import annotations
@@ -26,10 +30,9 @@ def _fla():
     os.environ.setdefault("FLA_DISABLE_TENSOR_CACHE", "1")
     import fla.utils
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-    from fla.ops.utils.index import prepare_chunk_indices_static
 
     fla.utils.FLA_DISABLE_TENSOR_CACHE = True
-    return chunk_gated_delta_rule, prepare_chunk_indices_static
+    return chunk_gated_delta_rule
 
 
 def available() -> str | None:
@@ -42,26 +45,39 @@ def available() -> str | None:
     return None
 
 
+def chunk_table(cu_seqlens: torch.Tensor, rows: int) -> torch.Tensor:
+    """[rows, 2] (sequence, chunk) of every 64-token chunk of the sequences of `cu_seqlens`, in order; the rows past
+    the real chunks name the last sequence's chunk 0. The last sequence must be empty (see the module docstring).
+    Device ops only: no host sync, recorded by CUDA graphs."""
+    lens = cu_seqlens[1:] - cu_seqlens[:-1]
+    chunk_offsets = torch.cat([lens.new_zeros(1), ((lens + GDN_CHUNK - 1) // GDN_CHUNK).cumsum(0)])
+    slots = torch.arange(rows, device=cu_seqlens.device, dtype=chunk_offsets.dtype)
+    seq = torch.searchsorted(chunk_offsets, slots, right=True) - 1
+    valid = slots < chunk_offsets[-1]
+    empty = lens.shape[0] - 1
+    chunk = torch.where(valid, slots - chunk_offsets[seq.clamp(max=empty)], torch.zeros_like(slots))
+    seq = torch.where(valid, seq, torch.full_like(seq, empty))
+    return torch.stack([seq, chunk], 1).to(cu_seqlens.dtype)
+
+
 def gated_delta(q, k, v, g, beta, seg_start, seg_len, initial_state, initial_index, scale: float,
                 use_qk_l2norm: bool):
     """Same arguments and results as `reference.gated_delta`, on CUDA tensors (see the module docstring)."""
-    chunk_rule, static_chunks = _fla()
+    chunk_rule = _fla()
     T = q.shape[0]
     N = seg_start.shape[0]
-    # One spare zero row: a zero-length sequence at the very end of the stream starts at row T, and fla's kernels
-    # form pointers at a sequence's first row even when it has none (an illegal access without the spare row)
-    q, k, v, g, beta = (torch.cat([x, x.new_zeros(1, *x.shape[1:])]) for x in (q, k, v, g, beta))
-    cu_seqlens = torch.cat([seg_start[:1], seg_start[:1] + seg_len.cumsum(0)])
-    chunk_indices, _ = static_chunks(cu_seqlens, GDN_CHUNK, (T + 1) // GDN_CHUNK + N + 1)
-    if initial_state.shape[0] == 0:
-        h0 = q.new_zeros(N, v.shape[1], k.shape[2], v.shape[2], dtype=torch.float32)
-    else:
-        h0 = initial_state[initial_index.clamp(min=0)].float()
-        h0 = torch.where((initial_index >= 0)[:, None, None, None], h0, torch.zeros_like(h0))
+    end = seg_start[:1] + seg_len.sum(0, keepdim=True)
+    # N segments and the empty sequence that the spare chunk rows name
+    cu_seqlens = torch.cat([seg_start[:1], seg_start[:1] + seg_len.cumsum(0), end])
+    chunk_indices = chunk_table(cu_seqlens, T // GDN_CHUNK + N + 1)
+    h0 = q.new_zeros(N + 1, v.shape[1], k.shape[2], v.shape[2], dtype=torch.float32)
+    if initial_state.shape[0] > 0:
+        gathered = initial_state[initial_index.clamp(min=0)].float()
+        h0[:N] = torch.where((initial_index >= 0)[:, None, None, None], gathered, torch.zeros_like(gathered))
     o, final = chunk_rule(q[None], k[None], v[None], g[None].float(), beta[None].to(q.dtype), scale=scale,
                           initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm,
                           cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
     t = torch.arange(T, device=q.device)
-    inside = (t >= cu_seqlens[0]) & (t < cu_seqlens[-1])
-    o = torch.where(inside[:, None, None], o[0, :T], torch.zeros((), dtype=o.dtype, device=o.device))
-    return o.to(q.dtype), final
+    inside = (t >= cu_seqlens[0]) & (t < end)
+    o = torch.where(inside[:, None, None], o[0], torch.zeros((), dtype=o.dtype, device=o.device))
+    return o.to(q.dtype), final[:N]

@@ -1,0 +1,149 @@
+"""Where the time of one round goes: latency of one request alone (graphs vs eager rounds) and a kernel profile of
+one graph replay, per workload, on a random-weight model in real shapes.
+
+    python benchmarks/profile_round.py --config-json <qwen3.5-0.8b.json> --tokenizer <folder> \\
+        [--data <folder>] [--workloads race multirc quality sweep1 sweep8 sweep64] [--out results.json]
+
+For each workload it prepares the first request, runs it alone `--repeats` times and reports the median wall time
+of `engine.run` (host build + copy + replay + scores back; tokenization excluded, it runs before and off the GPU's
+thread in `flide serve`) and the stream tokens; then profiles `--profile-runs` replays with torch.profiler and
+groups GPU kernel time into families (GEMMs, attention, gated delta, conv, norms and pointwise, copies). GPU only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import flide  # noqa: E402
+from flide import workloads  # noqa: E402
+from flide.loading import load_tokenizer, random_model  # noqa: E402
+
+FAMILIES = [  # first match wins: (family, substrings of the kernel name)
+    ("gemm", ("gemm", "cutlass", "sm90_xmma", "nvjet", "cublas", "matmul", "mm_")),
+    ("attention", ("flex", "attention", "attn")),
+    ("gated delta", ("chunk_", "gated_delta", "l2norm", "solve_tril", "recompute_w_u", "kkt", "fwd_h", "fwd_o",
+                     "cumsum")),
+    ("conv", ("fork_conv", "conv")),
+    ("copies", ("memcpy", "memset", "copy", "fill")),
+]
+
+
+def family(name: str) -> str:
+    low = name.lower()
+    for fam, keys in FAMILIES:
+        if any(k in low for k in keys):
+            return fam
+    return "pointwise/norm/other"
+
+
+def sweep(tokenizer, questions: int, folder) -> dict:
+    base = workloads.quality(limit=1, cut_tokens=2000, tokenizer=tokenizer, folder=folder)[0]
+    items = list(base["questions"].values())
+    return {"state": base["state"], "questions": {f"q{i}": items[i % len(items)] for i in range(questions)}}
+
+
+def load(name: str, tokenizer, folder) -> dict:
+    if name == "race":
+        return workloads.race(limit=1, folder=folder)[0]
+    if name == "race1":
+        return workloads.race(limit=1, one_question=True, folder=folder)[0]
+    if name == "multirc":
+        return workloads.multirc(limit=1, folder=folder)[0]
+    if name == "quality":
+        return workloads.quality(limit=1, folder=folder)[0]
+    if name == "quality1":
+        return workloads.quality(limit=1, cut_tokens=3600, tokenizer=tokenizer, one_question=True, folder=folder)[0]
+    if name.startswith("sweep"):
+        return sweep(tokenizer, int(name[5:]), folder)
+    raise SystemExit(f"unknown workload {name!r}")
+
+
+def median_ms(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def profile(fn, runs: int) -> dict:
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(runs):
+            fn()
+        torch.cuda.synchronize()
+    by_family: dict[str, float] = defaultdict(float)
+    top: dict[str, float] = defaultdict(float)
+    for event in prof.key_averages():
+        us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
+        if us <= 0 or event.key.startswith("ProfilerStep"):
+            continue
+        by_family[family(event.key)] += us / runs
+        top[event.key] += us / runs
+    heaviest = sorted(top.items(), key=lambda kv: -kv[1])[:12]
+    return {"gpu_ms_by_family": {k: round(v / 1e3, 4) for k, v in sorted(by_family.items(), key=lambda kv: -kv[1])},
+            "gpu_ms_total": round(sum(by_family.values()) / 1e3, 4),
+            "top_kernels_ms": [(k[:90], round(v / 1e3, 4)) for k, v in heaviest]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--config-json", required=True)
+    parser.add_argument("--tokenizer", required=True)
+    parser.add_argument("--data", default=None)
+    parser.add_argument("--workloads", nargs="+", default=["race", "multirc", "quality", "sweep1", "sweep8",
+                                                           "sweep64"])
+    parser.add_argument("--config", default=None, help="a Flide YAML config (default: configs/default.yaml's)")
+    parser.add_argument("--eager", action="store_true", help="also time eager rounds (runtime.graphs: off)")
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--profile-runs", type=int, default=5)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+
+    tokenizer = load_tokenizer(args.tokenizer)
+    model = random_model(args.config_json, torch.bfloat16, "cuda")
+    start = time.perf_counter()
+    engine = flide.patch(model, tokenizer, config=args.config)
+    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "kernels": str(engine.kernels),
+              "start_s": round(time.perf_counter() - start, 1), "rows": []}
+    if engine.runner is not None:
+        report["capture_s"] = round(engine.runner.capture_seconds, 1)
+        report["graph_memory_gib"] = round(engine.runner.graph_memory_bytes / 2**30, 3)
+    # a copy: patching swaps the model's mixers in place, and the captured engine must keep its own
+    eager = flide.patch(copy.deepcopy(model), tokenizer, config={"runtime": {"graphs": "off"}}) if args.eager else None
+    print(json.dumps({k: v for k, v in report.items() if k != "rows"}), flush=True)
+    for name in args.workloads:
+        request = load(name, tokenizer, args.data)
+        prepared = engine.prepare(request)
+        engine.run([prepared])  # warm
+        row = {"workload": name, "questions": len(request["questions"]), "stream_tokens": prepared.stream_tokens,
+               "latency_ms": round(median_ms(lambda: engine.run([prepared]), args.repeats), 3)}
+        if eager is not None:
+            p2 = eager.prepare(request)
+            eager.run([p2])
+            row["eager_latency_ms"] = round(median_ms(lambda: eager.run([p2]), max(3, args.repeats // 4)), 3)
+        row["profile"] = profile(lambda: engine.run([prepared]), args.profile_runs)
+        report["rows"].append(row)
+        print(json.dumps(row), flush=True)
+    report["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
+    print(json.dumps({"peak_memory_gib": report["peak_memory_gib"]}))
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""Flat graphs: one CUDA graph per stream-length bucket, replayed for every round whatever its mix of requests.
+
+At start the runner gives every bucket of `capacities.buckets` its own static metadata: a pinned host buffer and a
+device buffer holding all RoundTensors fields of the bucket's Shape in one packed int64 tensor (the fields are
+views of it, marked static for torch.compile). `torch.compile(mode="reduce-overhead", dynamic=False)` then
+compiles the flat forward once per bucket and its cudagraph trees record one CUDA graph per bucket (warm-up run,
+recording run, one replay to check). A round is built straight into its bucket's pinned buffer, moved to the GPU
+in ONE copy, and the bucket's graph replays; no shape, Python int or launch size depends on the round's contents,
+so nothing recompiles or re-records after capture.
+
+cudagraph trees keep their graphs per thread (thread-local tree managers), so every compiled call, the capture
+included, runs on the runner's own thread; callers on any thread (the serve scheduler, benchmark submitters) hand
+rounds to it and wait. It also serialises the GPU work of concurrent callers, which share the buffers.
+
+With `compile=False` the same buckets and buffers run eagerly (the flat forward over bucket-shaped rounds): the
+ablation "no CUDA graphs", and the path the CPU tests use to check the bucketed layout.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, fields
+from typing import Callable
+
+import torch
+
+from ..config import CapacityConfig
+from ..requests import PreparedRequest
+from ..round import Round, RoundTensors, Shape, build_round, packed_size
+from .buckets import bucket_shape
+
+log = logging.getLogger("flide.graphs")
+
+
+@dataclass
+class Bucket:
+    shape: Shape
+    host: torch.Tensor  # [packed_size] int64, pinned on CUDA: the round is built here
+    device: torch.Tensor  # the same on the model's device: what the graph reads
+    tensors: RoundTensors  # views of `device`, in field order
+    replays: int = 0
+
+
+class GraphRunner:
+    """Runs rounds of bucketed shapes through one compiled, captured forward per bucket."""
+
+    def __init__(self, flat: torch.nn.Module, caps: CapacityConfig, options: int, device: torch.device, pad_id: int,
+                 compile: bool = True, progress: bool = True):
+        self.flat, self.caps, self.options, self.pad_id = flat, caps, options, pad_id
+        self.device = torch.device(device)
+        self.compile = compile
+        self.progress = progress
+        if compile and self.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device; the model is on {self.device}.")
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flide-graphs")
+        self.buckets: dict[int, Bucket] = {}
+        self._forward: Callable | None = None
+        self.capture_seconds = 0.0
+        self.graph_memory_bytes = 0
+
+    # ---- start-up ----
+    def capture(self) -> None:
+        """Allocates every bucket's buffers and (with compile) compiles and records its graph. Logs time and memory."""
+        self._thread.submit(self._capture).result()
+
+    def _capture(self) -> None:
+        from tqdm.auto import tqdm
+
+        start = time.perf_counter()
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.device)
+            before = torch.cuda.memory_reserved(self.device)
+        if self.compile:
+            self._forward = self._compiled_forward()
+        shapes = [bucket_shape(tokens, self.caps, self.options) for tokens in self.caps.buckets]
+        bar = tqdm(shapes, desc="flide: capturing CUDA graphs" if self.compile else "flide: preparing buckets",
+                   unit="bucket", disable=not self.progress)
+        for shape in bar:
+            bar.set_postfix(tokens=shape.tokens)
+            bucket = self._allocate(shape)
+            self.buckets[shape.tokens] = bucket
+            if self.compile:
+                build_round([], shape, self.pad_id, out=bucket.host)  # an empty round: every row padding
+                bucket.device.copy_(bucket.host)
+                # cudagraph trees: a warm-up run (compiles, autotunes), a recording run, then replays
+                for _ in range(3):
+                    self._replay(bucket)
+        if cuda:
+            torch.cuda.synchronize(self.device)
+            self.graph_memory_bytes = torch.cuda.memory_reserved(self.device) - before
+        self.capture_seconds = time.perf_counter() - start
+        log.info("flide: %s %d buckets (%s tokens) in %.1f s; %.2f GiB reserved for graphs and buffers",
+                 "captured" if self.compile else "prepared", len(shapes),
+                 "/".join(str(s.tokens) for s in shapes), self.capture_seconds, self.graph_memory_bytes / 2**30)
+
+    def _allocate(self, shape: Shape) -> Bucket:
+        size = packed_size(shape)
+        pin = self.device.type == "cuda"
+        host = torch.zeros(size, dtype=torch.int64, pin_memory=pin)
+        device = torch.zeros(size, dtype=torch.int64, device=self.device)
+        tensors = RoundTensors.from_flat(device, shape)
+        if self.compile:
+            for _, view in tensors.items():
+                # the graph reads these addresses; unmarked inputs would be copied into graph-owned buffers per call
+                torch._dynamo.mark_static_address(view)
+        return Bucket(shape, host, device, tensors)
+
+    def _compiled_forward(self) -> Callable:
+        flat = self.flat
+        names = [f.name for f in fields(RoundTensors)]
+        # one compiled graph per bucket: allow at least as many specialisations as buckets (the default is 8)
+        need = len(self.caps.buckets) + 8
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, need)
+        torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit,
+                                                               16 * need)
+
+        def forward(*tensors: torch.Tensor) -> torch.Tensor:
+            return flat(RoundTensors(**dict(zip(names, tensors))))
+
+        return torch.compile(forward, mode="reduce-overhead", dynamic=False, fullgraph=True)
+
+    # ---- rounds ----
+    def run(self, requests: list[PreparedRequest], shape: Shape) -> tuple[Round, torch.Tensor]:
+        """Builds the round into its bucket and replays the bucket's graph: (round, option scores [O, L] float32 CPU).
+        `shape` must be a bucket's shape (`plan_rounds(..., exact=False)` gives it for rounds that are not oversized)."""
+        return self._thread.submit(self._run, requests, shape).result()
+
+    def _run(self, requests: list[PreparedRequest], shape: Shape) -> tuple[Round, torch.Tensor]:
+        bucket = self.buckets.get(shape.tokens)
+        if bucket is None or bucket.shape != shape:
+            raise ValueError(f"No captured bucket has the shape {shape}; buckets: {sorted(self.buckets)}.")
+        round_ = build_round(requests, shape, self.pad_id, out=bucket.host)
+        # the host buffer is rebuilt only after this round's scores came back (the .cpu() below waits), so the
+        # asynchronous copy never races the next build
+        bucket.device.copy_(bucket.host, non_blocking=True)
+        return round_, self._replay(bucket)
+
+    def _replay(self, bucket: Bucket) -> torch.Tensor:
+        with torch.inference_mode():
+            if self._forward is not None:
+                torch.compiler.cudagraph_mark_step_begin()  # each round is a new step: the last one's outputs are dead
+                scores = self._forward(*(view for _, view in bucket.tensors.items()))
+            else:
+                scores = self.flat(bucket.tensors)
+            bucket.replays += 1
+            return scores.float().cpu()  # copies out before the next replay overwrites the graph's output
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=True)

@@ -1,0 +1,98 @@
+"""Flat graphs on the GPU: one captured CUDA graph per bucket, replayed for rounds of any composition with no
+recompile and no re-recording, answers equal to eager rounds and to transformers' pipeline; a request larger than
+every bucket runs eagerly with the same answers."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+from transformers import pipeline
+
+import flide
+from flide.models.tiny import tiny_model, tiny_tokenizer
+from flide.testing import max_difference, random_request
+
+BUCKETS = [256, 512, 1024, 2048, 4096]
+GRAPHS = {"runtime": {"device": "cuda", "graphs": "on"}, "capacities": {"buckets": BUCKETS, "requests": 16}}
+EAGER = {"runtime": {"device": "cuda", "graphs": "off"}}
+
+
+@pytest.fixture(scope="module")
+def setup():
+    torch.manual_seed(0)
+    tok = tiny_tokenizer()
+    model = tiny_model("qwen3_5_text").cuda()
+    rng = random.Random(11)
+    requests = [random_request(rng, max_questions=12, max_words=60) for _ in range(40)]
+    engine = flide.patch(model, tok, config=GRAPHS)
+    return model, tok, requests, engine
+
+
+def recordings(monkeypatch) -> list:
+    """Counts the CUDA graphs cudagraph trees record from now on."""
+    from torch._inductor import cudagraph_trees
+
+    recorded = []
+    original = cudagraph_trees.CUDAGraphTreeManager.record_function
+
+    def record(self, *args, **kwargs):
+        recorded.append(1)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(cudagraph_trees.CUDAGraphTreeManager, "record_function", record)
+    return recorded
+
+
+def test_graphs_equal_eager_and_pipeline(setup):
+    model, tok, requests, engine = setup
+    assert engine.runner is not None and sorted(engine.runner.buckets) == BUCKETS
+    graphs = engine.decide(requests)
+    # a copy: patching swaps the mixers of the model in place, and the captured engine must keep its own
+    eager = flide.patch(copy.deepcopy(model), tok, config=EAGER).decide(requests)
+    expected = [pipeline("decision", model=model, tokenizer=tok)(r) for r in requests[:12]]
+    assert max(max_difference(a, b) for a, b in zip(graphs, eager)) < 1e-4
+    # fla's and flex's Triton dots run in tf32 on fp32 inputs: a few 1e-4 on a tiny random model
+    assert max(max_difference(a, b) for a, b in zip(expected, graphs)) < 2e-3
+
+
+def test_thousand_random_rounds_replay_without_recompiles(setup, monkeypatch):
+    from torch._dynamo.utils import counters
+
+    model, tok, requests, engine = setup
+    prepared = [engine.prepare(r) for r in requests]
+    alone = [engine.run([p])[0] for p in prepared]  # every bucket a single request reaches is warm now
+    recorded = recordings(monkeypatch)
+    graphs_before = counters["stats"]["unique_graphs"]
+    skips_before = counters["inductor"]["cudagraph_skips"]
+    rng = random.Random(5)
+    used = set()
+    worst = 0.0
+    for _ in range(1000):
+        picks = rng.sample(range(len(prepared)), rng.randint(1, 12))
+        answers = engine.run([prepared[i] for i in picks])
+        for i, answer in zip(picks, answers):
+            worst = max(worst, max_difference(alone[i], answer))
+    for bucket in engine.runner.buckets.values():
+        if bucket.replays > 4:  # capture runs 3; every bucket some round took replayed
+            used.add(bucket.shape.tokens)
+    assert counters["stats"]["unique_graphs"] == graphs_before, "a round recompiled"
+    assert counters["inductor"]["cudagraph_skips"] == skips_before, "cudagraphs were skipped"
+    assert not recorded, f"{len(recorded)} CUDA graphs were recorded after capture"
+    assert len(used) >= 2, f"the random rounds used only buckets {used}"
+    # the same request in another round, at another offset, in another bucket: equal within tf32 rounding
+    assert worst < 1e-4
+
+
+def test_oversized_request_runs_eagerly_with_the_same_answers(setup):
+    model, tok, requests, engine = setup
+    rng = random.Random(2)
+    big = random_request(rng, max_words=300)
+    small_buckets = flide.patch(copy.deepcopy(model), tok, config={**GRAPHS, "capacities": {"buckets": [256], "requests": 16}})
+    prepared = small_buckets.prepare(big)
+    assert prepared.stream_tokens > 256
+    oversized = small_buckets.decide(big)
+    in_graph = engine.decide(big)
+    assert max_difference(oversized, in_graph) < 1e-4

@@ -1,0 +1,68 @@
+"""The flat-graph runner's bucketed path on the CPU (no CUDA graphs here: the same buckets, static buffers and
+packed metadata, run eagerly): answers equal the exact-size eager rounds, whatever bucket and mix a request lands
+in, and rounds reuse their bucket's buffers without leaking an earlier round's metadata."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+import flide
+from flide.config import load_config
+from flide.graphs.buckets import bucket_shape, plan_rounds
+from flide.graphs.runner import GraphRunner
+from flide.models.tiny import tiny_model, tiny_tokenizer
+from flide.round import footprint
+from flide.testing import max_difference, random_request
+
+BUCKETS = [256, 512, 1024, 2048]
+
+
+@pytest.fixture(scope="module")
+def engines():
+    tok = tiny_tokenizer()
+    model = tiny_model("qwen3_5_text")
+    exact = flide.patch(model, tok)
+    bucketed = flide.patch(model, tok, config={"capacities": {"buckets": BUCKETS, "requests": 8}})
+    runner = GraphRunner(bucketed.flat, bucketed.config.capacities, bucketed.max_options, bucketed.device,
+                         bucketed.pad_id, compile=False, progress=False)
+    runner.capture()
+    bucketed.runner = runner
+    rng = random.Random(4)
+    requests = [random_request(rng, max_questions=8, max_words=60) for _ in range(16)]
+    yield exact, bucketed, requests
+    runner.close()
+
+
+def test_buckets_allocated_with_their_shapes(engines):
+    _, bucketed, _ = engines
+    caps = bucketed.config.capacities
+    assert sorted(bucketed.runner.buckets) == BUCKETS
+    for tokens, bucket in bucketed.runner.buckets.items():
+        assert bucket.shape == bucket_shape(tokens, caps, bucketed.max_options)
+        assert bucket.shape.states <= tokens and bucket.shape.branches <= tokens
+
+
+def test_bucketed_rounds_equal_exact_rounds(engines):
+    exact, bucketed, requests = engines
+    expected = exact.decide(requests)
+    rng = random.Random(9)
+    prepared = [bucketed.prepare(r) for r in requests]
+    for _ in range(6):  # random mixes: each request at other offsets, in other buckets, in reused buffers
+        picks = rng.sample(range(len(requests)), rng.randint(1, 8))
+        for i, answer in zip(picks, bucketed.run([prepared[i] for i in picks])):
+            assert max_difference(expected[i], answer) < 1e-6
+
+
+def test_rounds_take_the_smallest_bucket_and_oversized_requests_run_alone():
+    caps = load_config({"capacities": {"buckets": BUCKETS}}).capacities
+    tok = tiny_tokenizer()
+    engine = flide.patch(tiny_model("qwen3_5_text"), tok)
+    small = engine.prepare({"state": "a short state", "questions": {"q": {"type": "noul", "instructions": "Is it short?"}}})
+    planned = plan_rounds([footprint(small)], caps, engine.max_options)
+    assert [p.shape.tokens for p in planned] == [256] and not planned[0].oversized
+    big = engine.prepare({"state": "word " * 2500, "questions": {"q": {"type": "noul", "instructions": "Is it long?"}}})
+    planned = plan_rounds([footprint(small), footprint(big), footprint(small)], caps, engine.max_options)
+    assert [p.requests for p in planned] == [[0], [1], [2]]
+    assert [p.oversized for p in planned] == [False, True, False]

@@ -3,7 +3,11 @@
     python -m pytest benchmarks/test_host_side.py --benchmark-json benchmarks/results/host_side.json
 
 - packing and laying out 64 RACE-sized requests (a 300-token state and 4 questions of 45 tokens each) into their
-  rounds: planning, metadata, readout rows (issue 8's goal for this: under 0.3 ms, excluding tokenization);
+  rounds: planning, metadata, readout rows (issue 8's goal for this: under 0.3 ms, excluding tokenization), into a
+  reused packed buffer (`out=`, what the graph runner does) and into a fresh one. Each request's own part of a round
+  is computed once (`PreparedRequest.round_layout`, at its first round) and reused, as in the engine: the first
+  round of fresh requests pays it, measured on its own below, and so does reading the round's `Read` records, which
+  the engine does only after the forward;
 - rendering + tokenizing one request with the tiny in-code tokenizer (split into trunk and branches).
 """
 
@@ -11,10 +15,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from flide.config import CapacityConfig
 from flide.graphs.buckets import plan_rounds
-from flide.round import build_round, footprint
+from flide.round import build_round, footprint, packed_size
 from flide.testing import synthetic_request
 
 
@@ -25,18 +30,54 @@ def race_sized(n: int = 64, state: int = 300, questions: int = 4, question: int 
             for _ in range(n)]
 
 
-@pytest.mark.benchmark(group="host-side round")
-def test_plan_and_build_64_race_requests(benchmark):
-    requests = race_sized()
+def plan_and_build(requests, out=None):
     caps = CapacityConfig()
     needs = [footprint(r) for r in requests]
 
     def build():
-        return [build_round([requests[i] for i in planned.requests], planned.shape, 0)
+        return [build_round([requests[i] for i in planned.requests], planned.shape, 0,
+                            out=None if out is None else out[planned.shape])
                 for planned in plan_rounds(needs, caps, 26)]
 
-    rounds = benchmark(build)
+    return build
+
+
+@pytest.mark.benchmark(group="host-side round")
+def test_plan_and_build_64_race_requests_into_reused_buffer(benchmark):
+    requests = race_sized()
+    shape = plan_rounds([footprint(r) for r in requests], CapacityConfig(), 26)[0].shape
+    buffers = {shape: torch.empty(packed_size(shape), dtype=torch.int64)}  # the runner's pinned buffer, per bucket
+    rounds = benchmark(plan_and_build(requests, buffers))
     assert len(rounds) == 1 and rounds[0].used_tokens == 64 * (300 + 4 * 45)
+    assert rounds[0].flat is buffers[shape]
+
+
+@pytest.mark.benchmark(group="host-side round")
+def test_plan_and_build_64_race_requests(benchmark):
+    rounds = benchmark(plan_and_build(race_sized()))
+    assert len(rounds) == 1 and rounds[0].used_tokens == 64 * (300 + 4 * 45)
+
+
+@pytest.mark.benchmark(group="host-side round")
+def test_read_records_of_64_race_requests(benchmark):
+    """Making the round's `Read` records (one per readout row), which `Engine.answers` reads after the forward."""
+    built = plan_and_build(race_sized())()[0]
+
+    def reads():
+        built._reads = None
+        return built.reads
+
+    assert len(benchmark(reads)) == 64 * 4
+
+
+@pytest.mark.benchmark(group="host-side round")
+def test_request_layouts_of_64_race_requests(benchmark):
+    """Each request's part of a round (`RequestLayout`), computed once per request at its first round."""
+    from flide.round import RequestLayout
+
+    requests = race_sized()
+    layouts = benchmark(lambda: [RequestLayout(r) for r in requests])
+    assert len(layouts) == 64
 
 
 @pytest.mark.benchmark(group="host-side tokenization")

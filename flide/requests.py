@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -74,6 +75,15 @@ class PreparedRequest:
     def input_tokens(self) -> int:
         """Tokens of the request counting each state once (System One `usage.input_tokens`)."""
         return self.stream_tokens
+
+    @cached_property
+    def round_layout(self):
+        """This request's part of a round, relative to its own start (`flide.round.RequestLayout`): built on its
+        first round (after the engine has set each branch's `options`) and reused by every round it joins, so its
+        trunks and branches must not change after that."""
+        from .round import RequestLayout
+
+        return RequestLayout(self)
 
 
 def parse_request(request: Any, decision_config, max_questions: int) -> tuple[Any, list[Question]]:

@@ -18,12 +18,26 @@ Metadata (all int64; capacities T tokens, NS states, NB branches, O readout rows
                                           empty segment (NS or NB), so a kernel with a fixed grid returns early there
     readout_rows [O], option_index [O, L] the stream row read for each question, and the head rows of its options
 
-Building is vectorised over tokens (numpy); only segments are visited in Python.
+Packed: the fields, in declaration order, are consecutive slices of ONE 1-D int64 buffer of `packed_size(shape)`
+elements (`layout(shape)`), so a round moves to the GPU in one copy (`RoundTensors.from_flat` gives the views, on any
+device). `build_round(..., out=buffer)` writes every element of a reused (e.g. pinned) buffer.
+
+Building: each request's part of a round, relative to its own start, is computed once (`RequestLayout`, cached on the
+request as `PreparedRequest.round_layout`): token ids and positions (int32), segment lengths, branch -> state, GDN
+chunk rows, readout rows and option rows, as bytes. A round joins them field by field (`bytes.join`: no per-array
+numpy overhead), adds each request's offsets with a few vectorised passes and fills the piecewise-constant token
+fields with `np.repeat`; no Python loop visits a segment or a read. The `Read` records are made on first access to
+`Round.reads` (the engine reads them after the forward).
 """
 
 from __future__ import annotations
 
+import weakref
+from array import array
 from dataclasses import dataclass, fields
+from functools import lru_cache, partial
+from itertools import accumulate, chain
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -55,6 +69,15 @@ class RoundTensors:
 
     def items(self):
         return ((f.name, getattr(self, f.name)) for f in fields(self))
+
+    @classmethod
+    def from_flat(cls, flat: torch.Tensor, shape: "Shape") -> "RoundTensors":
+        """The fields as views into `flat`, a 1-D int64 tensor of `packed_size(shape)` elements (any device), laid
+        out as `layout(shape)`: writing a field writes `flat` and the reverse."""
+        if flat.dim() != 1 or flat.dtype != torch.int64 or flat.numel() != packed_size(shape) or not flat.is_contiguous():
+            raise ValueError(f"a packed round of {shape} is a contiguous 1-D int64 tensor of {packed_size(shape)} "
+                             f"elements; got {tuple(flat.shape)} {flat.dtype}")
+        return cls(*_views(flat, _packing(shape)))
 
 
 @dataclass(frozen=True)
@@ -102,6 +125,38 @@ def footprint(request: PreparedRequest) -> Footprint:
                      sum(len(b.reads) for b in request.branches), 1)
 
 
+def layout(shape: Shape) -> list[tuple[str, tuple[int, ...]]]:
+    """The RoundTensors fields in declaration order with their shapes for `shape` (all int64): the packed layout."""
+    return [(name, dims) for name, _, _, dims, _ in _packing(shape).fields]
+
+
+def packed_size(shape: Shape) -> int:
+    """Elements of the 1-D int64 buffer that holds every field of a round of `shape`."""
+    return _packing(shape).size
+
+
+class _Packing(NamedTuple):
+    fields: tuple[tuple[str, int, int, tuple[int, ...], tuple[int, ...]], ...]  # (name, offset, count, dims, strides)
+    size: int
+
+
+@lru_cache(maxsize=256)
+def _packing(shape: Shape) -> _Packing:
+    T = shape.tokens
+    dims = {"input_ids": (T,), "positions": (T,), "seg_lo": (T,), "trunk_lo": (T,), "trunk_hi": (T,),
+            "state_start": (shape.states,), "state_len": (shape.states,), "branch_start": (shape.branches,),
+            "branch_len": (shape.branches,), "branch_state": (shape.branches,),
+            "state_chunks": (shape.state_chunks, 2), "branch_chunks": (shape.branch_chunks, 2),
+            "readout_rows": (shape.readout_rows,), "option_index": (shape.readout_rows, shape.options)}
+    out, offset = [], 0
+    for f in fields(RoundTensors):
+        size = dims[f.name]
+        count = size[0] * (size[1] if len(size) == 2 else 1)
+        out.append((f.name, offset, count, size, (size[1], 1) if len(size) == 2 else (1,)))
+        offset += count
+    return _Packing(tuple(out), offset)
+
+
 @dataclass
 class Read:
     """Host-side record of one readout row: which request and question it answers."""
@@ -112,121 +167,299 @@ class Read:
     tail: np.ndarray  # the prompt's tokens after its last mark, for the decision config's logits processors
 
 
-@dataclass
 class Round:
-    tensors: RoundTensors
-    reads: list[Read]
-    shape: Shape
-    used_tokens: int
+    """A laid-out round: its metadata `tensors` (views of the packed buffer `flat`), the `reads` (one per readout
+    row, in row order; made on first access), its `shape` and the tokens it uses."""
+
+    def __init__(self, tensors: RoundTensors, reads: list[Read] | None, shape: Shape, used_tokens: int,
+                 flat: torch.Tensor | None = None, requests: list[PreparedRequest] | None = None):
+        self.tensors, self.shape, self.used_tokens, self.flat = tensors, shape, used_tokens, flat
+        self._reads, self._requests = reads, requests
+
+    @property
+    def reads(self) -> list[Read]:
+        if self._reads is None:
+            self._reads = [Read(r, question, options, tail) for r, request in enumerate(self._requests or ())
+                           for question, options, tail in request.round_layout.reads]
+        return self._reads
+
+    @reads.setter
+    def reads(self, value: list[Read]) -> None:
+        self._reads = value
+
+    def __repr__(self) -> str:
+        return f"Round(shape={self.shape}, used_tokens={self.used_tokens}, reads={len(self.reads)})"
 
 
-def build_round(requests: list[PreparedRequest], shape: Shape, pad_id: int) -> Round:
-    """Lays `requests` out as one stream of `shape.tokens` tokens (each branch's `options` must be set)."""
-    seg_tokens, seg_is_state, seg_state, seg_pos0 = [], [], [], []
-    read_request, read_prompt_pos, read_seg, read_questions, read_options, read_tails = [], [], [], [], [], []
-    # Level-major: all states first (segment k is state k), then all questions
-    first_state = []
-    for req in requests:
-        first_state.append(len(seg_tokens))
-        for trunk in req.trunks:
-            seg_state.append(len(seg_tokens)), seg_tokens.append(trunk), seg_is_state.append(True), seg_pos0.append(0)
-    n_states = len(seg_tokens)
-    for r, req in enumerate(requests):
+# A request's counts: state tokens, question tokens, states, branches, reads, state chunks, branch chunks, reads
+# inside a trunk
+_COUNTS = 8
+# The parts of a request a round concatenates (int64 bytes): _SMALL metadata parts (the counts first), then tokens
+_SMALL = 8
+_TOKEN_PARTS = 4
+
+
+class RequestLayout:
+    """One request's part of a round, relative to its own start, computed once (`PreparedRequest.round_layout`).
+
+    Within a round the request's states lie from some token S and state index s0, its questions from token Q and
+    branch index b0; everything here is relative to those, so a round only adds offsets. The branch order is
+    `build_round`'s: grouped by trunk, trunks in order, each trunk's branches in request order (branches naming no
+    trunk are left out); a branch's reads pair with its questions and options (zip: the shortest wins).
+
+    `parts[width]` is the tuple a round joins, field by field, across its requests (option rows `width` wide):
+    counts, trunk lengths, branch lengths, branch -> trunk, read rows (from S when the read is inside a trunk, else
+    from Q), state chunk rows, branch chunk rows (segment, chunk), option rows; then state token ids, question token
+    ids, state positions, question positions. `trunk_reads` flags the reads inside a trunk (rare: joined only when a
+    round has one).
+    """
+
+    __slots__ = ("counts", "reads", "parts", "trunk_reads", "_small", "_tokens", "_options")
+
+    def __init__(self, request: PreparedRequest):
+        trunk_lens = [len(t) for t in request.trunks]
+        state_start = [0, *accumulate(trunk_lens)]
         by_trunk: dict[int, list] = {}
-        for branch in req.branches:
+        for branch in request.branches:
             by_trunk.setdefault(branch.trunk, []).append(branch)
-        for t, trunk in enumerate(req.trunks):
-            state_index = trunk_seg = first_state[r] + t
-            for branch in by_trunk.get(t, []):
-                seg = len(seg_tokens)
-                seg_tokens.append(branch.tokens), seg_is_state.append(False), seg_state.append(state_index)
-                seg_pos0.append(len(trunk))
-                for pos, question, options in zip(branch.reads, branch.questions, branch.options):
-                    # A read inside the trunk (a template that marks before the question) reads the state segment
-                    in_trunk = pos < len(trunk)
-                    read_request.append(r), read_questions.append(question), read_options.append(options)
-                    read_tails.append(branch.tail)
-                    read_seg.append(trunk_seg if in_trunk else seg)
-                    read_prompt_pos.append(int(pos))
+        branches, branch_state = [], []
+        for t in range(len(trunk_lens)):
+            for branch in by_trunk.get(t, ()):
+                branches.append(branch), branch_state.append(t)
+        branch_lens = [len(b.tokens) for b in branches]
+        read_rel, read_flag, self.reads, self._options = [], [], [], []
+        q_cursor = 0
+        for branch, t, n in zip(branches, branch_state, branch_lens):
+            pos0 = trunk_lens[t]
+            for pos, question, options in zip(branch.reads, branch.questions, branch.options):
+                pos = int(pos)
+                if pos < pos0:  # a read inside the trunk (a template that marks before the question): the state row
+                    read_rel.append(state_start[t] + pos), read_flag.append(1)
+                else:
+                    read_rel.append(q_cursor + pos - pos0), read_flag.append(0)
+                self._options.append([int(o) for o in options])
+                self.reads.append((question, len(options), branch.tail))
+            q_cursor += n
 
-    lens = np.fromiter((len(s) for s in seg_tokens), dtype=np.int64, count=len(seg_tokens))
-    n = int(lens.sum())
-    n_branches = len(seg_tokens) - n_states
-    if n > shape.tokens or n_states > shape.states or n_branches > shape.branches or len(read_seg) > shape.readout_rows:
-        raise ValueError(f"round needs {n} tokens, {n_states} states, {n_branches} branches, {len(read_seg)} reads; "
-                         f"capacity {shape}")
-    starts = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64)
-    is_state = np.asarray(seg_is_state, dtype=bool)
-    state_of = np.asarray(seg_state, dtype=np.int64)
-    pos0 = np.asarray(seg_pos0, dtype=np.int64)
-    state_seg = np.flatnonzero(is_state)  # segment id of state k
-    state_lo, state_len = starts[state_seg], lens[state_seg]
+        def chunk_rows(lens):  # (segment, chunk) of each GDN chunk, flattened
+            return array("q", [v for k, n in enumerate(lens) for j in range(-(-n // GDN_CHUNK)) for v in (k, j)])
 
-    T = shape.tokens
-    input_ids = np.full(T, pad_id, dtype=np.int64)
-    if n:
-        input_ids[:n] = np.concatenate(seg_tokens)
-    token_seg = np.repeat(np.arange(len(lens)), lens)
-    arange = np.arange(T, dtype=np.int64)
-    positions = np.zeros(T, dtype=np.int64)
-    positions[:n] = arange[:n] - starts[token_seg] + pos0[token_seg]
-    seg_lo = arange.copy()
-    seg_lo[:n] = starts[token_seg]
-    seg_trunk_lo = np.where(is_state, 0, state_lo[state_of])
-    seg_trunk_hi = np.where(is_state, 0, state_lo[state_of] + state_len[state_of])
-    trunk_lo, trunk_hi = np.zeros(T, dtype=np.int64), np.zeros(T, dtype=np.int64)
-    trunk_lo[:n], trunk_hi[:n] = seg_trunk_lo[token_seg], seg_trunk_hi[token_seg]
+        s_chunks, b_chunks = chunk_rows(trunk_lens), chunk_rows(branch_lens)
+        self.counts = (sum(trunk_lens), sum(branch_lens), len(trunk_lens), len(branches), len(read_rel),
+                       len(s_chunks) // 2, len(b_chunks) // 2, sum(read_flag))
+        self._small = tuple(array("q", part).tobytes() for part in (self.counts, trunk_lens, branch_lens, branch_state,
+                                                                     read_rel, s_chunks, b_chunks))
+        self.trunk_reads = array("q", read_flag).tobytes()
+        # token ids and positions as int32 (half the bytes to move; widened to int64 by the round's one copy)
+        # (a question's positions continue from its state's end: its own arange plus the state's length)
+        q_pos = _positions(branch_lens) + np.repeat(np.asarray([trunk_lens[t] for t in branch_state], np.int32),
+                                                   branch_lens)
+        self._tokens = (_int32([t for t in request.trunks]).tobytes(), _int32([b.tokens for b in branches]).tobytes(),
+                        _positions(trunk_lens).tobytes(), q_pos.tobytes())
+        self.parts = _Parts(self)
 
-    def padded(values, size, fill=0):
-        out = np.full(size, fill, dtype=np.int64)
-        out[: len(values)] = values
-        return out
-
-    branch_seg = np.flatnonzero(~is_state)
-    state_start_t, state_len_t = padded(state_lo, shape.states), padded(state_len, shape.states)
-    branch_start_t = padded(starts[branch_seg], shape.branches)
-    branch_len_t = padded(lens[branch_seg], shape.branches)
-    branch_state_t = padded(state_of[branch_seg], shape.branches)
-
-    # Readout rows: the prompt position of a read, placed in the stream
-    read_seg_a = np.asarray(read_seg, dtype=np.int64)
-    read_pos = np.asarray(read_prompt_pos, dtype=np.int64)
-    rows = starts[read_seg_a] + read_pos - pos0[read_seg_a] if len(read_seg_a) else read_pos
-    option_index = np.zeros((shape.readout_rows, shape.options), dtype=np.int64)
-    reads = []
-    for i, (r, question, opts, tail) in enumerate(zip(read_request, read_questions, read_options, read_tails)):
-        option_index[i, : len(opts)] = opts
-        reads.append(Read(r, question, len(opts), tail))
-
-    tensors = RoundTensors(
-        input_ids=torch.from_numpy(input_ids),
-        positions=torch.from_numpy(positions),
-        seg_lo=torch.from_numpy(seg_lo),
-        trunk_lo=torch.from_numpy(trunk_lo),
-        trunk_hi=torch.from_numpy(trunk_hi),
-        state_start=torch.from_numpy(state_start_t),
-        state_len=torch.from_numpy(state_len_t),
-        branch_start=torch.from_numpy(branch_start_t),
-        branch_len=torch.from_numpy(branch_len_t),
-        branch_state=torch.from_numpy(branch_state_t),
-        state_chunks=torch.from_numpy(_chunk_table(state_len, shape.state_chunks, shape.states)),
-        branch_chunks=torch.from_numpy(_chunk_table(lens[branch_seg], shape.branch_chunks, shape.branches)),
-        readout_rows=torch.from_numpy(padded(rows, shape.readout_rows)),
-        option_index=torch.from_numpy(option_index),
-    )
-    return Round(tensors, reads, shape, n)
+    def option_rows(self, width: int) -> bytes:
+        """[reads, width] head rows of each read's options, zero-padded (int64 bytes)."""
+        rows = array("q")
+        for options in self._options:
+            if len(options) > width:
+                raise ValueError(f"a question has {len(options)} options; the round holds {width}")
+            rows.extend(options)
+            rows.extend(_ZEROS[: width - len(options)])
+        return rows.tobytes()
 
 
-def _chunk_table(lens: np.ndarray, capacity: int, empty_segment: int) -> np.ndarray:
-    """[capacity, 2] (segment, chunk) rows for every 64-token chunk of each segment; unused rows point at segment
-    `empty_segment` (one past the last real row), which kernels treat as empty."""
-    chunks = -(-lens // GDN_CHUNK)
-    segment = np.repeat(np.arange(len(lens)), chunks)
-    first = np.repeat(np.cumsum(chunks) - chunks, chunks)
-    table = np.empty((capacity, 2), dtype=np.int64)
-    table[:, 0], table[:, 1] = empty_segment, 0
-    if len(segment) > capacity:
-        raise ValueError(f"round needs {len(segment)} GDN chunks; capacity {capacity}")
-    table[: len(segment), 0] = segment
-    table[: len(segment), 1] = np.arange(len(segment)) - first
-    return table
+_ZEROS = array("q", bytes(8 * 1024))
+
+
+def _positions(lens: list[int]) -> np.ndarray:
+    """Concatenated aranges of `lens` (int32)."""
+    total = sum(lens)
+    if len(lens) == 1:
+        return np.arange(total, dtype=np.int32)
+    starts = np.repeat(np.asarray([0, *accumulate(lens)][:-1], dtype=np.int32), lens)
+    return np.arange(total, dtype=np.int32) - starts
+
+
+def _int32(arrays: list) -> np.ndarray:
+    """Token id arrays concatenated into one int32 array (ids are vocabulary rows: far below 2**31)."""
+    if not arrays:
+        return np.zeros(0, dtype=np.int32)
+    tokens = np.concatenate([np.asarray(a).reshape(-1) for a in arrays]) if len(arrays) > 1 else \
+        np.asarray(arrays[0]).reshape(-1)
+    if tokens.dtype != np.int32:
+        if tokens.size and (tokens.min() < -2**31 or tokens.max() >= 2**31):
+            raise ValueError("token ids must fit in int32")
+        tokens = tokens.astype(np.int32)
+    return tokens
+
+
+class _Parts(dict):
+    """width -> a request's parts with option rows of that width, made on first use."""
+
+    __slots__ = ("layout",)
+
+    def __init__(self, layout: RequestLayout):
+        super().__init__()
+        self.layout = layout
+
+    def __missing__(self, width: int) -> tuple[bytes, ...]:
+        lay = self.layout
+        parts = self[width] = lay._small + (lay.option_rows(width),) + lay._tokens
+        return parts
+
+
+_FILL32: dict[int, bytes] = {}
+
+
+def _fill32(value: int, n: int) -> memoryview:
+    """n int32 copies of `value` as bytes (cached, grown as needed)."""
+    block = _FILL32.get(value)
+    if block is None or len(block) < 4 * n:
+        block = _FILL32[value] = np.full(max(n, 4096, 2 * len(block or b"") // 4), value, dtype=np.int32).tobytes()
+    return memoryview(block)[: 4 * n]
+
+
+def build_round(requests: list[PreparedRequest], shape: Shape, pad_id: int, out: torch.Tensor | None = None) -> Round:
+    """Lays `requests` out as one stream of `shape.tokens` tokens (each branch's `options` must be set; a request's
+    part is computed on its first round and cached, so its branches must not change after that).
+
+    With `out` (a contiguous 1-D int64 CPU tensor of `packed_size(shape)` elements, e.g. pinned and reused round after
+    round) every element of it is written and the round's tensors are views of it; otherwise a fresh buffer is used.
+    """
+    out, tokens, view, tensors = _buffers(out, shape)
+    T, L = shape.tokens, shape.options
+    R = len(requests)
+    cols = list(zip(*[request.round_layout.parts[L] for request in requests])) or [()] * (_SMALL + _TOKEN_PARTS)
+    small = np.frombuffer(b"".join(chain.from_iterable(cols[:_SMALL])), dtype=np.int64)
+    counts = small[: R * _COUNTS].reshape(R, _COUNTS)
+    ends = counts.cumsum(0)
+    ns_tok, nq_tok, NS, NB, NR, NSC, NBC, n_trunk_reads = ends[-1].tolist() if R else (0,) * _COUNTS
+    n = ns_tok + nq_tok
+    if n > T or NS > shape.states or NB > shape.branches or NR > shape.readout_rows:
+        raise ValueError(f"round needs {n} tokens, {NS} states, {NB} branches, {NR} reads; capacity {shape}")
+    if NSC > shape.state_chunks or NBC > shape.branch_chunks:
+        raise ValueError(f"round needs {NSC} + {NBC} GDN chunks; capacity {shape.state_chunks} + "
+                         f"{shape.branch_chunks}")
+    # Each request's first state token, question token (counted from 0 here), state, branch
+    first = ends - counts
+    i = R * _COUNTS
+    seglens = small[i: i + NS + NB]
+    i += NS + NB
+    branch_state = small[i: i + NB]
+    i += NB
+    read_rel = small[i: i + NR]
+    i += NR
+    state_chunks = small[i: i + 2 * NSC].reshape(NSC, 2)
+    i += 2 * NSC
+    branch_chunks = small[i: i + 2 * NBC].reshape(NBC, 2)
+    i += 2 * NBC
+    option_rows = small[i: i + NR * L].reshape(NR, L)
+
+    # input_ids and positions, with their tail padding, in one copy
+    tokens[:] = np.frombuffer(b"".join(chain(cols[_SMALL], cols[_SMALL + 1], (_fill32(pad_id, T - n),),
+                                                   cols[_SMALL + 2], cols[_SMALL + 3], (_fill32(0, T - n),))),
+                              dtype=np.int32)
+
+    # Segments: the states then the branches, contiguous from row 0
+    seg_end = seglens.cumsum()
+    seg_start = seg_end - seglens
+    seg_start32, seg_end32 = seg_start.astype(np.int32), seg_end.astype(np.int32)
+    branch_state = branch_state + np.repeat(first[:, 2], counts[:, 3])
+    for name, values, used in (("state_start", seg_start[:NS], NS), ("state_len", seglens[:NS], NS),
+                               ("branch_start", seg_start[NS:], NB), ("branch_len", seglens[NS:], NB),
+                               ("branch_state", branch_state, NB)):
+        v = view[name]
+        v[:used] = values
+        v[used:] = 0
+
+    # Per token: piecewise constant over segments; the tail pads are their own segment and fork from nothing
+    v = view["seg_lo"]
+    v[:n] = np.repeat(seg_start32, seglens)
+    v[n:] = _arange(T)[n:]
+    branch_lens = seglens[NS:]
+    for name, bound in (("trunk_lo", seg_start32), ("trunk_hi", seg_end32)):
+        v = view[name]
+        v[:ns_tok] = 0
+        v[ns_tok:n] = np.repeat(bound[branch_state], branch_lens)
+        v[n:] = 0
+
+    # GDN chunk tables: unused rows name the empty segment one past the last row
+    for name, rows, used, index, per_request, empty in (
+            ("state_chunks", state_chunks, NSC, first[:, 2], counts[:, 5], shape.states),
+            ("branch_chunks", branch_chunks, NBC, first[:, 3], counts[:, 6], shape.branches)):
+        v = view[name]
+        v[:used] = rows
+        v[:used, 0] += np.repeat(index, per_request)
+        v[used:, 0] = empty
+        v[used:, 1] = 0
+
+    # Readout rows: from the request's first question token, or its first state token for a read inside a trunk
+    v = view["readout_rows"]
+    per_read = counts[:, 4]
+    np.add(np.repeat(first[:, 1] + ns_tok, per_read), read_rel, out=v[:NR])
+    if n_trunk_reads:
+        read_flag = np.frombuffer(b"".join([request.round_layout.trunk_reads for request in requests]), np.int64)
+        v[:NR] -= read_flag * np.repeat(first[:, 1] + ns_tok - first[:, 0], per_read)
+    v[NR:] = 0
+    v = view["option_index"]
+    v[:NR] = option_rows
+    v[NR:] = 0
+
+    return Round(RoundTensors(*tensors), None, shape, n, out, requests)
+
+
+# id(out) -> (weakref to out, its data_ptr, {shape: (numpy view of input_ids + positions, numpy field views, torch
+# field views)}); the entries hold views of the buffer, never the buffer's own object, and go when it goes
+_BUFFERS: dict[int, tuple] = {}
+
+
+def _buffers(out: torch.Tensor | None, shape: Shape) -> tuple[torch.Tensor, np.ndarray, dict, tuple]:
+    """(buffer, numpy view of its first two fields, numpy view of each field, torch view of each field): cached for a
+    reused buffer."""
+    packing = _packing(shape)
+    if out is None:
+        flat = np.empty(packing.size, dtype=np.int64)
+        out = torch.from_numpy(flat)
+        view = {name: flat[offset: offset + count].reshape(dims) for name, offset, count, dims, _ in packing.fields}
+        return (out, flat[: 2 * shape.tokens], view, _views(out, packing))
+    key = id(out)
+    entry = _BUFFERS.get(key)
+    if entry is None or entry[0]() is not out or entry[1] != out.data_ptr():
+        if (out.dim() != 1 or out.dtype != torch.int64 or out.numel() != packing.size or out.device.type != "cpu"
+                or not out.is_contiguous()):
+            raise ValueError(f"`out` must be a contiguous 1-D int64 CPU tensor of {packing.size} elements; got "
+                             f"{tuple(out.shape)} {out.dtype} on {out.device}")
+        entry = _BUFFERS[key] = (weakref.ref(out, partial(_forget, key)), out.data_ptr(), {})
+    found = entry[2].get(shape)
+    if found is None:
+        if out.numel() != packing.size:
+            raise ValueError(f"`out` must have {packing.size} elements for {shape}; got {out.numel()}")
+        # tensors on the buffer's storage, not views of its tensor object (which they would keep alive)
+        storage, base = out.untyped_storage(), out.storage_offset()
+
+        def on_storage(offset, dims, strides):
+            return torch.empty(0, dtype=torch.int64).set_(storage, base + offset, dims, strides)
+
+        tensors = tuple(on_storage(offset, dims, strides) for _, offset, _, dims, strides in packing.fields)
+        found = entry[2][shape] = (on_storage(0, (2 * shape.tokens,), (1,)).numpy(),
+                                   {name: t.numpy() for (name, *_), t in zip(packing.fields, tensors)}, tensors)
+    return (out, *found)
+
+
+def _forget(key: int, ref: weakref.ref) -> None:
+    entry = _BUFFERS.get(key)
+    if entry is not None and entry[0] is ref:
+        del _BUFFERS[key]
+
+
+def _views(flat: torch.Tensor, packing: _Packing) -> tuple[torch.Tensor, ...]:
+    base = flat.storage_offset()
+    return tuple(flat.as_strided(dims, strides, base + offset) for _, offset, _, dims, strides in packing.fields)
+
+
+@lru_cache(maxsize=16)
+def _arange(n: int) -> np.ndarray:
+    a = np.arange(n, dtype=np.int64)
+    a.flags.writeable = False
+    return a

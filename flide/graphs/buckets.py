@@ -9,9 +9,14 @@ same flat-stream code, eagerly: no captured graph has its shape).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import attrgetter
 
 from ..config import GDN_CHUNK, CapacityConfig
 from ..round import Footprint, Shape
+
+
+_tokens, _states, _branches, _readout_rows, _requests = (
+    attrgetter(name) for name in ("tokens", "states", "branches", "readout_rows", "requests"))
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,8 @@ def shape_for(need: Footprint, caps: CapacityConfig, options: int, exact: bool =
     """The bucketed shape of a round (or its exact shape when `exact`), and whether it exceeds every bucket."""
     if need.fits(caps, caps.buckets[-1]):
         for tokens in caps.buckets:
+            if tokens < need.tokens:
+                continue
             shape = bucket_shape(tokens, caps, options)
             if holds(shape, need):
                 return (exact_shape(need, options) if exact else shape), False
@@ -58,6 +65,13 @@ def plan_rounds(needs: list[Footprint], caps: CapacityConfig, options: int, exac
     """Packs requests (their footprints, in order) into as few rounds as the capacities allow. With `exact`, each
     round gets a shape of its own size instead of its bucket's (for eager runs)."""
     largest = caps.buckets[-1]
+    if 0 < len(needs) <= caps.requests:
+        # Everything fits one round (footprints are never negative, so then every prefix fits too): one pass of sums
+        total = Footprint(sum(map(_tokens, needs)), sum(map(_states, needs)), sum(map(_branches, needs)),
+                          sum(map(_readout_rows, needs)), sum(map(_requests, needs)))
+        if total.fits(caps, largest):
+            shape, oversized = shape_for(total, caps, options, exact)
+            return [PlannedRound(list(range(len(needs))), shape, oversized)]
     rounds: list[PlannedRound] = []
     current: list[int] = []
     total: Footprint | None = None

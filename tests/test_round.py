@@ -1,0 +1,347 @@
+"""`flide.round`: the packed layout (`layout`, `packed_size`, `RoundTensors.from_flat`), `build_round` into a reused
+buffer, and the metadata equal, field by field, to the original per-read implementation kept below as the oracle."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from flide.config import GDN_CHUNK
+from flide.requests import Branch, PreparedRequest
+from flide.round import RoundTensors, Shape, build_round, layout, packed_size
+from flide.testing import synthetic_request
+
+FIELDS = [f for f in RoundTensors.__dataclass_fields__]
+
+
+def reference_build_round(requests: list[PreparedRequest], shape: Shape, pad_id: int):
+    """The original `build_round` (a Python loop over segments and reads), verbatim but for returning numpy arrays
+    and (request, question, options, tail) tuples: the oracle of the vectorised one."""
+    seg_tokens, seg_is_state, seg_state, seg_pos0 = [], [], [], []
+    read_request, read_prompt_pos, read_seg, read_questions, read_options, read_tails = [], [], [], [], [], []
+    first_state = []
+    for req in requests:
+        first_state.append(len(seg_tokens))
+        for trunk in req.trunks:
+            seg_state.append(len(seg_tokens)), seg_tokens.append(trunk), seg_is_state.append(True), seg_pos0.append(0)
+    n_states = len(seg_tokens)
+    for r, req in enumerate(requests):
+        by_trunk: dict[int, list] = {}
+        for branch in req.branches:
+            by_trunk.setdefault(branch.trunk, []).append(branch)
+        for t, trunk in enumerate(req.trunks):
+            state_index = trunk_seg = first_state[r] + t
+            for branch in by_trunk.get(t, []):
+                seg = len(seg_tokens)
+                seg_tokens.append(branch.tokens), seg_is_state.append(False), seg_state.append(state_index)
+                seg_pos0.append(len(trunk))
+                for pos, question, options in zip(branch.reads, branch.questions, branch.options):
+                    in_trunk = pos < len(trunk)
+                    read_request.append(r), read_questions.append(question), read_options.append(options)
+                    read_tails.append(branch.tail)
+                    read_seg.append(trunk_seg if in_trunk else seg)
+                    read_prompt_pos.append(int(pos))
+
+    lens = np.fromiter((len(s) for s in seg_tokens), dtype=np.int64, count=len(seg_tokens))
+    n = int(lens.sum())
+    n_branches = len(seg_tokens) - n_states
+    if n > shape.tokens or n_states > shape.states or n_branches > shape.branches or len(read_seg) > shape.readout_rows:
+        raise ValueError("over capacity")
+    starts = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64)
+    is_state = np.asarray(seg_is_state, dtype=bool)
+    state_of = np.asarray(seg_state, dtype=np.int64)
+    pos0 = np.asarray(seg_pos0, dtype=np.int64)
+    state_seg = np.flatnonzero(is_state)
+    state_lo, state_len = starts[state_seg], lens[state_seg]
+
+    T = shape.tokens
+    input_ids = np.full(T, pad_id, dtype=np.int64)
+    if n:
+        input_ids[:n] = np.concatenate(seg_tokens)
+    token_seg = np.repeat(np.arange(len(lens)), lens)
+    arange = np.arange(T, dtype=np.int64)
+    positions = np.zeros(T, dtype=np.int64)
+    positions[:n] = arange[:n] - starts[token_seg] + pos0[token_seg]
+    seg_lo = arange.copy()
+    seg_lo[:n] = starts[token_seg]
+    seg_trunk_lo = np.where(is_state, 0, state_lo[state_of]) if len(lens) else np.zeros(0, dtype=np.int64)
+    seg_trunk_hi = (np.where(is_state, 0, state_lo[state_of] + state_len[state_of]) if len(lens)
+                    else np.zeros(0, dtype=np.int64))
+    trunk_lo, trunk_hi = np.zeros(T, dtype=np.int64), np.zeros(T, dtype=np.int64)
+    trunk_lo[:n], trunk_hi[:n] = seg_trunk_lo[token_seg], seg_trunk_hi[token_seg]
+
+    def padded(values, size, fill=0):
+        out = np.full(size, fill, dtype=np.int64)
+        out[: len(values)] = values
+        return out
+
+    branch_seg = np.flatnonzero(~is_state)
+    read_seg_a = np.asarray(read_seg, dtype=np.int64)
+    read_pos = np.asarray(read_prompt_pos, dtype=np.int64)
+    rows = starts[read_seg_a] + read_pos - pos0[read_seg_a] if len(read_seg_a) else read_pos
+    option_index = np.zeros((shape.readout_rows, shape.options), dtype=np.int64)
+    reads = []
+    for i, (r, question, opts, tail) in enumerate(zip(read_request, read_questions, read_options, read_tails)):
+        option_index[i, : len(opts)] = opts
+        reads.append((r, question, len(opts), tail))
+
+    def chunk_table(lens, capacity, empty_segment):
+        chunks = -(-lens // GDN_CHUNK)
+        segment = np.repeat(np.arange(len(lens)), chunks)
+        first = np.repeat(np.cumsum(chunks) - chunks, chunks)
+        table = np.empty((capacity, 2), dtype=np.int64)
+        table[:, 0], table[:, 1] = empty_segment, 0
+        table[: len(segment), 0] = segment
+        table[: len(segment), 1] = np.arange(len(segment)) - first
+        return table
+
+    tensors = dict(
+        input_ids=input_ids, positions=positions, seg_lo=seg_lo, trunk_lo=trunk_lo, trunk_hi=trunk_hi,
+        state_start=padded(state_lo, shape.states), state_len=padded(state_len, shape.states),
+        branch_start=padded(starts[branch_seg], shape.branches), branch_len=padded(lens[branch_seg], shape.branches),
+        branch_state=padded(state_of[branch_seg], shape.branches),
+        state_chunks=chunk_table(state_len, shape.state_chunks, shape.states),
+        branch_chunks=chunk_table(lens[branch_seg], shape.branch_chunks, shape.branches),
+        readout_rows=padded(rows, shape.readout_rows), option_index=option_index)
+    return {k: torch.from_numpy(v) for k, v in tensors.items()}, reads, n
+
+
+def random_request(rng: np.random.Generator, max_state: int = 150, max_branch: int = 90) -> PreparedRequest:
+    """Up to three trunks (some empty), branches in any trunk order (one sometimes naming no trunk), 1-3 reads per
+    branch, some inside the trunk, 1-4 options per read, sometimes fewer options than reads (zip drops the rest)."""
+    n_trunks = int(rng.choice([1, 1, 1, 2, 3]))
+    trunks = [rng.integers(5, 1000, size=int(rng.choice([0, 1, int(rng.integers(0, max_state + 1))])))
+              for _ in range(n_trunks)]
+    branches = []
+    for _ in range(int(rng.integers(1, 7))):
+        t = int(rng.integers(0, n_trunks + (1 if rng.random() < 0.1 else 0)))  # t == n_trunks: no such trunk
+        tokens = rng.integers(5, 1000, size=int(rng.integers(1, max_branch + 1)))
+        trunk_len = len(trunks[t]) if t < n_trunks else 0
+        k = int(rng.integers(1, 4))
+        reads = np.sort(rng.integers(0 if rng.random() < 0.2 else trunk_len, trunk_len + len(tokens), size=k))
+        options = [[int(x) for x in rng.integers(1, 500, size=int(rng.integers(1, 5)))] for _ in range(k)]
+        if rng.random() < 0.1:
+            options = options[:-1]
+        branches.append(Branch(t, tokens, reads, [object() for _ in range(k)], rng.integers(0, 9, size=2), options))
+    return PreparedRequest(trunks, branches)
+
+
+def exact_fit(requests, spare: int = 0, options: int = 4) -> Shape:
+    tokens = sum(r.stream_tokens for r in requests)
+    states = sum(len(r.trunks) for r in requests)
+    branches = sum(len(r.branches) for r in requests)
+    reads = sum(len(b.reads) for r in requests for b in r.branches)
+    return Shape(tokens + spare, states + spare, branches + spare, reads + spare, options)
+
+
+def assert_equal_round(built, want, want_reads, want_n):
+    for name in FIELDS:
+        got = getattr(built.tensors, name)
+        assert got.dtype == torch.int64 and got.shape == want[name].shape, name
+        assert torch.equal(got, want[name]), name
+    assert built.used_tokens == want_n
+    assert [(r.request, r.question, r.options, r.tail) for r in built.reads] == want_reads
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_equals_reference(seed):
+    rng = np.random.default_rng(seed)
+    requests = [random_request(rng) for _ in range(int(rng.integers(1, 9)))]
+    shape = exact_fit(requests, spare=int(rng.integers(0, 3)) * 7)
+    pad = int(rng.integers(0, 5))
+    want, want_reads, want_n = reference_build_round(requests, shape, pad)
+    assert_equal_round(build_round(requests, shape, pad), want, want_reads, want_n)
+
+
+def test_layout_and_from_flat_round_trip():
+    shape = Shape(320, 5, 9, 11, 3)
+    fields = layout(shape)
+    assert [name for name, _ in fields] == FIELDS
+    assert dict(fields)["input_ids"] == (320,) and dict(fields)["option_index"] == (11, 3)
+    assert dict(fields)["state_chunks"] == (shape.state_chunks, 2)
+    assert packed_size(shape) == sum(int(np.prod(dims)) for _, dims in fields)
+    flat = torch.arange(packed_size(shape), dtype=torch.int64)
+    tensors = RoundTensors.from_flat(flat, shape)
+    offset = 0
+    for name, dims in fields:
+        t = getattr(tensors, name)
+        size = int(np.prod(dims))
+        assert tuple(t.shape) == dims and t.is_contiguous(), name
+        assert torch.equal(t.reshape(-1), torch.arange(offset, offset + size)), name
+        offset += size
+    tensors.seg_lo[3] = -7  # views: a write shows in the flat buffer
+    assert int(flat[2 * 320 + 3]) == -7
+    # a view into a larger buffer keeps its offset; the wrong size or dtype is refused
+    big = torch.zeros(packed_size(shape) + 10, dtype=torch.int64)
+    assert RoundTensors.from_flat(big[10:], shape).input_ids.data_ptr() == big[10:].data_ptr()
+    with pytest.raises(ValueError):
+        RoundTensors.from_flat(flat[1:], shape)
+    with pytest.raises(ValueError):
+        RoundTensors.from_flat(flat.to(torch.int32), shape)
+    # built rounds are views of their packed buffer
+    built = build_round([synthetic_request(np.arange(70), [np.arange(5), np.arange(3)])], Shape(128, 2, 3, 3, 2), 0)
+    again = RoundTensors.from_flat(built.flat, built.shape)
+    for name in FIELDS:
+        assert torch.equal(getattr(again, name), getattr(built.tensors, name))
+        assert getattr(again, name).data_ptr() == getattr(built.tensors, name).data_ptr()
+
+
+def test_reused_buffer_equals_fresh_builds():
+    """The same buffer, built into again and again with different mixes (garbage written in between), holds what
+    fresh builds hold: every element of every field is rewritten."""
+    rng = np.random.default_rng(7)
+    mixes = [[random_request(rng) for _ in range(int(rng.integers(1, 7)))] for _ in range(6)]
+    shape = Shape(*(max(getattr(exact_fit(m, spare=3), f) for m in mixes)
+                    for f in ("tokens", "states", "branches", "readout_rows", "options")))
+    buffer = torch.full((packed_size(shape),), -123456789, dtype=torch.int64)
+    for i, mix in enumerate(mixes + mixes[::-1]):
+        pad = i % 3
+        built = build_round(mix, shape, pad, out=buffer)
+        assert built.flat is buffer
+        fresh = build_round(mix, shape, pad)
+        want, want_reads, want_n = reference_build_round(mix, shape, pad)
+        assert_equal_round(built, want, want_reads, want_n)
+        for name in FIELDS:
+            got = getattr(built.tensors, name)
+            assert torch.equal(got, getattr(fresh.tensors, name)), name
+            assert got.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+        assert torch.equal(buffer, fresh.flat)
+        buffer.random_(-10**9, 10**9)  # stale values must never survive the next build
+
+
+def test_pinned_buffer():
+    if not torch.cuda.is_available():
+        pytest.skip("pinned memory needs CUDA")
+    requests = [synthetic_request(np.arange(100), [np.arange(9)] * 3)]
+    shape = Shape(256, 2, 4, 4, 2)
+    buffer = torch.empty(packed_size(shape), dtype=torch.int64).pin_memory()
+    built = build_round(requests, shape, 0, out=buffer)
+    assert torch.equal(buffer, build_round(requests, shape, 0).flat)
+    device = RoundTensors.from_flat(buffer.cuda(), shape)
+    assert torch.equal(device.positions.cpu(), built.tensors.positions)
+
+
+def test_bad_out_and_over_capacity():
+    requests = [synthetic_request(np.arange(100), [np.arange(9)] * 3, [1, 2, 3])]
+    shape = exact_fit(requests, options=3)
+    with pytest.raises(ValueError):
+        build_round(requests, shape, 0, out=torch.zeros(packed_size(shape) - 1, dtype=torch.int64))
+    with pytest.raises(ValueError):
+        build_round(requests, shape, 0, out=torch.zeros(packed_size(shape), dtype=torch.int32))
+    for smaller in (Shape(shape.tokens - 1, 1, 3, 3, 3), Shape(shape.tokens, 0, 3, 3, 3), Shape(shape.tokens, 1, 2, 3, 3),
+                    Shape(shape.tokens, 1, 3, 2, 3), Shape(shape.tokens, 1, 3, 3, 2)):
+        with pytest.raises(ValueError):
+            build_round(requests, smaller, 0)
+
+
+def test_invariants():
+    """The layout's invariants on random rounds: level-major, contiguous, every token inside its segment, question
+    tokens' trunks are their states, positions continue from the state, chunk tables cover each segment once."""
+    rng = np.random.default_rng(3)
+    for _ in range(20):
+        requests = [random_request(rng) for _ in range(int(rng.integers(1, 6)))]
+        shape = exact_fit(requests, spare=5)
+        built = build_round(requests, shape, pad_id=1)
+        t = {name: getattr(built.tensors, name).numpy() for name in FIELDS}
+        n, T = built.used_tokens, shape.tokens
+        NS = sum(len(r.trunks) for r in requests)
+        NB = sum(sum(1 for b in r.branches if b.trunk < len(r.trunks)) for r in requests)
+        ss, sl, bs, bl = t["state_start"][:NS], t["state_len"][:NS], t["branch_start"][:NB], t["branch_len"][:NB]
+        # contiguous: states from 0, then branches, then the tail
+        bounds = np.concatenate([ss, bs, [n]])
+        assert bounds[0] == 0 and np.array_equal(np.concatenate([ss + sl, bs + bl]), bounds[1:])
+        assert not t["state_len"][NS:].any() and not t["branch_len"][NB:].any()
+        assert np.all(t["input_ids"][n:] == 1) and not t["positions"][n:].any()
+        assert np.array_equal(t["seg_lo"][n:], np.arange(n, T))
+        assert not t["trunk_lo"][n:].any() and not t["trunk_hi"][n:].any()
+        for k in range(NS):
+            rows = slice(ss[k], ss[k] + sl[k])
+            assert np.all(t["seg_lo"][rows] == ss[k]) and np.array_equal(t["positions"][rows], np.arange(sl[k]))
+            assert not t["trunk_lo"][rows].any() and not t["trunk_hi"][rows].any()
+        for j in range(NB):
+            k, rows = t["branch_state"][j], slice(bs[j], bs[j] + bl[j])
+            assert np.all(t["seg_lo"][rows] == bs[j])
+            assert np.all(t["trunk_lo"][rows] == ss[k]) and np.all(t["trunk_hi"][rows] == ss[k] + sl[k])
+            assert np.array_equal(t["positions"][rows], sl[k] + np.arange(bl[j]))
+        for name, lens, empty in (("state_chunks", sl, shape.states), ("branch_chunks", bl, shape.branches)):
+            table = t[name]
+            used = int((-(-lens // GDN_CHUNK)).sum())
+            assert np.all(table[used:, 0] == empty) and not table[used:, 1].any()
+            for seg, n_seg in enumerate(lens):
+                chunks = table[:used][table[:used, 0] == seg, 1]
+                assert np.array_equal(chunks, np.arange(-(-n_seg // GDN_CHUNK)))
+        # each read's row holds the token its prompt position names
+        reads = built.reads
+        assert len(reads) <= shape.readout_rows and not t["readout_rows"][len(reads):].any()
+        assert not t["option_index"][len(reads):].any()
+        assert np.all(t["readout_rows"][: len(reads)] < n)
+
+
+def test_layout_is_cached_per_request():
+    request = synthetic_request(np.arange(50), [np.arange(7)] * 2)
+    shape = Shape(128, 1, 2, 2, 2)
+    first = build_round([request], shape, 0)
+    assert request.__dict__["round_layout"] is request.round_layout
+    second = build_round([request, request], Shape(256, 2, 4, 4, 2), 0)
+    assert [r.request for r in second.reads] == [0, 0, 1, 1]
+    ids = second.tensors.input_ids
+    assert torch.equal(ids[:50], first.tensors.input_ids[:50]) and torch.equal(ids[50:100], ids[:50])
+    assert torch.equal(ids[100:114], first.tensors.input_ids[50:64]) and torch.equal(ids[114:128], ids[100:114])
+
+
+def test_empty_round():
+    shape = Shape(64, 1, 1, 1, 2)
+    built = build_round([], shape, pad_id=5)
+    want, want_reads, want_n = reference_build_round([], shape, 5)
+    assert_equal_round(built, want, want_reads, want_n)
+
+
+def test_reused_buffer_cache_lets_the_buffer_go():
+    """The views cached for a reused buffer neither keep it alive nor outlive it."""
+    import gc
+    import weakref
+
+    from flide import round as round_module
+
+    requests = [synthetic_request(np.arange(70), [np.arange(5)])]
+    shape = Shape(128, 1, 1, 1, 2)
+    buffer = torch.zeros(packed_size(shape), dtype=torch.int64)
+    built = build_round(requests, shape, 0, out=buffer)
+    assert id(buffer) in round_module._BUFFERS
+    alive = weakref.ref(buffer)
+    del buffer, built
+    gc.collect()
+    assert alive() is None and not any(entry[0]() is None for entry in round_module._BUFFERS.values())
+
+
+def test_plan_rounds_packs_greedily():
+    """plan_rounds (with its one-round fast path) equals the greedy packing written out here."""
+    from flide.config import CapacityConfig
+    from flide.graphs.buckets import plan_rounds, shape_for
+    from flide.round import Footprint
+
+    caps = CapacityConfig(buckets=(256, 512, 1024), requests=6, states=8, branches=20, readout_rows=24)
+    rng = np.random.default_rng(5)
+    for _ in range(200):
+        needs = [Footprint(int(rng.integers(1, 700)) if rng.random() < 0.2 else int(rng.integers(1, 120)),
+                           int(rng.integers(1, 3)), int(rng.integers(1, 6)), int(rng.integers(1, 7)), 1)
+                 for _ in range(int(rng.integers(1, 9)))]
+        for exact in (False, True):
+            want, current, total = [], [], None
+            for i, need in enumerate(needs):
+                if not need.fits(caps, 1024):
+                    if current:
+                        want.append((current, *shape_for(total, caps, 5, exact)))
+                    current, total = [], None
+                    want.append(([i], shape_for(need, caps, 5, exact)[0], True))
+                    continue
+                combined = need if total is None else total + need
+                if not combined.fits(caps, 1024):
+                    want.append((current, *shape_for(total, caps, 5, exact)))
+                    combined, current = need, []
+                current, total = current + [i], combined
+            if current:
+                want.append((current, *shape_for(total, caps, 5, exact)))
+            got = [(p.requests, p.shape, p.oversized) for p in plan_rounds(needs, caps, 5, exact)]
+            assert got == want

@@ -2,11 +2,15 @@
 
 At start the runner gives every bucket of `capacities.buckets` its own static metadata: a pinned host buffer and a
 device buffer holding all RoundTensors fields of the bucket's Shape in one packed int64 tensor (the fields are
-views of it, marked static for torch.compile). `torch.compile(mode="reduce-overhead", dynamic=False)` then
-compiles the flat forward once per bucket and its cudagraph trees record one CUDA graph per bucket (warm-up run,
-recording run, one replay to check). A round is built straight into its bucket's pinned buffer, moved to the GPU
-in ONE copy, and the bucket's graph replays; no shape, Python int or launch size depends on the round's contents,
-so nothing recompiles or re-records after capture.
+views of it, marked static for torch.compile). `torch.compile(mode="reduce-overhead")` compiles the flat forward
+and its cudagraph trees record one CUDA graph per bucket (a warm-up run, a recording run, one replay). A round is
+built straight into its bucket's pinned buffer, moved to the GPU in ONE copy, and the bucket's graph replays; no
+shape, Python int or launch size depends on the round's contents, so nothing recompiles or re-records after capture.
+
+The forward is compiled with dynamic sizes, once for every bucket: with `dynamic=False` Inductor compiled each
+bucket anew, ~40 s apiece for Qwen3.5-0.8B on the H200 (over 5 minutes for the 8 default buckets), while every
+bucket shares one kernel set whose sizes are arguments. The graphs stay one per bucket: a graph's sizes are fixed
+when it is recorded.
 
 cudagraph trees keep their graphs per thread (thread-local tree managers), so every compiled call, the capture
 included, runs on the runner's own thread; callers on any thread (the serve scheduler, benchmark submitters) hand
@@ -22,7 +26,7 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -111,16 +115,28 @@ class GraphRunner:
     def _compiled_forward(self) -> Callable:
         flat = self.flat
         names = [f.name for f in fields(RoundTensors)]
-        # one compiled graph per bucket: allow at least as many specialisations as buckets (the default is 8)
+        # dynamic sizes: one compile serves every bucket; were a size ever specialised, allow a recompile per bucket
+        # rather than dynamo's silent fallback to eager past its default limit of 8
         need = len(self.caps.buckets) + 8
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, need)
         torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit,
                                                                16 * need)
+        # AOT's first-call check of custom ops' aliasing runs them under a TorchDispatchMode, inside which eager vmap
+        # (FlexAttention's BlockMask building) fails; our custom ops return fresh tensors (opcheck'd in the tests)
+        import torch._functorch.config as functorch_config
+
+        if hasattr(functorch_config, "check_custom_op_aliasing"):
+            functorch_config.check_custom_op_aliasing = False
+        # a graph per bucket is the design, not the "too many dynamic shapes" case this limit warns about
+        import torch._inductor.config as inductor_config
+
+        if getattr(inductor_config.triton, "cudagraph_dynamic_shape_warn_limit", None) is not None:
+            inductor_config.triton.cudagraph_dynamic_shape_warn_limit = need
 
         def forward(*tensors: torch.Tensor) -> torch.Tensor:
             return flat(RoundTensors(**dict(zip(names, tensors))))
 
-        return torch.compile(forward, mode="reduce-overhead", dynamic=False, fullgraph=True)
+        return torch.compile(forward, mode="reduce-overhead", dynamic=True, fullgraph=True)
 
     # ---- rounds ----
     def run(self, requests: list[PreparedRequest], shape: Shape) -> tuple[Round, torch.Tensor]:

@@ -25,10 +25,13 @@ def setup():
     torch.manual_seed(0)
     tok = tiny_tokenizer()
     model = tiny_model("qwen3_5_text").cuda()
+    # copies for the other engines, made before patching: patching swaps the mixers of a model in place (and a
+    # compiled model cannot be deep-copied), and the captured engine must keep its own
+    spare = [copy.deepcopy(model) for _ in range(2)]
     rng = random.Random(11)
     requests = [random_request(rng, max_questions=12, max_words=60) for _ in range(40)]
     engine = flide.patch(model, tok, config=GRAPHS)
-    return model, tok, requests, engine
+    return spare, tok, requests, engine
 
 
 def recordings(monkeypatch) -> list:
@@ -47,13 +50,14 @@ def recordings(monkeypatch) -> list:
 
 
 def test_graphs_equal_eager_and_pipeline(setup):
-    model, tok, requests, engine = setup
+    spare, tok, requests, engine = setup
     assert engine.runner is not None and sorted(engine.runner.buckets) == BUCKETS
     graphs = engine.decide(requests)
-    # a copy: patching swaps the mixers of the model in place, and the captured engine must keep its own
-    eager = flide.patch(copy.deepcopy(model), tok, config=EAGER).decide(requests)
-    expected = [pipeline("decision", model=model, tokenizer=tok)(r) for r in requests[:12]]
-    assert max(max_difference(a, b) for a, b in zip(graphs, eager)) < 1e-4
+    eager = flide.patch(spare[0], tok, config=EAGER)
+    answers = eager.decide(requests)
+    # the pipeline on the patched copy runs transformers' own modules (the swapped mixers fall back to them)
+    expected = [pipeline("decision", model=spare[0], tokenizer=tok)(r) for r in requests[:12]]
+    assert max(max_difference(a, b) for a, b in zip(graphs, answers)) < 1e-4
     # fla's and flex's Triton dots run in tf32 on fp32 inputs: a few 1e-4 on a tiny random model
     assert max(max_difference(a, b) for a, b in zip(expected, graphs)) < 2e-3
 
@@ -61,7 +65,7 @@ def test_graphs_equal_eager_and_pipeline(setup):
 def test_thousand_random_rounds_replay_without_recompiles(setup, monkeypatch):
     from torch._dynamo.utils import counters
 
-    model, tok, requests, engine = setup
+    _, _, requests, engine = setup
     prepared = [engine.prepare(r) for r in requests]
     alone = [engine.run([p])[0] for p in prepared]  # every bucket a single request reaches is warm now
     recorded = recordings(monkeypatch)
@@ -87,10 +91,10 @@ def test_thousand_random_rounds_replay_without_recompiles(setup, monkeypatch):
 
 
 def test_oversized_request_runs_eagerly_with_the_same_answers(setup):
-    model, tok, requests, engine = setup
+    spare, tok, requests, engine = setup
     rng = random.Random(2)
     big = random_request(rng, max_words=300)
-    small_buckets = flide.patch(copy.deepcopy(model), tok, config={**GRAPHS, "capacities": {"buckets": [256], "requests": 16}})
+    small_buckets = flide.patch(spare[1], tok, config={**GRAPHS, "capacities": {"buckets": [256], "requests": 16}})
     prepared = small_buckets.prepare(big)
     assert prepared.stream_tokens > 256
     oversized = small_buckets.decide(big)

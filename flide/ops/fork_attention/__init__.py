@@ -1,5 +1,5 @@
-"""Fork attention variants: `reference` (flide::fork_attention_reference, pure torch, any device), `flex`
-(FlexAttention with block tables built on the GPU; CUDA)."""
+"""flide::fork_attention_* custom ops. Variants: `reference` (pure torch, any device), `flex` (FlexAttention with
+block tables built on the GPU; CUDA)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,14 @@ def _cuda_only() -> str | None:
     return None if torch.cuda.is_available() else "it needs a CUDA GPU"
 
 
-# Not an opaque custom op: FlexAttention is a higher-order op that torch.compile traces itself, so inside the flat
-# graph Inductor fuses the block-table building with its neighbours and emits the flex kernel in the same graph;
-# called eagerly, `flex.fork_attention` runs its own compiled flex kernel.
-register("fork_attention", "flex", available=_cuda_only)(flex.fork_attention)
+@torch.library.custom_op("flide::fork_attention_flex", mutates_args=(), device_types="cuda")
+def fork_attention_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_lo: torch.Tensor,
+                        trunk_lo: torch.Tensor, trunk_hi: torch.Tensor, scale: float) -> torch.Tensor:
+    # An opaque op that runs its own statically compiled flex kernel (one per stream length). Traced into the flat
+    # graph instead, whose sizes are dynamic, Inductor (torch 2.11) fails on the block tables' [T/128, 128, T/128]
+    # view ("CantSplit: (s//128) not divisible by ...", seen on the H200).
+    return flex.fork_attention(q, k, v, seg_lo, trunk_lo, trunk_hi, scale)
+
+
+fork_attention_flex.register_fake(_fake)
+register("fork_attention", "flex", available=_cuda_only)(fork_attention_flex)

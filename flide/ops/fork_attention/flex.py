@@ -45,21 +45,9 @@ def block_tables(seg_lo: torch.Tensor, trunk_lo: torch.Tensor, trunk_hi: torch.T
     return (*table(partial), *table(full))
 
 
-@functools.lru_cache(maxsize=None)
-def _compiled_flex():
-    from torch.nn.attention.flex_attention import flex_attention
-
-    # One compiled kernel per (stream length, heads, dim, dtype): every bucket of every attention shape. Past
-    # dynamo's default limit of 8 it would silently fall back to the slow eager flex, so allow enough of them.
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
-    torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 4096)
-    return torch.compile(flex_attention, dynamic=False, fullgraph=True)
-
-
-def fork_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_lo: torch.Tensor, trunk_lo: torch.Tensor,
-                   trunk_hi: torch.Tensor, scale: float) -> torch.Tensor:
-    """Same contract as `reference.fork_attention` ([T, H, D] in, [T, Hq, Dv] out), on CUDA tensors."""
-    from torch.nn.attention.flex_attention import BlockMask
+def _fork_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_lo: torch.Tensor, trunk_lo: torch.Tensor,
+                    trunk_hi: torch.Tensor, scale: float) -> torch.Tensor:
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
     T = q.shape[0]
     pad = (-T) % BLOCK
@@ -77,10 +65,24 @@ def fork_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_lo: to
 
     mask = BlockMask.from_kv_blocks(*block_tables(seg_lo, trunk_lo, trunk_hi), BLOCK_SIZE=BLOCK, mask_mod=mask_mod,
                                     seq_lengths=(T + pad, T + pad))
-    if torch.compiler.is_compiling():  # traced into the caller's graph (the flat graphs): Inductor compiles it there
-        from torch.nn.attention.flex_attention import flex_attention as flex
-    else:
-        flex = _compiled_flex()
-    out = flex(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                           block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    out = flex_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                         block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     return out[0].transpose(0, 1)[:T].contiguous()
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled():
+    # The whole op is compiled, block tables and BlockMask included: BlockMask.from_kv_blocks runs vmap, which fails
+    # eagerly when this op is called from inside an Inductor graph ("Cannot access storage of BatchedTensorImpl",
+    # seen on the H200), and compiled it also fuses the table building. One compiled kernel set per (stream length,
+    # heads, dim, dtype): every bucket of every attention shape. Past dynamo's default limit of 8 it would silently
+    # fall back to the slow eager flex, so allow enough of them.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
+    torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 4096)
+    return torch.compile(_fork_attention, dynamic=False, fullgraph=True)
+
+
+def fork_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_lo: torch.Tensor, trunk_lo: torch.Tensor,
+                   trunk_hi: torch.Tensor, scale: float) -> torch.Tensor:
+    """Same contract as `reference.fork_attention` ([T, H, D] in, [T, Hq, Dv] out), on CUDA tensors."""
+    return _compiled()(q, k, v, seg_lo, trunk_lo, trunk_hi, scale)

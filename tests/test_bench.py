@@ -28,10 +28,10 @@ TINY = {"name": "t", "models": ["tiny:qwen3_5_text"]}
 @pytest.mark.parametrize("values, message", [
     ({**TINY, "threads": 2}, "valid keys: name, models"),
     ({**TINY, "limits": {"rase": 2}}, "limits.rase; valid keys of `limits`: race1, race"),
-    ({**TINY, "workload_options": {"sweep": {"count": [1]}}}, "workload_options.sweep.count; valid keys of "
-                                                               "`workload_options.sweep`: state_tokens, counts"),
+    ({**TINY, "workload_options": {"sweep": {"count": [1]}}}, ("workload_options.sweep.count; valid keys of "
+                                                                "`workload_options.sweep`: state_tokens, counts")),
     ({**TINY, "workloads": ["race", "squad"]}, "unknown 'squad'; valid: race1, race, quality1"),
-    ({**TINY, "engines": ["vllm"]}, "unknown 'vllm'; valid: flide, pipeline, prefix-cache, delimiter"),
+    ({**TINY, "engines": ["vllm"]}, "unknown 'vllm'; valid: flide, pipeline, prefix-cache, delimiter, http"),
     ({**TINY, "concurrency": [1, 0]}, "non-empty list of positive integers"),
     ({**TINY, "workload_options": {"sweep": {"counts": [1, 65]}}}, "at most 64 questions"),
     ({**TINY, "dtype": "fp8"}, "must be one of float32, bfloat16, float16"),
@@ -69,11 +69,15 @@ def test_config_paths_and_defaults(tmp_path):
 def test_shipped_configs_load():
     smoke = load_bench_config(REPO / "configs/bench/cpu_smoke.yaml")
     assert smoke.models == ("tiny:qwen3_5_text",) and smoke.concurrency == (1, 4)
-    assert set(smoke.engines) == {"flide", "pipeline", "prefix-cache"} and len(smoke.workloads) == 6
+    assert set(smoke.engines) == {"flide", "pipeline", "prefix-cache", "http"} and len(smoke.workloads) == 6
+    assert smoke.http.workloads == ("race",) and smoke.runs("http", "race") and not smoke.runs("http", "quality")
     for name in ("h200_qwen3_5_0_8b", "h200_qwen3_5_4b"):
         values = yaml.safe_load((REPO / f"configs/bench/{name}.yaml").read_text())
         assert values["name"] == name and values["dtype"] == "bfloat16" and values["device"] == "cuda"
         assert values["concurrency"] == [1, 8, 32, 64] and len(values["workloads"]) == 6
+        if name == "h200_qwen3_5_0_8b":  # issue 4: flide serve with 1/8/32/64 closed-loop clients on race
+            assert "http" in values["engines"] and values["http"]["workloads"] == ["race"]
+            assert values["http"]["concurrency"] == [1, 8, 32, 64]
         if (REPO.parent / "shared" / "models").is_dir() and datasets.data_available():
             assert load_bench_config(REPO / f"configs/bench/{name}.yaml").dtype == "bfloat16"
 
@@ -236,9 +240,9 @@ def test_runner_writes_results(tmp_path):
 
 def test_module_entry_point_dry_run():
     out = subprocess.run(["python", "-m", "flide.bench", "configs/bench/cpu_smoke.yaml", "--dry-run"], cwd=REPO,
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=120, check=False)
     assert out.returncode == 0, out.stderr
-    assert "engines flide, pipeline, prefix-cache" in out.stderr
+    assert "engines flide, pipeline, prefix-cache, http" in out.stderr
     bad = subprocess.run(["python", "-m", "flide.bench", "configs/bench/cpu_smoke.yaml", "--engines", "vllm"],
-                         cwd=REPO, capture_output=True, text=True, timeout=120)
+                         cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
     assert bad.returncode == 2 and "vllm not in the config" in bad.stderr

@@ -27,7 +27,7 @@ class PlainBaseline:
         from transformers.decision.modeling_utils import DecisionMixin
 
         if isinstance(model, DecisionMixin):
-            raise ValueError(f"{type(self).__name__} reads label logits of a causal LM; {type(model).__name__} is a "
+            raise TypeError(f"{type(self).__name__} reads label logits of a causal LM; {type(model).__name__} is a "
                              f"decision model with its own head.")
         if decision_config is None:  # as pipeline("decision") picks it for a model without a decision head
             decision_config = DecisionConfig.from_pretrained(getattr(model, "name_or_path", "") or "")
@@ -38,7 +38,7 @@ class PlainBaseline:
         self.prompts = PromptTokenizer(tokenizer, decision_config, "split")
         self.lock = threading.Lock()  # held while tokenizing: threads that share this baseline take turns there
 
-    def for_thread(self, tokenizer=None) -> "PlainBaseline":
+    def for_thread(self, tokenizer=None) -> PlainBaseline:
         """The same baseline for another submitting thread: the same model, another tokenizer (a copy of this one's
         when none is given; fast tokenizers are not safe to share while they encode) and its own lock."""
         clone = object.__new__(type(self))

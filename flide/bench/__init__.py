@@ -7,7 +7,10 @@
 - `engines.py`: flide, pipeline, and the plain-transformers baselines of benchmarks/baselines behind
   `decide(requests) -> answers`,
 - `runner.py`: measures the grid and writes the results (`main(argv)` is the command line),
-- `report.py`: the markdown tables and the plot.
+- `server.py` + `loadgen.py`: the `http` engine's `flide serve` subprocess and its closed-loop HTTP clients
+  (`python -m flide.bench.loadgen --url ... --requests FILE` drives any System One server),
+- `fidelity.py`: `mode: fidelity`, answers against a float32 reference (Agr., TV, P99, Flip, Stab.),
+- `report.py`: the markdown tables and the plots.
 
 Importing this package loads nothing heavy; torch and transformers come with the runner.
 """

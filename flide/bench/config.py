@@ -9,8 +9,14 @@
     engines: [flide, pipeline, prefix-cache]
     concurrency: [1, 8, 32, 64]
 
-An unknown key (top level, `limits`, `workload_options.<workload>`, `ablations`) is an error listing the valid ones;
-`flide:` and each ablation are checked as Flide configs. Relative paths are taken from the repository root; a path
+An unknown key (top level, `limits`, `workload_options.<workload>`, `ablations`, `http`, `fidelity`) is an error listing
+the valid ones; `flide:`, each ablation and `http.flide` are checked as Flide configs.
+
+`mode: speed` (the default) measures latency and throughput (runner.py); `mode: fidelity` measures answers against a
+float32 reference (fidelity.py). `final_norm_scale: S` multiplies the final norm's gain by S (every logit by S), so a
+random-weight model answers with peaked probabilities instead of almost uniform ones (`--top-probability` reports
+the mean top probability for candidate scales). The `http` engine (speed mode) serves the model with `flide serve`
+and drives it with closed-loop HTTP clients; `http:` holds its options. Relative paths are taken from the repository root; a path
 may be a list of candidates, the first that exists wins (so one file works here, where the data is in ../shared, and
 on a machine where it was copied into the repository). No environment variable changes anything.
 """
@@ -27,7 +33,8 @@ from ..config import read_yaml
 REPO = Path(__file__).resolve().parents[2]
 
 WORKLOADS = ("race1", "race", "quality1", "quality", "multirc", "sweep")
-ENGINES = ("flide", "pipeline", "prefix-cache", "delimiter")
+ENGINES = ("flide", "pipeline", "prefix-cache", "delimiter", "http")
+MODES = ("speed", "fidelity")
 DTYPES = ("float32", "bfloat16", "float16")
 TINY_PREFIX = "tiny:"
 
@@ -42,6 +49,35 @@ WORKLOAD_OPTIONS: dict[str, dict[str, Any]] = {
 }
 # Requests built per workload unless `limits` says otherwise (sweep: articles, each asked every count)
 DEFAULT_LIMITS = {"race1": 32, "race": 32, "quality1": 8, "quality": 8, "multirc": 16, "sweep": 1}
+
+
+@dataclass(frozen=True)
+class HttpOptions:
+    """The `http` engine: `flide serve` in a subprocess, closed-loop HTTP clients (`http:` in the YAML)."""
+
+    workloads: tuple[str, ...] | None = None  # the workloads it runs (None: every workload of the grid)
+    concurrency: tuple[int, ...] | None = None  # closed-loop clients per level (None: the grid's `concurrency`)
+    seconds: float | None = None  # each level's clients start requests for this long (None: `throughput_seconds`)
+    requests: int | None = None  # ... or until this many were started at a level (None: time only)
+    client_processes: int | None = None  # processes the clients are spread over (None: one per 16 clients)
+    check_requests: int = 4  # the first N requests answered over HTTP and in process must agree...
+    check_atol: float | None = None  # ... within this (None: 1e-5 in float32, 1e-3 in bfloat16/float16)
+    startup_timeout_s: float = 600.0  # until /health answers
+    client_timeout_s: float = 300.0  # one request, on the client side (the server's own is serve.request_timeout_s)
+    flide: dict[str, Any] = field(default_factory=dict)  # Flide config overrides of the server only
+
+    def atol(self, dtype: str) -> float:
+        return self.check_atol if self.check_atol is not None else (1e-5 if dtype == "float32" else 1e-3)
+
+
+@dataclass(frozen=True)
+class FidelityOptions:
+    """`mode: fidelity`: the stability pass and the report (`fidelity:` in the YAML)."""
+
+    stability_threads: int = 64  # in-process submitter threads of the stability pass
+    stability_max_group: int = 16  # Flide: each submission is a round of 1..this many requests (random)
+    stability_copies: int = 1  # the workload is submitted this many times (each a new random composition)
+    top_probability_range: tuple[float, float] = (0.5, 0.9)  # the report flags a reference mean top prob. outside
 
 
 @dataclass(frozen=True)
@@ -72,6 +108,10 @@ class BenchConfig:
     torch_threads: int | None = None  # torch.set_num_threads for the run (None: leave torch's default)
     seed: int = 0  # random weights
     notes: str = ""  # printed at the top of the markdown table (what the numbers mean, or don't)
+    mode: str = "speed"  # speed: latency and throughput; fidelity: answers against a float32 reference
+    final_norm_scale: float | None = None  # the final norm's gain x this (peaked answers from random weights)
+    http: HttpOptions = field(default_factory=HttpOptions)
+    fidelity: FidelityOptions = field(default_factory=FidelityOptions)
 
     def limit(self, workload: str) -> int:
         return self.limits.get(workload, DEFAULT_LIMITS[workload])
@@ -81,17 +121,23 @@ class BenchConfig:
 
     def flide_config(self, ablation: str | None = None) -> dict[str, Any]:
         """The Flide config dict of the `flide` engine, or of the engine `flide:<ablation>`."""
-        return _merge(self.flide, self.ablations[ablation]) if ablation else dict(self.flide)
+        return merge_overrides(self.flide, self.ablations[ablation]) if ablation else dict(self.flide)
 
     def engine_names(self) -> list[str]:
         """Every engine the grid runs: the configured ones, then one `flide:<name>` per ablation."""
         return list(self.engines) + [f"flide:{name}" for name in self.ablations]
 
+    def runs(self, engine: str, workload: str) -> bool:
+        """Whether the grid measures `engine` on `workload` (the http engine only on `http.workloads`)."""
+        if engine == "http" and self.http.workloads is not None:
+            return workload.split("/")[0] in self.http.workloads
+        return True
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
-def _merge(base: dict, extra: dict) -> dict:
+def merge_overrides(base: dict, extra: dict) -> dict:
     """Section-wise merge of two Flide config dicts (`{"kernels": {...}, ...}`)."""
     merged = {section: dict(values or {}) for section, values in base.items()}
     for section, values in extra.items():
@@ -141,6 +187,58 @@ def _names(value: Any, valid: tuple[str, ...], key: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(value))
 
 
+def _number(value: Any, key: str, least: float = 0.0, strict: bool = True) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not (value > least if strict else
+                                                                               value >= least):
+        _fail(key, f"must be a number {'>' if strict else '>='} {least:g}, got {value!r}.")
+    return float(value)
+
+
+def _integer(value: Any, key: str, least: int = 1) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < least:
+        _fail(key, f"must be an integer >= {least}, got {value!r}.")
+    return value
+
+
+def _http_options(values: Any, workloads: tuple[str, ...]) -> HttpOptions:
+    fields = {f.name for f in dataclasses.fields(HttpOptions)}
+    values = _check_keys(values or {}, list(fields), "http")
+    kw: dict[str, Any] = {}
+    if values.get("workloads") is not None:
+        kw["workloads"] = _names(values["workloads"], WORKLOADS, "http.workloads")
+        missing = [w for w in kw["workloads"] if w not in workloads]
+        if missing:
+            _fail("http.workloads", f"{', '.join(missing)} not among the grid's workloads ({', '.join(workloads)}).")
+    if values.get("concurrency") is not None:
+        kw["concurrency"] = _positive_ints(values["concurrency"], "http.concurrency")
+    for key in ("seconds", "startup_timeout_s", "client_timeout_s", "check_atol"):
+        if values.get(key) is not None:
+            kw[key] = _number(values[key], f"http.{key}")
+    for key, least in (("requests", 1), ("client_processes", 1), ("check_requests", 0)):
+        if values.get(key) is not None:
+            kw[key] = _integer(values[key], f"http.{key}", least)
+    if values.get("flide") is not None:
+        kw["flide"] = _flide_overrides(values["flide"], "http.flide")
+    return HttpOptions(**kw)
+
+
+def _fidelity_options(values: Any) -> FidelityOptions:
+    fields = [f.name for f in dataclasses.fields(FidelityOptions)]
+    values = _check_keys(values or {}, fields, "fidelity")
+    kw: dict[str, Any] = {}
+    for key, least in (("stability_threads", 1), ("stability_max_group", 1), ("stability_copies", 1)):
+        if key in values:
+            kw[key] = _integer(values[key], f"fidelity.{key}", least)
+    if "top_probability_range" in values:
+        value = values["top_probability_range"]
+        if (not isinstance(value, list) or len(value) != 2 or not all(isinstance(v, (int, float))
+                                                                       and not isinstance(v, bool) for v in value)
+                or not 0 <= value[0] < value[1] <= 1):
+            _fail("fidelity.top_probability_range", f"must be [low, high] with 0 <= low < high <= 1, got {value!r}.")
+        kw["top_probability_range"] = (float(value[0]), float(value[1]))
+    return FidelityOptions(**kw)
+
+
 def _flide_overrides(value: Any, key: str) -> dict:
     """A Flide config dict, checked now by Flide's own loader (unknown sections, keys and bad values fail here)."""
     from ..config import config_from_dict
@@ -151,7 +249,7 @@ def _flide_overrides(value: Any, key: str) -> dict:
         config_from_dict(value)
     except ValueError as error:
         _fail(key, str(error))
-    fixed = sorted(set((value.get("runtime") or {})) & {"dtype", "device"})
+    fixed = sorted(set(value.get("runtime") or {}) & {"dtype", "device"})
     if fixed:
         # Engine() would move the shared model, under the other engines' feet: the bench's dtype/device apply to all
         _fail(key, f"sets runtime.{', runtime.'.join(fixed)}; use the benchmark's own `dtype` / `device` (one model is "
@@ -264,7 +362,7 @@ def config_from_dict(values: dict[str, Any]) -> BenchConfig:
         if not isinstance(ablation, str) or not ablation or any(c in ablation for c in ":/ "):
             _fail("ablations", f"names must be plain words, got {ablation!r}.")
         kw["ablations"][ablation] = _flide_overrides(overrides, f"ablations.{ablation}")
-        _flide_overrides(_merge(kw["flide"], kw["ablations"][ablation]), f"ablations.{ablation}")
+        _flide_overrides(merge_overrides(kw["flide"], kw["ablations"][ablation]), f"ablations.{ablation}")
 
     if values.get("data_dir") is not None:
         kw["data_dir"] = resolve_path(values["data_dir"], "data_dir")
@@ -277,6 +375,25 @@ def config_from_dict(values: dict[str, Any]) -> BenchConfig:
         if not isinstance(values["notes"], str):
             _fail("notes", f"must be a string, got {values['notes']!r}.")
         kw["notes"] = values["notes"].strip()
+
+    mode = values.get("mode", "speed")
+    if mode not in MODES:
+        _fail("mode", f"must be one of {', '.join(MODES)}, got {mode!r}.")
+    kw["mode"] = mode
+    if values.get("final_norm_scale") is not None:
+        kw["final_norm_scale"] = _number(values["final_norm_scale"], "final_norm_scale")
+    engines = kw.get("engines", BenchConfig.engines)
+    kw["http"] = _http_options(values.get("http"), kw.get("workloads", WORKLOADS))
+    kw["fidelity"] = _fidelity_options(values.get("fidelity"))
+    if mode == "fidelity" and "http" in engines:
+        _fail("engines", "the http engine measures speed (mode: speed); mode: fidelity compares answers in process.")
+    if mode == "speed" and "http" in engines:
+        from .server import servable
+
+        for model in kw["models"]:
+            reason = servable(model, BenchConfig(**{**kw, "engines": engines}))
+            if reason:
+                _fail("engines", f"http: {reason}.")
     return BenchConfig(**kw)
 
 

@@ -4,6 +4,7 @@
     engine.decide(requests)           # -> [answers of each request], in order
     engine.tokens(request)            # tokens the model computes for the request
     engine.for_thread(tokenizer)      # the same model with this tokenizer copy, for another submitting thread
+    engine.close()                    # (optional) releases what the engine holds: the http engine's server
 
 | engine | what runs |
 | --- | --- |
@@ -11,6 +12,7 @@
 | pipeline | transformers' `pipeline("decision")`: one forward pass per question prompt, one request at a time |
 | prefix-cache | `benchmarks/baselines/prefix_cache.py`: the state once with a KV/GDN cache, copied for each question |
 | delimiter | `benchmarks/baselines/delimiter.py`: all questions after the state in one causal sequence (not exact) |
+| http | `flide serve` in a subprocess (server.py), POST /v1/systemone; closed-loop clients (loadgen.py) for throughput |
 
 Every engine of a model shares the one model object: `flide.patch` swaps its layers in place, and the swapped
 layers run transformers' own modules when called without a Flide round, so `pipeline` and the baselines still run
@@ -30,7 +32,7 @@ import sys
 import threading
 from typing import Any, Protocol
 
-from .config import REPO, BenchConfig
+from .config import REPO, BenchConfig, merge_overrides
 
 
 class BenchEngine(Protocol):
@@ -40,7 +42,7 @@ class BenchEngine(Protocol):
 
     def tokens(self, request: Any) -> int: ...
 
-    def for_thread(self, tokenizer) -> "BenchEngine": ...
+    def for_thread(self, tokenizer) -> BenchEngine: ...
 
 
 def _baseline(module: str):
@@ -60,6 +62,8 @@ class FlideEngine:
     """Flide: `decide(requests)` prepares each request and runs them in as few flat rounds as the capacities allow
     (the runner calls it with one request at a time: in-process submitters are not batched together)."""
 
+    packs_rounds = True  # decide(several requests) shares rounds (the fidelity stability pass uses it)
+
     def __init__(self, model, tokenizer, config: dict | None = None, name: str = "flide"):
         import flide
 
@@ -77,7 +81,7 @@ class FlideEngine:
         with self.lock:
             return self.engine.prepare(request, self.prompts).stream_tokens
 
-    def for_thread(self, tokenizer) -> "FlideEngine":
+    def for_thread(self, tokenizer) -> FlideEngine:
         from ..requests import PromptTokenizer
 
         clone = object.__new__(FlideEngine)
@@ -115,12 +119,106 @@ class PipelineEngine:
             state, questions = parse_request(request, self.pipe.decision_config, 64)
             return self.counter.prepare(state, questions).prompt_tokens
 
-    def for_thread(self, tokenizer) -> "PipelineEngine":
+    def for_thread(self, tokenizer) -> PipelineEngine:
         return PipelineEngine(self.pipe.model, tokenizer)
 
 
-def make_engine(name: str, model, tokenizer, config: BenchConfig | None = None) -> BenchEngine:
-    """The engine `name` on a loaded model: flide, flide:<ablation>, pipeline, prefix-cache or delimiter."""
+class HttpEngine:
+    """`flide serve` in a subprocess serving the benchmark's model; `decide` posts each request over one keep-alive
+    connection (answers as the server gives them), `closed_loop` runs N closed-loop clients (loadgen.py), `check`
+    compares the server's answers with an in-process Flide engine's. `close()` stops the server (the runner always
+    calls it; an atexit hook and PR_SET_PDEATHSIG cover a crash)."""
+
+    def __init__(self, spec: str, model, tokenizer, config: BenchConfig, name: str = "http"):
+        from .server import FlideServer
+
+        self.name, self.config = name, config
+        device = next(model.parameters()).device
+        # the in-process twin: the same model and the server's Flide config, for token counts and the answer check
+        self.local = FlideEngine(model, tokenizer, merge_overrides(config.flide, config.http.flide), name="flide")
+        self.server = FlideServer(spec, config, str(device)).start()
+        self._connection = None
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def _post(self, request: Any) -> dict:
+        import json
+
+        from .loadgen import Connection, post, split_url
+
+        if self._connection is None:
+            host, port = split_url(self.url)
+            self._connection = Connection(host, port, timeout=self.config.http.client_timeout_s)
+        body = request if isinstance(request, (str, bytes)) else json.dumps(request)
+        try:
+            status, payload = post(self._connection, body.encode("utf-8") if isinstance(body, str) else body)
+        except OSError:
+            self._connection.close()
+            raise
+        if status != 200:
+            raise RuntimeError(f"flide serve answered {status}: {payload[:500].decode('utf-8', 'replace')}")
+        return json.loads(payload)
+
+    def decide(self, requests: list) -> list[dict]:
+        return [self._post(request)["answers"] for request in requests]
+
+    def usage(self, request: Any) -> dict:
+        return self._post(request)["usage"]
+
+    def tokens(self, request: Any) -> int:
+        return self.local.tokens(request)  # the server's usage.input_tokens (check() asserts they agree)
+
+    def for_thread(self, tokenizer) -> HttpEngine:
+        clone = object.__new__(HttpEngine)
+        clone.__dict__.update(self.__dict__)
+        clone._connection = None
+        return clone
+
+    def check(self, requests: list) -> float:
+        """Largest probability difference between the server's answers and the in-process engine's (each request
+        alone), over `requests`; raises when the server's token count differs from the in-process one."""
+        from ..testing import max_difference
+
+        worst = 0.0
+        for request in requests:
+            body = self._post(request)
+            tokens = self.local.tokens(request)
+            if body["usage"]["input_tokens"] != tokens:
+                raise AssertionError(f"flide serve counted {body['usage']['input_tokens']} input tokens, the "
+                                     f"in-process engine {tokens}: it does not serve the same tokenizer/config")
+            worst = max(worst, max_difference(self.local.decide([request])[0], body["answers"]))
+        return worst
+
+    def closed_loop(self, requests: list, clients: int, seconds: float):
+        """`clients` closed-loop HTTP clients for `seconds` -> (loadgen.LoadResult, mean requests per round of the
+        server meanwhile, from its /metrics)."""
+        import json
+
+        from .loadgen import closed_loop
+
+        options = self.config.http
+        before = self.server.metrics()
+        result = closed_loop(self.url, [json.dumps(r) for r in requests], clients, seconds,
+                             processes=options.client_processes, max_requests=options.requests,
+                             timeout=options.client_timeout_s)
+        after = self.server.metrics()
+        key_sum, key_count = ("flide_round_requests_sum", ""), ("flide_round_requests_count", "")
+        rounds = after.get(key_count, 0.0) - before.get(key_count, 0.0)
+        size = (after.get(key_sum, 0.0) - before.get(key_sum, 0.0)) / rounds if rounds else float("nan")
+        return result, size
+
+    def close(self) -> None:
+        if self._connection is not None:
+            self._connection.close()
+            self._connection = None
+        self.server.stop()
+
+
+def make_engine(name: str, model, tokenizer, config: BenchConfig | None = None, spec: str | None = None) -> BenchEngine:
+    """The engine `name` on a loaded model: flide, flide:<ablation>, pipeline, prefix-cache, delimiter, or http
+    (which needs the config and the model's `spec`, to start `flide serve` with the same model)."""
     if name == "flide" or name.startswith("flide:"):
         ablation = name.partition(":")[2] or None
         if ablation and (config is None or ablation not in config.ablations):
@@ -133,5 +231,9 @@ def make_engine(name: str, model, tokenizer, config: BenchConfig | None = None) 
         return _baseline("prefix_cache").PrefixCacheBaseline(model, tokenizer)
     if name == "delimiter":
         return _baseline("delimiter").DelimiterBaseline(model, tokenizer)
+    if name == "http":
+        if config is None or spec is None:
+            raise ValueError("Engine http needs the benchmark config and the model spec (it starts flide serve).")
+        return HttpEngine(spec, model, tokenizer, config)
     raise ValueError(f"Unknown engine {name!r}; valid engines: flide, flide:<ablation>, pipeline, prefix-cache, "
-                     f"delimiter.")
+                     f"delimiter, http.")

@@ -1,4 +1,9 @@
-"""Results rows -> a markdown report (tables: workload x engine per metric) and a PNG plot (matplotlib, optional)."""
+"""Results rows -> a markdown report and a PNG plot (matplotlib, optional).
+
+Speed runs (`markdown`, `plot`): tables workload x engine per metric, the http engine's closed-loop levels in a table of
+their own. Fidelity runs (`fidelity_markdown`, `fidelity_plot`): a table like the paper's Table 4 (Agr., TV, P99,
+Flip, Stab. per workload and engine) and the distribution of the per-question TV per engine.
+"""
 
 from __future__ import annotations
 
@@ -40,6 +45,9 @@ def _workload_key(workload: str):
 
 _METRIC_ORDER = ("tokens_per_request", "latency_p50_ms", "latency_p90_ms", "requests_per_s", "latency_p50_ms@",
                  "peak_memory_gib")
+# Metrics of the http engine only: its own table ("HTTP server"), not one table each
+_HTTP_METRICS = ("http_max_abs_diff", "latency_p99_ms@", "errors@", "answered@", "mean_round_requests@",
+                 "client_cpu_share@")
 
 
 def _metric_key(metric: str):
@@ -77,10 +85,11 @@ def markdown(rows: list[dict], config: BenchConfig) -> str:
             f"- {config.dtype}, random weights{'' if tiny else ' in the real shapes'}; Flide config overrides: "
             f"`{json.dumps(config.flide) if config.flide else 'none (configs/default.yaml)'}`"
             + "".join(f"; `flide:{name}` = `{json.dumps(o)}`" for name, o in config.ablations.items()),
-            f"- latency alone: {config.repeats} timed run(s) of each of the first {config.latency_requests} requests "
-            f"after {config.warmup} warm-up run(s); throughput: N in-process submitter threads for "
-            f"{config.throughput_seconds:g} s, each `decide([r])` on its own (concurrent requests are not batched, "
-            f"for Flide either); sweep rows: latency alone only", ""]
+            (f"- latency alone: {config.repeats} timed run(s) of each of the first {config.latency_requests} requests "
+             f"after {config.warmup} warm-up run(s); throughput: N in-process submitter threads for "
+             f"{config.throughput_seconds:g} s, each `decide([r])` on its own (concurrent requests are not batched, "
+             f"for Flide either), except the `http` engine: `flide serve` (which batches concurrent requests into "
+             f"rounds) with N closed-loop HTTP clients; sweep rows: latency alone only"), ""]
     for model in models:
         mine = [r for r in rows if r["model"] == model]
         workloads = sorted(_ordered(r["workload"] for r in mine), key=_workload_key)
@@ -95,8 +104,8 @@ def markdown(rows: list[dict], config: BenchConfig) -> str:
                            f"{_fmt(facts.get((w, 'questions_per_request')))} | "
                            f"{_fmt(facts.get((w, 'state_tokens_per_request')))} |")
             out.append("")
-        metrics = sorted(_ordered(r["metric"] for r in mine if r["engine"] != "-" and r["metric"] != "error"),
-                         key=_metric_key)
+        metrics = sorted(_ordered(r["metric"] for r in mine if r["engine"] != "-" and r["metric"] != "error"
+                                  and not r["metric"].startswith(_HTTP_METRICS)), key=_metric_key)
         titles = {"latency_p50_ms": "Latency of one request alone, median (ms)",
                   "latency_p90_ms": "Latency of one request alone, p90 (ms)",
                   "tokens_per_request": "Tokens computed per request",
@@ -111,10 +120,50 @@ def markdown(rows: list[dict], config: BenchConfig) -> str:
             table = _table(mine, metric, workloads, engines)
             if table:
                 out += [f"### {title}", ""] + table + [""]
+        out += _http_table(mine, workloads)
         errors = [r for r in mine if r["metric"] == "error"]
         if errors:
             out += ["### Failed cells", ""] + [f"- {r['engine']} / {r['workload']}: {r['unit']}" for r in errors] + [""]
     return "\n".join(out)
+
+
+def _http_table(rows: list[dict], workloads: list[str]) -> list[str]:
+    """The http engine's closed-loop levels: one line per workload and client count."""
+    mine = {(r["workload"], r["metric"]): r for r in rows if r["engine"] == "http"}
+    levels = sorted({(w, int(m.split("@")[1])) for w, m in mine if m.startswith("requests_per_s@")},
+                    key=lambda wn: (workloads.index(wn[0]) if wn[0] in workloads else len(workloads), wn[1]))
+    if not levels:
+        return []
+
+    def value(workload, metric):
+        row = mine.get((workload, metric))
+        if row is None:
+            return None
+        if row["value"] is None and str(row["unit"]).startswith("skipped"):
+            return "skipped"
+        return row["value"]
+
+    out = ["### HTTP server (`flide serve`, closed-loop clients)", "",
+           ("Each client posts a request, waits for its answer, posts the next (keep-alive connection each). Latencies "
+            "are of answered requests; errors are non-200 answers and failed connections; mean round: requests per "
+            "round of the server meanwhile (its /metrics); client CPU: busy share of the busiest client process."), "",
+           "| workload | clients | requests/s | p50 ms | p99 ms | answered | errors | mean round | client CPU |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for workload, n in levels:
+        errors = mine.get((workload, f"errors@{n}"))
+        error_text = _fmt(value(workload, f"errors@{n}"))
+        if errors and errors["value"]:
+            error_text += f" ({str(errors['unit']).partition('(')[2].rstrip(')')})"
+        out.append(f"| {workload} | {n} | {_fmt(value(workload, f'requests_per_s@{n}'))} | "
+                   f"{_fmt(value(workload, f'latency_p50_ms@{n}'))} | {_fmt(value(workload, f'latency_p99_ms@{n}'))} | "
+                   f"{_fmt(value(workload, f'answered@{n}'))} | {error_text} | "
+                   f"{_fmt(value(workload, f'mean_round_requests@{n}'))} | "
+                   f"{_fmt(value(workload, f'client_cpu_share@{n}'))} |")
+    checks = [(w, r["value"]) for (w, m), r in mine.items() if m == "http_max_abs_diff"]
+    if checks:
+        out += ["", "Answers over HTTP against the in-process engine (the first requests, each alone), largest "
+                    "probability difference: " + ", ".join(f"{w} {_fmt(v) if v else '0'}" for w, v in checks) + "."]
+    return out + [""]
 
 
 def plot(rows: list[dict], config: BenchConfig, path: str | Path) -> bool:
@@ -196,6 +245,133 @@ def plot(rows: list[dict], config: BenchConfig, path: str | Path) -> bool:
     title = f"{config.name} ({', '.join(models)}; {', '.join(_ordered(r['hardware'] for r in rows))})"
     if any(m.startswith(TINY_PREFIX) for m in config.models):
         title += "\ntiny random model on a CPU: not a speed result"
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+# ---- fidelity ----
+FIDELITY_COLUMNS = (("agreement_pct", "Agr."), ("tv_points", "TV"), ("p99_points", "P99"), ("flip_pct", "Flip"),
+                    ("stability_pct", "Stab."))
+
+
+def _pct(value) -> str:
+    if value is None:
+        return "-"
+    if value == 0:
+        return "0"
+    if abs(value) >= 10:
+        return f"{value:.1f}"
+    if abs(value) >= 0.01:
+        return f"{value:.2f}"
+    return f"{value:.1e}"
+
+
+def fidelity_markdown(rows: list[dict], config: BenchConfig) -> str:
+    """The fidelity report: what the reference was, then per model a Table-4-like table (rows: workload x engine;
+    columns: questions, Agr., TV, P99, Flip, Stab.; all in percent)."""
+    models = _ordered(r["model"] for r in rows) or ["(none)"]
+    out = [f"# Answer fidelity `{config.name}`", ""]
+    if any(m.startswith(TINY_PREFIX) for m in config.models):
+        out += ["**Tiny random models on a CPU: this run checks that the metrics work; the values carry no claim.**",
+                ""]
+    if config.notes:
+        out += [config.notes, ""]
+    hardware = ", ".join(_ordered(r["hardware"] for r in rows)) or "-"
+    commits = ", ".join(_ordered(r["commit"] for r in rows)) or "-"
+    scale = config.final_norm_scale
+    low, high = config.fidelity.top_probability_range
+    out += [f"- hardware: {hardware}", f"- commit: {commits}; written {datetime.date.today().isoformat()}",
+            (f"- engines in {config.dtype}; Flide config overrides: "
+             f"`{json.dumps(config.flide) if config.flide else 'none (configs/default.yaml)'}`"),
+            ("- reference: transformers' `pipeline(\"decision\")` on a float32 copy of the same weights, same device, "
+             "each question in its own forward pass; TF32 off; transformers' torch path for the Gated DeltaNet and "
+             "its conv (fla / causal-conv1d kernels replaced when installed: with fla the float32 pipeline itself "
+             "drifts by up to 3e-3)"),
+            f"- random weights; final_norm_scale: {scale:g} (the final norm's gain x {scale:g}, so answers are peaked "
+            f"like a trained model's; picked with `python -m flide.bench CONFIG --top-probability ...`)"
+            if scale else "- random weights, final norm as drawn (answers close to uniform: no final_norm_scale)",
+            ("- Agr.: % of questions with the reference's top answer; TV: mean total variation distance (points, "
+             "x100); P99: 99th percentile of the largest change of one option's probability (points); Flip: % of "
+             "0.5-threshold decisions taken differently (noul: P(yes) > 0.5, one per question; choice/score: each "
+             "option's probability > 0.5, one per option); Stab.: % of questions whose top answer with "
+             f"{config.fidelity.stability_threads} in-process submitters (Flide: rounds of random composition, up to "
+             f"{config.fidelity.stability_max_group} requests) equals the one with a single submitter"), ""]
+    for model in models:
+        mine = [r for r in rows if r["model"] == model]
+        values = {(r["workload"], r["engine"], r["metric"]): r["value"] for r in mine}
+        workloads = _ordered(r["workload"] for r in mine if r["engine"] not in ("-", "reference"))
+        engines = [e for e in _ordered(r["engine"] for r in mine) if e not in ("-", "reference")]
+        out += [f"## {model}", "", "| workload | requests | questions | reference mean top probability |",
+                "| --- | --- | --- | --- |"]
+        for workload in _ordered(r["workload"] for r in mine):
+            top = values.get((workload, "reference", "mean_top_probability"))
+            flag = " (outside the aimed range)" if top is not None and not low <= top <= high else ""
+            questions = values.get((workload, "-", "questions_per_request"))
+            requests = values.get((workload, "-", "requests"))
+            total = round(questions * requests) if questions is not None and requests is not None else None
+            out.append(f"| {workload} | {_fmt(requests)} | {_fmt(total)} | "
+                       f"{'-' if top is None else f'{top:.3f}'}{flag} |")
+        replaced = [r for r in mine if r["metric"] == "gdn_kernels_replaced"]
+        if replaced:
+            out += ["", f"Reference kernels replaced by transformers' torch functions: {replaced[0]['unit']}."]
+        out += ["", "| workload | engine | " + " | ".join(title for _, title in FIDELITY_COLUMNS) + " |",
+                "| --- | --- |" + " --- |" * len(FIDELITY_COLUMNS)]
+        for workload in workloads:
+            for engine in engines:
+                if not any((workload, engine, metric) in values for metric, _ in FIDELITY_COLUMNS):
+                    continue
+                out.append(f"| {workload} | {engine} | " + " | ".join(_pct(values.get((workload, engine, metric)))
+                                                                    for metric, _ in FIDELITY_COLUMNS) + " |")
+        out.append("")
+        errors = [r for r in mine if r["metric"] == "error"]
+        if errors:
+            out += ["### Failed cells", ""] + [f"- {r['engine']} / {r['workload']}: {r['unit']}" for r in errors] + [""]
+    return "\n".join(out)
+
+
+def fidelity_plot(rows: list[dict], config: BenchConfig, path: str | Path) -> bool:
+    """A PNG: per workload, the distribution (CDF through the stored percentiles) of the per-question total variation
+    distance of each engine from the float32 reference, log scale. False when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    floor = 1e-6  # points: a TV of exactly 0 (bitwise equal answers) is drawn here
+    models = _ordered(r["model"] for r in rows)
+    quantiles = [r for r in rows if r["metric"].startswith("tv_points_q") and r["value"] is not None]
+    panels = _ordered((r["model"], r["workload"]) for r in quantiles)
+    if not panels:
+        return False
+    cols = min(3, len(panels))
+    fig, axes = plt.subplots(math.ceil(len(panels) / cols), cols, figsize=(5 * cols, 4 * math.ceil(len(panels) / cols)),
+                             squeeze=False)
+    axes = axes.ravel()
+    engines = _ordered(r["engine"] for r in quantiles)
+    colors = {name: plt.cm.tab10(i % 10) for i, name in enumerate(engines)}
+    for ax, (model, workload) in zip(axes, panels):
+        for engine in engines:
+            points = sorted((int(r["metric"][len("tv_points_q"):]), r["value"]) for r in quantiles
+                            if r["model"] == model and r["workload"] == workload and r["engine"] == engine)
+            if points:
+                ax.plot([max(v, floor) for _, v in points], [k / 100 for k, _ in points], marker=".",
+                        label=engine, color=colors[engine])
+        ax.set_xscale("log")
+        ax.set_xlabel(f"total variation distance from float32 (points; 0 drawn at {floor:g})")
+        ax.set_ylabel("share of questions")
+        ax.set_title(workload if len(models) == 1 else f"{workload} ({model})")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in axes[len(panels):]:
+        ax.axis("off")
+    title = f"{config.name}: answers against a float32 reference ({', '.join(_ordered(r['hardware'] for r in rows))})"
+    if config.final_norm_scale:
+        title += f"\nfinal_norm_scale {config.final_norm_scale:g}"
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -23,6 +23,20 @@ Concurrency is in-process: no batching of concurrently submitted requests, for a
 thread's `decide([r])` is its own round; `flide serve` is what packs concurrent requests into shared rounds). Threads
 share the model; each tokenizes with its own tokenizer copy (at most `TOKENIZER_COPIES`, then shared under a lock).
 
+The `http` engine is the exception: it starts `flide serve` (server.py) with the same model and measures, on the
+workloads of `http.workloads`:
+- `http_max_abs_diff`: the first `http.check_requests` requests answered over HTTP and by an in-process Flide engine
+  (each alone): the largest probability difference (the cell fails above `http.check_atol`);
+- `tokens_per_request`, `latency_p50_ms`, `latency_p90_ms`: as above, each request posted alone by one client;
+- per level N of `http.concurrency` (default `concurrency`): N closed-loop HTTP clients (loadgen.py: keep-alive
+  connection each, spread over processes) for `http.seconds` (default `throughput_seconds`): `requests_per_s@N`,
+  `latency_p50_ms@N`, `latency_p99_ms@N` (of answered requests), `errors@N` (non-200 answers and failed connections,
+  by kind in `unit`), `answered@N`, `mean_round_requests@N` (the server's rounds meanwhile, from /metrics) and
+  `client_cpu_share@N` (near 1: the client side may have capped the rate). The skip rule above applies too.
+The server always stops (SIGINT, then SIGKILL) when the engine is done, also after a failure.
+
+`mode: fidelity` configs run `fidelity.run` instead (answers against a float32 reference; see fidelity.py).
+
 Writes `<results_dir>/<name>.json` (a list of rows {workload, model, engine, metric, value, unit, hardware, commit}),
 `<name>.md` (tables) and `<name>.png` (when matplotlib is installed: `pip install -e .[bench]`).
 """
@@ -35,16 +49,19 @@ import datetime
 import gc
 import json
 import logging
+import math
 import platform
 import statistics
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from .config import REPO, TINY_PREFIX, BenchConfig, load_bench_config
+from .loadgen import percentile
 
 logger = logging.getLogger("flide.bench")
 
@@ -57,7 +74,7 @@ def git_commit() -> str:
     """`git rev-parse --short HEAD` of the repository ("unknown" outside a git checkout)."""
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                             timeout=10)
+                             timeout=10, check=False)
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
@@ -74,7 +91,8 @@ def hardware_name(device) -> str:
 
 
 def load_model(spec: str, config: BenchConfig):
-    """(model, tokenizer, row name) of a model spec: "tiny:<model_type>" or a config json (random weights)."""
+    """(model, tokenizer, row name) of a model spec: "tiny:<model_type>" or a config json (random weights), with the
+    final norm's gain scaled by `final_norm_scale` when the config sets it."""
     import torch
 
     from ..loading import load_tokenizer, pick_device, random_model
@@ -86,9 +104,54 @@ def load_model(spec: str, config: BenchConfig):
 
         model_type = spec[len(TINY_PREFIX):]
         model = tiny_model(model_type, seed=config.seed).to(device=device, dtype=dtype).eval()
-        return model, tiny_tokenizer(), f"tiny-{model_type}"
-    model = random_model(spec, dtype=dtype, device=str(device), seed=config.seed)
-    return model, load_tokenizer(config.tokenizer), Path(spec).stem
+        tokenizer, name = tiny_tokenizer(), f"tiny-{model_type}"
+    else:
+        model = random_model(spec, dtype=dtype, device=str(device), seed=config.seed)
+        tokenizer, name = load_tokenizer(config.tokenizer), Path(spec).stem
+    if config.final_norm_scale not in (None, 1.0):
+        FinalNormScale(model).set(config.final_norm_scale)
+    return model, tokenizer, name
+
+
+class FinalNormScale:
+    """Scales the gain of a model's final norm (the norm right before the head) by a factor, so every logit is
+    multiplied by it: random weights answer almost uniformly; a larger gain makes them answer like a trained model
+    does, with one option clearly on top. Works for both RMSNorm forms (`x * w`, and Qwen3.5's `x * (1 + w)`): the
+    form is found by probing the norm, and `set` checks that the output scaled as asked."""
+
+    def __init__(self, model):
+        import torch
+
+        from ..models.causal_lm import text_model_of
+
+        self.norm = getattr(text_model_of(model), "norm", None)
+        weight = getattr(self.norm, "weight", None)
+        if not isinstance(weight, torch.nn.Parameter):
+            raise TypeError(f"final_norm_scale: {type(model).__name__} has no final norm with a weight "
+                             f"(text model `.norm.weight`).")
+        self.weight = weight
+        self.original = weight.detach().clone()
+        probe = torch.randn(2, weight.shape[-1], dtype=torch.float32, device=weight.device).to(weight.dtype)
+        with torch.no_grad():
+            self.reference = self.norm(probe).float()
+            weight.zero_()
+            self.offset = bool(self.norm(probe).float().abs().max() > 0)  # x * (1 + w): zero weights keep the input
+            weight.copy_(self.original)
+        self.probe = probe
+
+    def set(self, scale: float) -> None:
+        """The gain becomes `scale` x the original one (scale 1 restores the original weights)."""
+        import torch
+
+        with torch.no_grad():
+            original = self.original.float()
+            gain = scale * ((1 + original) if self.offset else original)
+            self.weight.copy_((gain - 1) if self.offset else gain)
+            got = self.norm(self.probe).float()
+        tol = 1e-4 if self.weight.dtype == torch.float32 else 2e-2
+        if not torch.allclose(got, scale * self.reference, rtol=tol, atol=tol * float(self.reference.abs().max())):
+            raise RuntimeError(f"final_norm_scale {scale:g}: the final norm's output did not scale by it "
+                               f"({type(self.norm).__name__}, offset form {self.offset}).")
 
 
 class TokenizerPool:
@@ -120,16 +183,6 @@ class Timer:
         return (time.perf_counter() - start) * 1e3
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    if len(ordered) == 1:
-        return ordered[0]
-    position = q * (len(ordered) - 1)
-    low = int(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
-
-
 def throughput(engines: list, requests: list[dict], threads: int, seconds: float, timer: Timer) -> tuple[float, float]:
     """(requests/s, median latency ms) of `threads` submitters calling decide([r]) until `seconds` have passed.
     Thread i uses engines[i % len(engines)]."""
@@ -148,7 +201,7 @@ def throughput(engines: list, requests: list[dict], threads: int, seconds: float
                 t0 = time.perf_counter()
                 engine.decide([request])
                 elapsed = (time.perf_counter() - t0) * 1e3
-            except BaseException as error:  # noqa: BLE001: re-raised in the caller
+            except BaseException as error:  # noqa: BLE001 (re-raised in the caller)
                 state["error"] = error
                 return
             with lock:
@@ -191,8 +244,8 @@ def measure(engine, requests: list[dict], config: BenchConfig, timer: Timer, poo
         for n in config.concurrency:
             estimate = n * alone / 1e3
             if estimate > config.max_throughput_seconds:
-                out.append((f"requests_per_s@{n}", None, f"skipped: {n} x {alone:.0f} ms alone = {estimate:.0f} s "
-                                                         f"> max_throughput_seconds {config.max_throughput_seconds:g}"))
+                out.append((f"requests_per_s@{n}", None, (f"skipped: {n} x {alone:.0f} ms alone = {estimate:.0f} s "
+                                                          f"> max_throughput_seconds {config.max_throughput_seconds:g}")))
                 continue
             clones = [engine.for_thread(tok) for tok in pool.get(n)] if pool is not None else [engine]
             rps, p50 = throughput(clones, requests, n, config.throughput_seconds, timer)
@@ -221,15 +274,84 @@ def describe(requests: list[dict], tokenizer) -> list[tuple[str, float, str]]:
             ("state_tokens_per_request", statistics.mean(states), "tokens")]
 
 
+def measure_http(engine, requests: list[dict], config: BenchConfig, timer: Timer, alone_only: bool,
+                 log: Callable[[str], None]) -> list[tuple[str, float | None, str]]:
+    """(metric, value, unit) of the http engine on one workload (see the module docstring)."""
+    options = config.http
+    out: list[tuple[str, float | None, str]] = [("tokens_per_request", statistics.mean(engine.tokens(r)
+                                                                                      for r in requests), "tokens")]
+    sample = requests[:options.check_requests]
+    if sample:
+        difference, atol = engine.check(sample), options.atol(config.dtype)
+        if difference > atol:
+            raise AssertionError(f"answers over HTTP differ from the in-process engine's by {difference:.3g} > "
+                                 f"http.check_atol {atol:g} ({len(sample)} requests)")
+        out.append(("http_max_abs_diff", difference, "probability"))
+    for _ in range(config.warmup):
+        engine.decide([requests[0]])
+    samples = [timer(lambda r=r: engine.decide([r])) for r in requests[: config.latency_requests]
+               for _ in range(config.repeats)]
+    alone = statistics.median(samples)
+    out += [("latency_p50_ms", alone, "ms"), ("latency_p90_ms", percentile(samples, 0.9), "ms")]
+    if alone_only:
+        return out
+    for n in options.concurrency or config.concurrency:
+        estimate = n * alone / 1e3
+        if estimate > config.max_throughput_seconds:
+            out.append((f"requests_per_s@{n}", None, (f"skipped: {n} x {alone:.0f} ms alone = {estimate:.0f} s > "
+                                                      f"max_throughput_seconds {config.max_throughput_seconds:g}")))
+            continue
+        result, round_size = engine.closed_loop(requests, n, options.seconds or config.throughput_seconds)
+        out += [(f"requests_per_s@{n}", result.requests_per_s, "requests/s"),
+                (f"latency_p50_ms@{n}", result.percentile(0.5), "ms"),
+                (f"latency_p99_ms@{n}", result.percentile(0.99), "ms"),
+                (f"errors@{n}", result.error_count, f"requests ({result.describe_errors()})"),
+                (f"answered@{n}", result.answered, "requests"),
+                (f"mean_round_requests@{n}", round_size, "requests"),
+                (f"client_cpu_share@{n}", result.client_cpu_share, "CPU s / s of the busiest client process")]
+        if result.error_count:
+            log(f"  http @{n}: {result.error_count} failed request(s): {result.describe_errors()}")
+        if result.client_cpu_share > 0.8:
+            log(f"  http @{n}: a client process was busy {result.client_cpu_share:.0%} of the time: the client side "
+                f"may cap the rate; raise http.client_processes")
+    return out
+
+
+def prepare_model(spec: str, config: BenchConfig, workload_names: list[str]):
+    """Loads a model of the grid and builds its workloads -> (model, tokenizer, name, {workload: requests},
+    [(workload, metric, value, unit)] facts of the workloads)."""
+    from transformers.decision import DecisionConfig
+
+    from ..requests import PromptTokenizer
+    from . import workloads as named
+
+    model, tokenizer, model_name = load_model(spec, config)
+    PromptTokenizer(tokenizer, DecisionConfig())  # adds the decision sentinels before any copy is made
+    built: dict[str, list[dict]] = {}
+    for name in workload_names:
+        built.update(named.build(name, tokenizer, config.limit(name), config.options(name), config.data_dir))
+    facts = [(workload, metric, value, unit) for workload, requests in built.items()
+             for metric, value, unit in describe(requests, tokenizer)]
+    return model, tokenizer, model_name, built, facts
+
+
+def _finite(value):
+    """NaN (nothing answered) is written as null: JSON has no NaN."""
+    return None if isinstance(value, float) and math.isnan(value) else value
+
+
 def run(config: BenchConfig, workloads: list[str] | None = None, engines: list[str] | None = None,
         commit: str | None = None, log: Callable[[str], None] | None = None) -> list[dict]:
     """Runs the grid (optionally only some workloads / engines) and returns its rows."""
     import torch
 
-    from . import workloads as named
     from .engines import make_engine
 
     log = log or (lambda message: print(message, file=sys.stderr, flush=True))
+    if config.mode == "fidelity":
+        from .fidelity import run as run_fidelity
+
+        return run_fidelity(config, workloads, engines, commit=commit, log=log)
     threads_before = torch.get_num_threads()
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
@@ -239,46 +361,58 @@ def run(config: BenchConfig, workloads: list[str] | None = None, engines: list[s
         engine_names = [e for e in config.engine_names() if engines is None or e in engines]
         rows: list[dict] = []
         for spec in config.models:
-            model, tokenizer, model_name = load_model(spec, config)
+            model, tokenizer, model_name, built, facts = prepare_model(spec, config, workload_names)
             device = next(model.parameters()).device
             hardware = hardware_name(device)
             timer = Timer(device)
 
-            def add(workload, engine, metric, value, unit):
-                rows.append(dict(zip(ROW_KEYS, (workload, model_name, engine, metric, value, unit, hardware, commit))))
+            def add(workload, engine, metric, value, unit, model_name=model_name, hardware=hardware):
+                rows.append(dict(zip(ROW_KEYS, (workload, model_name, engine, metric, _finite(value), unit, hardware,
+                                                commit))))
 
-            from transformers.decision import DecisionConfig
-
-            from ..requests import PromptTokenizer
-
-            PromptTokenizer(tokenizer, DecisionConfig())  # adds the decision sentinels before any copy is made
-            built: dict[str, list[dict]] = {}
-            for name in workload_names:
-                built.update(named.build(name, tokenizer, config.limit(name), config.options(name), config.data_dir))
-            for workload, requests in built.items():
-                for metric, value, unit in describe(requests, tokenizer):
-                    add(workload, "-", metric, value, unit)
+            for workload, metric, value, unit in facts:
+                add(workload, "-", metric, value, unit)
             pool = TokenizerPool(tokenizer) if any(n > 1 for n in config.concurrency) else None
             for engine_name in engine_names:
+                cells = {w: r for w, r in built.items() if config.runs(engine_name, w)}
+                if not cells:
+                    continue
                 log(f"[{model_name}] building engine {engine_name}")
-                engine = make_engine(engine_name, model, tokenizer, config)
-                for workload, requests in built.items():
-                    start = time.perf_counter()
-                    try:
-                        results = measure(engine, requests, config, timer, pool, workload.startswith("sweep/"),
-                                          device)
-                    except Exception as error:  # noqa: BLE001: one failing cell must not lose the grid
-                        logger.exception("%s / %s / %s failed", model_name, engine_name, workload)
+                try:
+                    engine = make_engine(engine_name, model, tokenizer, config, spec=spec)
+                except Exception as error:  # one failing engine must not lose the grid
+                    logger.exception("%s / %s: building the engine failed", model_name, engine_name)
+                    for workload in cells:
                         add(workload, engine_name, "error", None, f"{type(error).__name__}: {error}"[:500])
-                        log(f"[{model_name}] {engine_name:14} {workload:10} FAILED: {type(error).__name__}: {error}")
-                        if device.type == "cuda":
-                            torch.cuda.empty_cache()
-                        continue
-                    for metric, value, unit in results:
-                        add(workload, engine_name, metric, value, unit)
-                    summary = ", ".join(f"{m} {v:.4g}" for m, v, _ in results
-                                        if v is not None and m.startswith(("latency_p50_ms", "requests_per_s")))
-                    log(f"[{model_name}] {engine_name:14} {workload:10} {time.perf_counter() - start:6.1f}s  {summary}")
+                    log(f"[{model_name}] {engine_name:14} FAILED to build: {type(error).__name__}: {error}")
+                    continue
+                try:
+                    for workload, requests in cells.items():
+                        start = time.perf_counter()
+                        alone_only = workload.startswith("sweep/")
+                        try:
+                            if engine_name == "http":
+                                results = measure_http(engine, requests, config, timer, alone_only, log)
+                            else:
+                                results = measure(engine, requests, config, timer, pool, alone_only, device)
+                        except Exception as error:  # one failing cell must not lose the grid
+                            logger.exception("%s / %s / %s failed", model_name, engine_name, workload)
+                            add(workload, engine_name, "error", None, f"{type(error).__name__}: {error}"[:500])
+                            log(f"[{model_name}] {engine_name:14} {workload:10} FAILED: {type(error).__name__}: "
+                                f"{error}")
+                            if device.type == "cuda":
+                                torch.cuda.empty_cache()
+                            continue
+                        for metric, value, unit in results:
+                            add(workload, engine_name, metric, value, unit)
+                        summary = ", ".join(f"{m} {v:.4g}" for m, v, _ in results
+                                            if v is not None and m.startswith(("latency_p50_ms", "requests_per_s")))
+                        log(f"[{model_name}] {engine_name:14} {workload:10} {time.perf_counter() - start:6.1f}s  "
+                            f"{summary}")
+                finally:
+                    close = getattr(engine, "close", None)
+                    if close is not None:
+                        close()
                 del engine
                 gc.collect()
             del model, pool
@@ -300,8 +434,10 @@ def merge_rows(old: list[dict], new: list[dict]) -> list[dict]:
 def write_results(rows: list[dict], config: BenchConfig, out_dir: str | Path | None = None,
                   merge: bool = False) -> dict[str, Path]:
     """Writes <name>.json, <name>.md and (matplotlib installed) <name>.png; returns their paths."""
-    from .report import markdown, plot
+    from .report import fidelity_markdown, fidelity_plot, markdown, plot
 
+    if config.mode == "fidelity":
+        markdown, plot = fidelity_markdown, fidelity_plot
     folder = Path(out_dir or config.results_dir)
     folder.mkdir(parents=True, exist_ok=True)
     paths = {"json": folder / f"{config.name}.json", "md": folder / f"{config.name}.md"}
@@ -327,6 +463,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="merge into existing results (default when --workloads or --engines is given)")
     parser.add_argument("--commit", help="the commit recorded in each row (default: git rev-parse --short HEAD)")
     parser.add_argument("--dry-run", action="store_true", help="print the grid and exit")
+    parser.add_argument("--report", action="store_true",
+                        help="rewrite <name>.md and <name>.png from the existing <name>.json (no run): e.g. the plot "
+                             "of a GPU run made where matplotlib is installed")
+    parser.add_argument("--top-probability", nargs="+", type=float, metavar="SCALE",
+                        help="print the mean top probability of Flide's answers with each final-norm scale (to pick "
+                             "the config's final_norm_scale) and exit")
+    parser.add_argument("--top-probability-requests", type=int, default=4, metavar="N",
+                        help="requests per workload for --top-probability (default 4)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -341,10 +485,32 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     workloads = args.workloads or list(config.workloads)
     engines = args.engines or config.engine_names()
-    print(f"{config.name}: models {', '.join(config.models)}\n  workloads {', '.join(workloads)}\n"
+    print(f"{config.name} ({config.mode}): models {', '.join(config.models)}\n  workloads {', '.join(workloads)}\n"
           f"  engines {', '.join(engines)}\n  concurrency {', '.join(map(str, config.concurrency))}; {config.dtype} on "
-          f"{config.device}", file=sys.stderr)
+          f"{config.device}" + (f"; final_norm_scale {config.final_norm_scale:g}" if config.final_norm_scale else ""),
+          file=sys.stderr)
     if args.dry_run:
+        return 0
+    if args.report:
+        folder = Path(args.out or config.results_dir)
+        source = folder / f"{config.name}.json"
+        if not source.exists():
+            print(f"error: --report: {source} does not exist.", file=sys.stderr)
+            return 2
+        paths = write_results(json.loads(source.read_text(encoding="utf-8")), config, folder)
+        print(f"rewrote {', '.join(str(p) for k, p in paths.items() if k != 'json')}", file=sys.stderr)
+        return 0
+    if args.top_probability:
+        import dataclasses
+
+        from .fidelity import format_top_probability, top_probability_table
+
+        if any(scale <= 0 for scale in args.top_probability):
+            print("error: --top-probability: scales must be > 0.", file=sys.stderr)
+            return 2
+        only = dataclasses.replace(config, workloads=tuple(workloads))
+        print(format_top_probability(top_probability_table(only, args.top_probability,
+                                                           args.top_probability_requests)))
         return 0
     start = time.perf_counter()
     rows = run(config, args.workloads, args.engines, commit=args.commit)

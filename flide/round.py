@@ -214,24 +214,26 @@ class RequestLayout:
     round has one).
     """
 
-    __slots__ = ("counts", "reads", "parts", "trunk_reads", "_small", "_tokens", "_options")
+    __slots__ = ("_options", "_small", "_tokens", "counts", "parts", "reads", "trunk_reads")
 
     def __init__(self, request: PreparedRequest):
-        trunk_lens = [len(t) for t in request.trunks]
-        state_start = [0, *accumulate(trunk_lens)]
+        trunks = request.trunks
+        trunk_lens = [len(t) for t in trunks]
         by_trunk: dict[int, list] = {}
         for branch in request.branches:
             by_trunk.setdefault(branch.trunk, []).append(branch)
         branches, branch_state = [], []
-        for t in range(len(trunk_lens)):
+        for t in range(len(trunks)):
             for branch in by_trunk.get(t, ()):
                 branches.append(branch), branch_state.append(t)
         branch_lens = [len(b.tokens) for b in branches]
+        state_start = [0, *accumulate(trunk_lens)]
         read_rel, read_flag, self.reads, self._options = [], [], [], []
         q_cursor = 0
         for branch, t, n in zip(branches, branch_state, branch_lens):
             pos0 = trunk_lens[t]
-            for pos, question, options in zip(branch.reads, branch.questions, branch.options):
+            reads = branch.reads.tolist() if isinstance(branch.reads, np.ndarray) else branch.reads
+            for pos, question, options in zip(reads, branch.questions, branch.options):
                 pos = int(pos)
                 if pos < pos0:  # a read inside the trunk (a template that marks before the question): the state row
                     read_rel.append(state_start[t] + pos), read_flag.append(1)
@@ -245,17 +247,29 @@ class RequestLayout:
             return array("q", [v for k, n in enumerate(lens) for j in range(-(-n // GDN_CHUNK)) for v in (k, j)])
 
         s_chunks, b_chunks = chunk_rows(trunk_lens), chunk_rows(branch_lens)
-        self.counts = (sum(trunk_lens), sum(branch_lens), len(trunk_lens), len(branches), len(read_rel),
-                       len(s_chunks) // 2, len(b_chunks) // 2, sum(read_flag))
+        ns, nq = state_start[-1], q_cursor
+        self.counts = (ns, nq, len(trunks), len(branches), len(read_rel), len(s_chunks) // 2, len(b_chunks) // 2,
+                       sum(read_flag))
         self._small = tuple(array("q", part).tobytes() for part in (self.counts, trunk_lens, branch_lens, branch_state,
                                                                      read_rel, s_chunks, b_chunks))
         self.trunk_reads = array("q", read_flag).tobytes()
-        # token ids and positions as int32 (half the bytes to move; widened to int64 by the round's one copy)
-        # (a question's positions continue from its state's end: its own arange plus the state's length)
-        q_pos = _positions(branch_lens) + np.repeat(np.asarray([trunk_lens[t] for t in branch_state], np.int32),
-                                                   branch_lens)
-        self._tokens = (_int32([t for t in request.trunks]).tobytes(), _int32([b.tokens for b in branches]).tobytes(),
-                        _positions(trunk_lens).tobytes(), q_pos.tobytes())
+        # Token ids and positions as int32 (half the bytes to move; the round's one copy widens them): every segment's
+        # positions count from its own start, a question's continuing from its state's length
+        segments = [*trunks, *(b.tokens for b in branches)]
+        lens = [*trunk_lens, *branch_lens]
+        ids = np.concatenate(segments) if len(segments) > 1 else np.asarray(segments[0] if segments else [])
+        if ids.dtype != np.int32:
+            if ids.size and (ids.min() < -2**31 or ids.max() >= 2**31):
+                raise ValueError("token ids must fit in int32")
+            ids = ids.astype(np.int32)
+        shift = [0, *accumulate(lens)][:-1]  # each segment's start, less its first position
+        for k, t in enumerate(branch_state):
+            shift[len(trunks) + k] -= trunk_lens[t]
+        positions = np.arange(ns + nq, dtype=np.int32)
+        if len(lens) > 1:
+            positions -= np.repeat(np.asarray(shift, dtype=np.int32), lens)
+        ids, positions = ids.tobytes(), positions.tobytes()
+        self._tokens = (ids[: 4 * ns], ids[4 * ns:], positions[: 4 * ns], positions[4 * ns:])
         self.parts = _Parts(self)
 
     def option_rows(self, width: int) -> bytes:
@@ -270,28 +284,6 @@ class RequestLayout:
 
 
 _ZEROS = array("q", bytes(8 * 1024))
-
-
-def _positions(lens: list[int]) -> np.ndarray:
-    """Concatenated aranges of `lens` (int32)."""
-    total = sum(lens)
-    if len(lens) == 1:
-        return np.arange(total, dtype=np.int32)
-    starts = np.repeat(np.asarray([0, *accumulate(lens)][:-1], dtype=np.int32), lens)
-    return np.arange(total, dtype=np.int32) - starts
-
-
-def _int32(arrays: list) -> np.ndarray:
-    """Token id arrays concatenated into one int32 array (ids are vocabulary rows: far below 2**31)."""
-    if not arrays:
-        return np.zeros(0, dtype=np.int32)
-    tokens = np.concatenate([np.asarray(a).reshape(-1) for a in arrays]) if len(arrays) > 1 else \
-        np.asarray(arrays[0]).reshape(-1)
-    if tokens.dtype != np.int32:
-        if tokens.size and (tokens.min() < -2**31 or tokens.max() >= 2**31):
-            raise ValueError("token ids must fit in int32")
-        tokens = tokens.astype(np.int32)
-    return tokens
 
 
 class _Parts(dict):

@@ -96,14 +96,15 @@ def reference_build_round(requests: list[PreparedRequest], shape: Shape, pad_id:
         table[: len(segment), 1] = np.arange(len(segment)) - first
         return table
 
-    tensors = dict(
-        input_ids=input_ids, positions=positions, seg_lo=seg_lo, trunk_lo=trunk_lo, trunk_hi=trunk_hi,
-        state_start=padded(state_lo, shape.states), state_len=padded(state_len, shape.states),
-        branch_start=padded(starts[branch_seg], shape.branches), branch_len=padded(lens[branch_seg], shape.branches),
-        branch_state=padded(state_of[branch_seg], shape.branches),
-        state_chunks=chunk_table(state_len, shape.state_chunks, shape.states),
-        branch_chunks=chunk_table(lens[branch_seg], shape.branch_chunks, shape.branches),
-        readout_rows=padded(rows, shape.readout_rows), option_index=option_index)
+    tensors = {
+        "input_ids": input_ids, "positions": positions, "seg_lo": seg_lo, "trunk_lo": trunk_lo, "trunk_hi": trunk_hi,
+        "state_start": padded(state_lo, shape.states), "state_len": padded(state_len, shape.states),
+        "branch_start": padded(starts[branch_seg], shape.branches),
+        "branch_len": padded(lens[branch_seg], shape.branches),
+        "branch_state": padded(state_of[branch_seg], shape.branches),
+        "state_chunks": chunk_table(state_len, shape.state_chunks, shape.states),
+        "branch_chunks": chunk_table(lens[branch_seg], shape.branch_chunks, shape.branches),
+        "readout_rows": padded(rows, shape.readout_rows), "option_index": option_index}
     return {k: torch.from_numpy(v) for k, v in tensors.items()}, reads, n
 
 

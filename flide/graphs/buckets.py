@@ -14,7 +14,6 @@ from operator import attrgetter
 from ..config import GDN_CHUNK, CapacityConfig
 from ..round import Footprint, Shape
 
-
 _tokens, _states, _branches, _readout_rows, _requests = (
     attrgetter(name) for name in ("tokens", "states", "branches", "readout_rows", "requests"))
 

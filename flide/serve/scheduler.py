@@ -141,7 +141,9 @@ class Scheduler:
         prompts = getattr(self._local, "prompts", None)
         if prompts is None:  # a thread outside the pool: give it a copy of its own too
             prompts = self._local.prompts = self.engine.prompts.copy_for_thread()
-        return self.engine.prepare(request, prompts=prompts)
+        prepared = self.engine.prepare(request, prompts=prompts)
+        _ = prepared.round_layout  # its part of a round (`flide.round.RequestLayout`): made here, not on the model thread
+        return prepared
 
     # ---- rounds (the model thread) ----
     def submit(self, ticket: Ticket, prepared: PreparedRequest) -> Future:

@@ -121,6 +121,9 @@ class GraphRunner:
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, need)
         torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit,
                                                                16 * need)
+        # Python floats (norm eps, attention scale) as constants: with dynamic sizes dynamo would make them symbolic,
+        # and a nested compile region (FlatBlock) refuses symbolic-float operands
+        torch._dynamo.config.specialize_float = True
         # AOT's first-call check of custom ops' aliasing runs them under a TorchDispatchMode, inside which eager vmap
         # (FlexAttention's BlockMask building) fails; our custom ops return fresh tensors (opcheck'd in the tests)
         import torch._functorch.config as functorch_config

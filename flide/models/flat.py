@@ -32,6 +32,26 @@ class Head:
     softcap: float | None = None
 
 
+class FlatBlock(nn.Module):
+    """One decoder layer over the flat stream: pre-norm mixer and MLP, each with its residual.
+
+    Its forward is a nested compile region: torch.compile traces and compiles it once per layer kind (Gated
+    DeltaNet, attention) and stamps the compiled code out for every layer of that kind, instead of unrolling and
+    compiling all of them (the flat graph of Qwen3.5-0.8B took minutes to compile whole). Eagerly it is a plain call.
+    """
+
+    def __init__(self, layer: nn.Module, mixer: nn.Module):
+        super().__init__()
+        self.input_layernorm, self.mixer = layer.input_layernorm, mixer
+        self.post_attention_layernorm, self.mlp = layer.post_attention_layernorm, layer.mlp
+
+    @torch.compiler.nested_compile_region
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *fields: torch.Tensor) -> torch.Tensor:
+        ctx = FlatContext(RoundTensors(*fields), cos, sin)
+        h = h + self.mixer(self.input_layernorm(h), flide=ctx)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
 class FlatModel(nn.Module):
     """A patched decoder stack and its head, run over RoundTensors -> option scores [readout_rows, options]."""
 
@@ -44,6 +64,8 @@ class FlatModel(nn.Module):
         for name in ("embed_tokens", "layers", "norm", "rotary_emb"):
             if not hasattr(text_model, name):
                 raise ValueError(f"{type(text_model).__name__} has no `{name}`: not a decoder stack Flide can run.")
+        # Not registered children: the layers' modules belong to the model (and its state_dict) already
+        self.__dict__["blocks"] = [FlatBlock(layer, self.mixer(layer)) for layer in text_model.layers]
 
     def mixer(self, layer: nn.Module) -> nn.Module:
         return layer.linear_attn if hasattr(layer, "linear_attn") else layer.self_attn
@@ -53,12 +75,15 @@ class FlatModel(nn.Module):
         h = m.embed_tokens(r.input_ids)  # [T, H]
         cos, sin = m.rotary_emb(h[None], r.positions[None])
         ctx = FlatContext(r, cos[0], sin[0])
-        last = len(m.layers) - 1
-        for i, layer in enumerate(m.layers):
-            h = h + self.mixer(layer)(layer.input_layernorm(h), flide=ctx)
-            if i == last and self.selective:
-                h = h[r.readout_rows]  # only the read rows go on through the last MLP, the norm and the head
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        # separate tensors: the fields are views of one packed buffer, and a compile region's inputs must not alias
+        fields = tuple(value.clone() for _, value in r.items())
+        for block in self.blocks[:-1]:
+            h = block(h, ctx.cos, ctx.sin, *fields)
+        last = self.blocks[-1]
+        h = h + last.mixer(last.input_layernorm(h), flide=ctx)
+        if self.selective:
+            h = h[r.readout_rows]  # only the read rows go on through the last MLP, the norm and the head
+        h = h + last.mlp(last.post_attention_layernorm(h))
         h = m.norm(h)
         rows = torch.arange(h.shape[0], device=h.device) if self.selective else r.readout_rows
         head = self.head

@@ -62,6 +62,37 @@ def test_plan_and_build_64_race_requests(benchmark):
 
 
 @pytest.mark.benchmark(group="host-side round")
+def test_plan_and_build_real_race_requests_into_reused_buffer(benchmark):
+    """The first round's worth of real RACE passages (every question; the real Qwen3.5 tokenizer from ../shared:
+    63 requests, 32,724 tokens, 246 reads), planned and built into a reused buffer. Skipped without ../shared."""
+    from pathlib import Path
+
+    from transformers.decision import DecisionConfig
+
+    from flide import workloads
+    from flide.loading import load_tokenizer
+    from flide.requests import PromptTokenizer, parse_request
+
+    model = Path(workloads.REPO).parent / "shared" / "models" / "qwen3_5"
+    if not workloads.data_available() or not model.is_dir():
+        pytest.skip("needs ../shared (RACE data and the Qwen3.5 tokenizer)")
+    config = DecisionConfig()
+    prompts = PromptTokenizer(load_tokenizer(str(model)), config)
+    requests = []
+    for request in workloads.race(limit=80):
+        prepared = prompts.prepare(*parse_request(request, config, 64))
+        for branch in prepared.branches:  # head rows of the options (what the engine sets; any rows do here)
+            branch.options = [[11, 12, 13, 14] for _ in branch.questions]
+        requests.append(prepared)
+    caps = CapacityConfig()
+    planned = plan_rounds([footprint(r) for r in requests], caps, 26)[0]
+    requests = [requests[i] for i in planned.requests]
+    buffers = {planned.shape: torch.empty(packed_size(planned.shape), dtype=torch.int64)}
+    rounds = benchmark.pedantic(plan_and_build(requests, buffers), rounds=ROUNDS, warmup_rounds=20)
+    assert len(rounds) == 1 and rounds[0].used_tokens == sum(r.stream_tokens for r in requests)
+
+
+@pytest.mark.benchmark(group="host-side round")
 def test_read_records_of_64_race_requests(benchmark):
     """Making the round's `Read` records (one per readout row), which `Engine.answers` reads after the forward."""
     built = plan_and_build(race_sized())()[0]

@@ -259,7 +259,7 @@ class RequestLayout:
         lens = [*trunk_lens, *branch_lens]
         ids = np.concatenate(segments) if len(segments) > 1 else np.asarray(segments[0] if segments else [])
         if ids.dtype != np.int32:
-            if ids.size and (ids.min() < -2**31 or ids.max() >= 2**31):
+            if ids.size and (ids.max() >= 2**31 or ids.min() < -2**31):
                 raise ValueError("token ids must fit in int32")
             ids = ids.astype(np.int32)
         shift = [0, *accumulate(lens)][:-1]  # each segment's start, less its first position

@@ -170,13 +170,19 @@ def standalone_rows(segment: Segment, branch: range) -> list[int]:
 
 
 def impl(op: str, variant: str):
-    """The registered implementation, or a skip (with the registry's reason) for a variant that can't run here."""
+    """The registered implementation, or a skip (with the registry's reason) for a variant that can't run here, or
+    whose custom op has CUDA kernels only (these tests pass CPU tensors; such variants have their own tests under
+    tests/gpu, and the Triton ones run on the CPU in tests/test_triton_kernels.py)."""
     try:
-        return resolve(op, variant)
+        fn = resolve(op, variant)
     except ValueError as error:
         if "cannot run here" in str(error):
             pytest.skip(str(error))
         raise
+    backends = getattr(fn, "_backend_fns", {None: fn})  # a torch.library custom op's kernels by device type
+    if None not in backends and "cpu" not in backends:
+        pytest.skip(f"{op}/{variant} has CUDA kernels only")
+    return fn
 
 
 def randn(*shape, seed: int, scale: float = 1.0) -> torch.Tensor:

@@ -3,6 +3,8 @@ block tables built on the GPU; CUDA)."""
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 
 from ..registry import register
@@ -39,3 +41,27 @@ def fork_attention_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_l
 
 fork_attention_flex.register_fake(_fake)
 register("fork_attention", "flex", available=_cuda_only)(fork_attention_flex)
+
+
+@torch.library.custom_op("flide::fork_attention_triton", mutates_args=(), device_types="cuda")
+def fork_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_lo: torch.Tensor,
+                          trunk_lo: torch.Tensor, trunk_hi: torch.Tensor, scale: float) -> torch.Tensor:
+    # Flide's own Triton kernel (triton.py): key ranges from the round's metadata, GQA packed into the query tile.
+    # Imported on first use, so that `import flide` does not need triton.
+    from . import triton as kernel
+
+    return kernel.fork_attention(q, k, v, seg_lo, trunk_lo, trunk_hi, scale)
+
+
+fork_attention_triton.register_fake(_fake)
+
+
+def _cuda_and_triton() -> str | None:
+    if not torch.cuda.is_available():
+        return "it needs a CUDA GPU"
+    if importlib.util.find_spec("triton") is None:
+        return "it needs the triton package"
+    return None
+
+
+register("fork_attention", "triton", available=_cuda_and_triton)(fork_attention_triton)

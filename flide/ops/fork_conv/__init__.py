@@ -1,6 +1,9 @@
-"""flide::fork_conv_* custom ops. Variants: `reference` (pure torch, any device)."""
+"""flide::fork_conv_* custom ops. Variants: `reference` (pure torch, any device), `triton` (one Triton kernel over
+token x channel tiles; CUDA)."""
 
 from __future__ import annotations
+
+import importlib.util
 
 import torch
 
@@ -14,9 +17,32 @@ def fork_conv_reference(x: torch.Tensor, weight: torch.Tensor, seg_lo: torch.Ten
     return reference.fork_conv(x, weight, seg_lo, trunk_lo, trunk_hi, silu)
 
 
-@fork_conv_reference.register_fake
-def _(x, weight, seg_lo, trunk_lo, trunk_hi, silu):
-    return torch.empty_like(x)
+def _fake(x, weight, seg_lo, trunk_lo, trunk_hi, silu):
+    """Every variant's output: [T, D] like x, contiguous."""
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
+fork_conv_reference.register_fake(_fake)
 register("fork_conv", "reference")(fork_conv_reference)
+
+
+@torch.library.custom_op("flide::fork_conv_triton", mutates_args=(), device_types="cuda")
+def fork_conv_triton(x: torch.Tensor, weight: torch.Tensor, seg_lo: torch.Tensor, trunk_lo: torch.Tensor,
+                     trunk_hi: torch.Tensor, silu: bool) -> torch.Tensor:
+    from . import triton as kernel  # imported on first use: `import flide` must not need triton
+
+    return kernel.fork_conv(x, weight, seg_lo, trunk_lo, trunk_hi, silu)
+
+
+fork_conv_triton.register_fake(_fake)
+
+
+def _cuda_and_triton() -> str | None:
+    if not torch.cuda.is_available():
+        return "it needs a CUDA GPU"
+    if importlib.util.find_spec("triton") is None:
+        return "it needs the triton package"
+    return None
+
+
+register("fork_conv", "triton", available=_cuda_and_triton)(fork_conv_triton)

@@ -1,0 +1,92 @@
+"""The forked causal depthwise conv as one Triton kernel: no [T, W, D] window tensor.
+
+Each program owns a tile of BLOCK_T tokens x BLOCK_D channels. For each of the W taps it computes, per token, the
+stream row that tap reads (the rule of `reference.predecessor_index`: the stream inside the token's own segment,
+its state's last rows before a question's first token, nothing before the state's start), loads that row's
+channels (masked to zero where the logical sequence has no input) and accumulates weight * x in fp32. The W loads
+of a tile overlap in all but W - 1 rows, so they come from L1/L2: the kernel reads x about once and writes the
+output once, which is its whole cost (memory-bound; at T=32768, D=6144 in bf16 the window tensor of the reference
+would have been 1.6 GB).
+
+The launch grid is (cdiv(T, BLOCK_T), cdiv(D, BLOCK_D)): shapes only, no host sync, so a CUDA graph captured once
+replays with any round composition of the same shape. Tile sizes are fixed (no autotuning), so the sums run in the
+same order whatever else is in the round.
+
+Runs on CPU tensors under TRITON_INTERPRET=1 (read by `triton.jit` when this module is imported), which is how the
+CPU tests check it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_T = 32  # tokens per tile
+BLOCK_D = 128  # channels per tile: 256 contiguous bytes of a bf16 row per token
+NUM_WARPS = 4
+
+
+@triton.jit
+def _fork_conv_kernel(x_ptr, w_ptr, out_ptr, seg_lo_ptr, trunk_lo_ptr, trunk_hi_ptr, T, D,
+                      stride_xt, stride_xd, stride_wd, stride_ww, stride_ot, stride_od,
+                      W: tl.constexpr, SILU: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid_t = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    # int64 token indices: row * stride can pass 2**31 in long streams of wide channels
+    t = pid_t.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    t_ok = t < T
+    d_ok = d < D
+    seg_lo = tl.load(seg_lo_ptr + t, mask=t_ok, other=0)
+    trunk_lo = tl.load(trunk_lo_ptr + t, mask=t_ok, other=0)
+    trunk_hi = tl.load(trunk_hi_ptr + t, mask=t_ok, other=0)
+
+    acc = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
+    for w in tl.static_range(W):
+        # tap w reads the input W-1-w steps back in the token's logical sequence
+        src = t - (W - 1 - w)
+        before = seg_lo - src  # > 0: that many rows before the token's own segment starts
+        in_trunk = trunk_hi - before  # the same distance back from the end of its state
+        from_stream = before <= 0
+        # in_trunk < trunk_hi always (before > 0), so an empty state (trunk_lo == trunk_hi) never matches
+        from_trunk = (before > 0) & (in_trunk >= trunk_lo)
+        row = tl.where(from_stream, src, in_trunk)
+        ok = (from_stream | from_trunk) & t_ok  # neither: before the state's start, the input is zero
+        xv = tl.load(x_ptr + row[:, None] * stride_xt + d[None, :] * stride_xd, mask=ok[:, None] & d_ok[None, :],
+                     other=0.0).to(tl.float32)
+        wv = tl.load(w_ptr + d * stride_wd + w * stride_ww, mask=d_ok, other=0.0).to(tl.float32)
+        acc += xv * wv[None, :]
+    if SILU:
+        acc = acc * tl.sigmoid(acc)
+    tl.store(out_ptr + t[:, None] * stride_ot + d[None, :] * stride_od, acc.to(out_ptr.dtype.element_ty),
+             mask=t_ok[:, None] & d_ok[None, :])
+
+
+def fork_conv(x: torch.Tensor, weight: torch.Tensor, seg_lo: torch.Tensor, trunk_lo: torch.Tensor,
+              trunk_hi: torch.Tensor, silu: bool, *, block_t: int = BLOCK_T, block_d: int = BLOCK_D,
+              num_warps: int = NUM_WARPS, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Same contract as `reference.fork_conv` (x [T, D], weight [D, W], int64 metadata [T]; [T, D] out in x's
+    dtype), except that products and sums run in fp32 whatever the dtypes. CUDA tensors, or CPU tensors under
+    TRITON_INTERPRET=1. Every output element is written (`out`, if given: a [T, D] buffer of x's dtype; the tests
+    hand in one filled with NaN to check that)."""
+    T, D = x.shape
+    W = weight.shape[1]
+    if weight.shape[0] != D:
+        raise ValueError(f"weight is {tuple(weight.shape)}, expected [{D}, W]")
+    for name, m in (("seg_lo", seg_lo), ("trunk_lo", trunk_lo), ("trunk_hi", trunk_hi)):
+        if m.shape != (T,) or m.dtype != torch.int64:
+            raise ValueError(f"{name} must be int64 [{T}], got {m.dtype} {tuple(m.shape)}")
+    if out is None:
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    elif out.shape != x.shape or out.dtype != x.dtype or out.device != x.device:
+        raise ValueError(f"out must be {x.dtype} {tuple(x.shape)} on {x.device}")
+    if T == 0 or D == 0:
+        return out
+    # contiguous() is free for the usual case and makes the 1-D metadata loads plain offsets
+    seg_lo, trunk_lo, trunk_hi = seg_lo.contiguous(), trunk_lo.contiguous(), trunk_hi.contiguous()
+    grid = (triton.cdiv(T, block_t), triton.cdiv(D, block_d))
+    _fork_conv_kernel[grid](x, weight, out, seg_lo, trunk_lo, trunk_hi, T, D,
+                            x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
+                            W=W, SILU=bool(silu), BLOCK_T=block_t, BLOCK_D=block_d, num_warps=num_warps)
+    return out

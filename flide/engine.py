@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import threading
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,6 +67,7 @@ class Engine:
         # The head's label lookup encodes labels with the shared tokenizer on a cache miss; threads that prepare
         # requests at once (flide serve) take turns there (fast tokenizers are not safe to share while encoding)
         self._head_lock = threading.Lock()
+        self._scheduler = None  # started by the first `submit` (or `flide serve`)
         self.runner = self._graph_runner() if self._use_graphs() else None
 
     def _use_graphs(self) -> bool:
@@ -146,6 +148,36 @@ class Engine:
                     raise RequestError(f"requests[{index}].{error.field}", error.message, error.status) from None
             return self.run(prepared)
         return self.run([self.prepare(request)])[0]
+
+    def submit(self, request: Any, prompts: PromptTokenizer | None = None) -> Future:
+        """Queues one request for the next round, packed with whatever other threads submit meanwhile (the
+        continuous rounds of `flide serve`, in process): returns a `concurrent.futures.Future` of its answers.
+        Prepares it on the calling thread (with `prompts`, a thread's own copy, when given); a bad request raises
+        RequestError here. Raises `flide.serve.Overloaded` when `serve.max_queue` requests already wait."""
+        from .serve.scheduler import Overloaded
+
+        scheduler = self.scheduler()
+        ticket = scheduler.admit(f"submit-{id(request)}")
+        if ticket is None:
+            raise Overloaded(f"{self.config.serve.max_queue} requests already wait (`serve.max_queue`).")
+        try:
+            prepared = self.prepare(request, prompts) if prompts is not None else scheduler.prepare(request)
+            return scheduler.submit(ticket, prepared)
+        except BaseException:
+            scheduler.release(ticket)
+            raise
+
+    def scheduler(self):
+        """The scheduler behind `submit` (`flide.serve.Scheduler`, the one `flide serve` runs: a model thread running
+        rounds back to back, packing what waits), started on first use."""
+        with self._head_lock:
+            if self._scheduler is None:
+                from .serve.scheduler import Scheduler
+
+                scheduler = Scheduler(self, self.config.serve)
+                scheduler.start()
+                self._scheduler = scheduler
+            return self._scheduler
 
     def usage(self, prepared: PreparedRequest) -> Usage:
         return Usage(prepared.input_tokens, prepared.stream_tokens, prepared.prompt_tokens)

@@ -59,8 +59,9 @@ def _baseline(module: str):
 
 
 class FlideEngine:
-    """Flide: `decide(requests)` prepares each request and runs them in as few flat rounds as the capacities allow
-    (the runner calls it with one request at a time: in-process submitters are not batched together)."""
+    """Flide: `decide(requests)` prepares each request and runs them in as few flat rounds as the capacities allow.
+    The per-thread clones that the throughput runs use (`for_thread`) submit through `Engine.submit` instead, so
+    concurrent in-process submitters are packed into shared rounds, as `flide serve` packs concurrent clients."""
 
     packs_rounds = True  # decide(several requests) shares rounds (the fidelity stability pass uses it)
 
@@ -71,8 +72,12 @@ class FlideEngine:
         self.engine = flide.patch(model, tokenizer, config=config)
         self.prompts = self.engine.prompts
         self.lock = threading.Lock()
+        self.batched = False
 
     def decide(self, requests: list) -> list[dict]:
+        if self.batched:
+            futures = [self.engine.submit(r, self.prompts) for r in requests]
+            return [f.result() for f in futures]
         with self.lock:
             prepared = [self.engine.prepare(r, self.prompts) for r in requests]
         return self.engine.run(prepared)
@@ -85,7 +90,7 @@ class FlideEngine:
         from ..requests import PromptTokenizer
 
         clone = object.__new__(FlideEngine)
-        clone.name, clone.engine, clone.lock = self.name, self.engine, threading.Lock()
+        clone.name, clone.engine, clone.lock, clone.batched = self.name, self.engine, threading.Lock(), True
         clone.prompts = PromptTokenizer(tokenizer, self.engine.decision_config, self.prompts.mode)
         return clone
 

@@ -19,9 +19,10 @@ plus, per workload (engine `-`): requests, questions_per_request, state_tokens_p
 (`sweep/q<n>`) are measured alone only (their point is latency against the question count). A cell that fails (an
 exception, out of memory) becomes a row with metric `error`, value null and the error in `unit`, and the grid goes on.
 
-Concurrency is in-process: no batching of concurrently submitted requests, for any engine (Flide included: each
-thread's `decide([r])` is its own round; `flide serve` is what packs concurrent requests into shared rounds). Threads
-share the model; each tokenizes with its own tokenizer copy (at most `TOKENIZER_COPIES`, then shared under a lock).
+Concurrency is in-process. Flide's submitter threads go through `Engine.submit`, whose scheduler packs the requests
+that wait into shared rounds (what `flide serve` does with concurrent clients); the baselines have no such batching:
+each thread's call is its own forward. Threads share the model; each tokenizes with its own tokenizer copy (at most
+`TOKENIZER_COPIES`, then shared under a lock).
 
 The `http` engine is the exception: it starts `flide serve` (server.py) with the same model and measures, on the
 workloads of `http.workloads`:

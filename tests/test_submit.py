@@ -1,0 +1,41 @@
+"""`Engine.submit`: requests submitted from many threads are packed into shared rounds by the engine's scheduler and
+answered exactly as `decide` answers them alone; a bad request raises at submit and leaves the queue usable."""
+
+from __future__ import annotations
+
+import random
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+import flide
+from flide.models.tiny import tiny_model, tiny_tokenizer
+from flide.requests import RequestError
+from flide.testing import max_difference, random_request
+
+
+def test_concurrent_submissions_share_rounds_and_equal_decide():
+    tok = tiny_tokenizer()
+    engine = flide.patch(tiny_model("qwen3_5_text"), tok, config={"capacities": {"requests": 8}})
+    rng = random.Random(7)
+    requests = [random_request(rng, max_questions=4, max_words=40) for _ in range(24)]
+    alone = [engine.decide(r) for r in requests]
+    sizes = []
+    run = engine.run
+
+    def counting_run(prepared):
+        sizes.append(len(prepared))
+        return run(prepared)
+
+    engine.run = counting_run
+    prompts = [engine.prompts.copy_for_thread() for _ in range(8)]
+    with ThreadPoolExecutor(8) as pool:
+        futures = list(pool.map(lambda i: engine.submit(requests[i], prompts[i % 8]), range(len(requests))))
+        answers = [f.result(timeout=120) for f in futures]
+    assert max(max_difference(a, b) for a, b in zip(alone, answers)) < 1e-6
+    assert sum(sizes) == len(requests) and max(sizes) > 1, f"rounds of {sizes}: nothing was packed"
+    with pytest.raises(RequestError) as error:
+        engine.submit({"state": "x", "questions": {}})
+    assert error.value.field == "questions"
+    assert max_difference(engine.submit(requests[0]).result(timeout=60), alone[0]) < 1e-6
+    engine.scheduler().stop()

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The H200 checks and timings of a session, in parts that each fit one 10-minute device command.
+#
+# Here (CPU side), once:   bash benchmarks/h200_session.sh stage
+#     copies the Qwen3.5 tokenizer/configs and the workload data into ./shared (git-ignored via .git/info/exclude;
+#     the data must not be committed) and fetches the wheels into .whl (../shared/gpu/wheels.sh).
+# There (device `run`, carry [".whl"]; shared/ travels by itself):
+#     bash benchmarks/h200_session.sh tests      GPU tests (kernels vs references, graph capture/replay)    ~6 min
+#     bash benchmarks/h200_session.sh profile    latency alone + kernel profile of one replay, 0.8B     ~5 min
+#     bash benchmarks/h200_session.sh bench ARGS  python -m flide.bench ARGS (e.g. a config and --engines flide)
+# Logs and results go to $OUT.
+set -u
+part=${1:?usage: h200_session.sh stage|tests|profile|bench ...}
+shift
+if [ "$part" = stage ]; then
+    grep -qx '/shared/' .git/info/exclude || echo '/shared/' >> .git/info/exclude
+    mkdir -p shared/models shared/data
+    cp -r ../shared/models/qwen3_5 shared/models/
+    for d in race quality multirc swe_agent_trajs; do cp -r ../shared/data/$d shared/data/; done
+    [ -d .whl ] || bash ../shared/gpu/wheels.sh
+    du -sh shared .whl
+    exit 0
+fi
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    .whl/transformers-*.whl .whl/fla_core-*.whl .whl/fastapi-*.whl .whl/starlette-*.whl .whl/uvicorn-*.whl \
+    .whl/prometheus_client-*.whl .whl/pydantic-*.whl .whl/pydantic_core-*.whl .whl/annotated_types-*.whl \
+    .whl/typing_inspection-*.whl > "$OUT/pip.log" 2>&1
+export PYTHONPATH=$PWD:/tmp/site
+# a persistent compile cache for the runs of this command (the machine starts bare each time)
+export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache
+case "$part" in
+tests)
+    for f in tests/gpu/test_gated_delta_gpu.py tests/gpu/test_fork_conv_gpu.py tests/gpu/test_fork_attention_gpu.py \
+             tests/gpu/test_fork_attention_triton_gpu.py tests/gpu/test_engine_gpu.py tests/gpu/test_graphs_gpu.py; do
+        name=$(basename "$f" .py)
+        timeout 240 python3 -m pytest -q -p no:logging "$f" > "$OUT/$name.log" 2>&1
+        echo "$name rc=$? $(tail -1 "$OUT/$name.log")" | tee -a "$OUT/summary.txt"
+    done ;;
+profile)
+    timeout 540 python3 benchmarks/profile_round.py --config-json shared/models/qwen3_5/configs/qwen3.5-0.8b.json \
+        --tokenizer shared/models/qwen3_5 --data shared/data --eager --repeats 20 --profile-runs 3 \
+        --out "$OUT/profile_0_8b.json" 2>&1 | grep -v DEBUG | tr '\r' '\n' | grep -v '^\s*$' > "$OUT/profile.log"
+    tail -20 "$OUT/profile.log" ;;
+bench)
+    timeout 570 python3 -m flide.bench "$@" --out "$OUT" > "$OUT/bench.log" 2>&1
+    echo "bench rc=$?"; tail -20 "$OUT/bench.log" ;;
+*) echo "unknown part $part"; exit 2 ;;
+esac

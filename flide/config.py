@@ -58,6 +58,9 @@ class RuntimeConfig:
     # auto: one CUDA graph per bucket (torch.compile reduce-overhead) when on CUDA and every kernel variant can be
     # captured, else eager rounds of their own size; on: graphs or an error saying why not; off: eager (the ablation)
     graphs: str = "auto"
+    # what compiles the graphs: inductor (torch.compile mode="reduce-overhead": fused kernels, minutes to compile) or
+    # cudagraphs (torch.compile backend="cudagraphs": the eager kernels captured as they are, seconds to start)
+    compiler: str = "inductor"
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,7 @@ _CHOICES = {
     ("runtime", "dtype"): ("auto", "float32", "bfloat16", "float16"),
     ("runtime", "tokenization"): ("split", "full"),
     ("runtime", "graphs"): ("auto", "on", "off"),
+    ("runtime", "compiler"): ("inductor", "cudagraphs"),
 }
 
 

@@ -89,7 +89,8 @@ class Engine:
     def _graph_runner(self):
         from .graphs.runner import GraphRunner
 
-        runner = GraphRunner(self.flat, self.config.capacities, self.max_options, self.device, self.pad_id)
+        runner = GraphRunner(self.flat, self.config.capacities, self.max_options, self.device, self.pad_id,
+                             compiler=self.config.runtime.compiler)
         runner.capture()
         return runner
 

@@ -51,10 +51,11 @@ class GraphRunner:
     """Runs rounds of bucketed shapes through one compiled, captured forward per bucket."""
 
     def __init__(self, flat: torch.nn.Module, caps: CapacityConfig, options: int, device: torch.device, pad_id: int,
-                 compile: bool = True, progress: bool = True):
+                 compile: bool = True, progress: bool = True, compiler: str = "inductor"):
         self.flat, self.caps, self.options, self.pad_id = flat, caps, options, pad_id
         self.device = torch.device(device)
         self.compile = compile
+        self.compiler = compiler
         self.progress = progress
         if compile and self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device; the model is on {self.device}.")
@@ -139,6 +140,8 @@ class GraphRunner:
         def forward(*tensors: torch.Tensor) -> torch.Tensor:
             return flat(RoundTensors(**dict(zip(names, tensors))))
 
+        if self.compiler == "cudagraphs":  # no Inductor: the eager kernels, captured by the same cudagraph trees
+            return torch.compile(forward, backend="cudagraphs", dynamic=True, fullgraph=True)
         return torch.compile(forward, mode="reduce-overhead", dynamic=True, fullgraph=True)
 
     # ---- rounds ----

@@ -100,3 +100,13 @@ def test_oversized_request_runs_eagerly_with_the_same_answers(setup):
     oversized = small_buckets.decide(big)
     in_graph = engine.decide(big)
     assert max_difference(oversized, in_graph) < 1e-4
+
+
+def test_cudagraphs_compiler_equals_eager(setup):
+    spare, tok, requests, engine = setup
+    config = {**GRAPHS, "runtime": {**GRAPHS["runtime"], "compiler": "cudagraphs"}}
+    fast_start = flide.patch(copy.deepcopy(spare[1]), tok, config=config)
+    assert fast_start.runner is not None
+    answers = fast_start.decide(requests[:16])
+    expected = engine.decide(requests[:16])
+    assert max(max_difference(a, b) for a, b in zip(answers, expected)) < 1e-4

@@ -27,7 +27,7 @@ def setup():
     model = tiny_model("qwen3_5_text").cuda()
     # copies for the other engines, made before patching: patching swaps the mixers of a model in place (and a
     # compiled model cannot be deep-copied), and the captured engine must keep its own
-    spare = [copy.deepcopy(model) for _ in range(2)]
+    spare = [copy.deepcopy(model) for _ in range(3)]
     rng = random.Random(11)
     requests = [random_request(rng, max_questions=12, max_words=60) for _ in range(40)]
     engine = flide.patch(model, tok, config=GRAPHS)
@@ -105,7 +105,7 @@ def test_oversized_request_runs_eagerly_with_the_same_answers(setup):
 def test_cudagraphs_compiler_equals_eager(setup):
     spare, tok, requests, engine = setup
     config = {**GRAPHS, "runtime": {**GRAPHS["runtime"], "compiler": "cudagraphs"}}
-    fast_start = flide.patch(copy.deepcopy(spare[1]), tok, config=config)
+    fast_start = flide.patch(spare[2], tok, config=config)
     assert fast_start.runner is not None
     answers = fast_start.decide(requests[:16])
     expected = engine.decide(requests[:16])

@@ -1,13 +1,17 @@
 """Fork attention on the GPU: each variant against its floor and against attention without forking.
 
     python benchmarks/ops/bench_fork_attention.py --out benchmarks/results/ops_fork_attention.json
+    python benchmarks/ops/bench_fork_attention.py --out ... --sweep   # also the `triton` kernel's other tile configs
 
 Shapes: Qwen3.5-0.8B (8 query heads, 2 KV heads, dim 256) and 9B (16 / 4 / 256) on two streams: a 2,000-token
 state with 64 questions of 40 tokens, and 64 RACE-sized requests (a 300-token state and 4 questions of 45 tokens
 each). Times are medians of CUDA-graph replays (triton.testing.do_bench_cudagraph). The floor is the larger of
 FLOPs (4 * visible query-key pairs * dim * query heads) over the measured bf16 matmul rate and bytes (q, k, v read
 once, o written once) over the measured copy bandwidth. "sdpa-causal" is plain causal attention over the whole
-stream (what an engine without forks would run on the same stream, answering nothing correctly).
+stream (what an engine without forks would run on the same stream, answering nothing correctly). `triton` is
+Flide's own kernel (flide/ops/fork_attention/triton.py); its rows also carry its relative RMS error against flex
+(`rel_err_vs_flex`, so a fast wrong kernel shows) and its tile config; with --sweep, rows `triton[M..,N..,w..,s..]`
+time the alternative tiles (the first row of each is the default).
 """
 
 from __future__ import annotations
@@ -23,9 +27,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from flide.ops.registry import resolve  # noqa: E402
-from flide.testing import synthetic_request  # noqa: E402
-from flide.round import Shape, build_round  # noqa: E402
+from flide.ops.registry import resolve
+from flide.round import Shape, build_round
+from flide.testing import synthetic_request
 
 
 def stream(requests: int, state: int, questions: int, question: int):
@@ -52,48 +56,86 @@ def measure_ceilings() -> tuple[float, float]:
     return flops, 2 * x.numel() / (ms * 1e-3)
 
 
-def main() -> None:
-    from triton.testing import do_bench_cudagraph
+# Tiles tried by --sweep for bf16 at dim 256 (BLOCK_M, BLOCK_N, num_warps, num_stages); all fit in the H200's
+# shared memory, none spills more than ~300 bytes a thread (ptxas, sm_90a)
+SWEEP = [(128, 64, 8, 2), (128, 32, 8, 2), (128, 32, 8, 3), (64, 64, 4, 2), (64, 32, 4, 2), (64, 32, 4, 3),
+         (64, 64, 8, 2)]
 
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def bench_shape(sname: str, mname: str, r, heads: tuple[int, int, int], ceilings: tuple[float, float],
+                sweep: bool) -> list[dict]:
+    """Every engine on one stream and one attention shape: one JSON row each."""
+    from triton.runtime.errors import OutOfResources
+    from triton.testing import do_bench, do_bench_cudagraph
+
+    from flide.ops.fork_attention import triton as triton_kernel
+
+    flops_rate, bandwidth = ceilings
+    hq, hkv, d = heads
+    T = r.seg_lo.shape[0]
+    q = torch.randn(T, hq, d, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(T, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    floor_s = max(4 * visible_pairs(r) * d * hq / flops_rate, (2 * q.numel() + 2 * k.numel()) * 2 / bandwidth)
+    meta = (r.seg_lo, r.trunk_lo, r.trunk_hi, d ** -0.5)
+    configs = {"triton": triton_kernel.default_config(d, q.dtype)}
+    if sweep:
+        for c in SWEEP:
+            configs.setdefault(f"triton[M{c[0]},N{c[1]},w{c[2]},s{c[3]}]", triton_kernel.Config(*c))
+    flex = resolve("fork_attention", "flex")
+    fns = {"flex": lambda: flex(q, k, v, *meta)}
+    for name, cfg in configs.items():
+        fns[name] = lambda cfg=cfg: triton_kernel.fork_attention(q, k, v, *meta, config=cfg)
+    fns["sdpa-causal"] = lambda: F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], is_causal=True, enable_gqa=True)
+    if T <= 8192:
+        fns["reference"] = lambda: resolve("fork_attention", "reference")(q, k, v, *meta)
+    flex_out = flex(q, k, v, *meta)
+    rows = []
+    for engine, fn in fns.items():
+        try:
+            out = fn()
+            torch.cuda.synchronize()
+        except OutOfResources as error:  # a sweep tile that needs more shared memory or registers than there are
+            print(f"{sname:18} {mname:13} {engine:12} skipped: {error}"[:300])
+            continue
+        if engine == "reference":  # host syncs: not capturable, timed eagerly
+            ms = do_bench(fn, return_mode="median")
+        else:
+            ms = do_bench_cudagraph(fn, return_mode="median")
+        row = {"workload": sname, "model": mname, "engine": engine, "metric": "fork_attention_ms", "value": ms,
+               "unit": "ms", "hardware": torch.cuda.get_device_name(), "tokens": T,
+               "floor_ms": floor_s * 1e3, "x_floor": ms / (floor_s * 1e3)}
+        extra = ""
+        if engine in configs:
+            cfg = configs[engine]
+            row["config"] = {"block_m": cfg.block_m, "block_n": cfg.block_n, "num_warps": cfg.num_warps,
+                             "num_stages": cfg.num_stages}
+            row["rel_err_vs_flex"] = rel_err(out, flex_out)
+            extra = f"  rel err vs flex {row['rel_err_vs_flex']:.1e}"
+        rows.append(row)
+        print(f"{sname:18} {mname:13} {engine:12} T={T:6} {ms:8.3f} ms  floor {floor_s * 1e3:7.3f} ms "
+              f"x{row['x_floor']:.1f}{extra}", flush=True)
+    return rows
+
+
+def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
+    parser.add_argument("--sweep", action="store_true", help="also time the triton kernel's other tile configs")
     args = parser.parse_args()
-    flops_rate, bandwidth = measure_ceilings()
-    print(f"ceilings: {flops_rate / 1e12:.0f} TFLOP/s bf16, {bandwidth / 1e12:.2f} TB/s copy")
+    ceilings = measure_ceilings()
+    print(f"ceilings: {ceilings[0] / 1e12:.0f} TFLOP/s bf16, {ceilings[1] / 1e12:.2f} TB/s copy")
     rows = []
     streams = {"state2000_q64x40": stream(1, 2000, 64, 40), "race64": stream(64, 300, 4, 45)}
     shapes = {"qwen3.5-0.8b": (8, 2, 256), "qwen3.5-9b": (16, 4, 256)}
     for sname, r in streams.items():
         r = r.to("cuda")
-        T = r.seg_lo.shape[0]
-        pairs = visible_pairs(r)
-        for mname, (hq, hkv, d) in shapes.items():
-            q = torch.randn(T, hq, d, device="cuda", dtype=torch.bfloat16)
-            k, v = (torch.randn(T, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-            floor_s = max(4 * pairs * d * hq / flops_rate, (2 * q.numel() + 2 * k.numel()) * 2 / bandwidth)
-            fns = {
-                "flex": lambda: resolve("fork_attention", "flex")(q, k, v, r.seg_lo, r.trunk_lo, r.trunk_hi, d ** -0.5),
-                "sdpa-causal": lambda: F.scaled_dot_product_attention(
-                    q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], is_causal=True,
-                    enable_gqa=True),
-            }
-            if T <= 8192:
-                fns["reference"] = lambda: resolve("fork_attention", "reference")(q, k, v, r.seg_lo, r.trunk_lo,
-                                                                                  r.trunk_hi, d ** -0.5)
-            for engine, fn in fns.items():
-                fn()
-                torch.cuda.synchronize()
-                if engine == "reference":  # host syncs: not capturable, timed eagerly
-                    from triton.testing import do_bench
-                    ms = do_bench(fn, return_mode="median")
-                else:
-                    ms = do_bench_cudagraph(fn, return_mode="median")
-                row = {"workload": sname, "model": mname, "engine": engine, "metric": "fork_attention_ms", "value": ms,
-                       "unit": "ms", "hardware": torch.cuda.get_device_name(), "tokens": T,
-                       "floor_ms": floor_s * 1e3, "x_floor": ms / (floor_s * 1e3)}
-                rows.append(row)
-                print(f"{sname:18} {mname:13} {engine:12} T={T:6} {ms:8.3f} ms  floor {floor_s * 1e3:7.3f} ms "
-                      f"x{row['x_floor']:.1f}")
+        for mname, heads in shapes.items():
+            rows += bench_shape(sname, mname, r, heads, ceilings, args.sweep)
     Path(args.out).write_text(json.dumps(rows, indent=1))
 
 

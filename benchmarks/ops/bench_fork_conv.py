@@ -1,0 +1,98 @@
+"""The forked depthwise conv of Gated DeltaNet on the GPU: each variant against its floor and against the plain
+causal conv without forking.
+
+    python benchmarks/ops/bench_fork_conv.py --out benchmarks/results/ops_fork_conv.json
+
+Streams: a 2,000-token state with 64 questions of 40 tokens (T=4,608), and 64 RACE-sized requests (300-token state,
+4 questions of 45; T=30,720, about the largest bucket). Channels: 6,144 (Qwen3.5-0.8B's conv: 2 x 16 x 128 + 16 x
+128), kernel width 4, SiLU, bf16 inputs and weights. Times are medians of CUDA-graph replays
+(triton.testing.do_bench_cudagraph). The floor is the bytes that must move (x read once, the output written once)
+over the measured copy bandwidth. "conv1d-stream" is `F.conv1d` (depthwise, causal padding) over the whole stream
+as one sequence plus SiLU: what an engine without forks would run (cuDNN; answering nothing correctly). `triton` rows
+carry their largest difference from the fp32 reference (`max_abs_err_vs_reference`) where the reference fits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from flide.ops.fork_conv import reference
+from flide.ops.registry import resolve
+from flide.round import Shape, build_round
+from flide.testing import synthetic_request
+
+
+def stream(requests: int, state: int, questions: int, question: int):
+    preps = [synthetic_request(np.ones(state), [np.ones(question)] * questions) for _ in range(requests)]
+    tokens = -(-requests * (state + questions * question) // 128) * 128
+    return build_round(preps, Shape(tokens, requests, requests * questions, requests * questions, 2), 0).tensors
+
+
+def copy_bandwidth() -> float:
+    from triton.testing import do_bench
+
+    x = torch.empty(2 ** 30, device="cuda", dtype=torch.uint8)
+    y = torch.empty_like(x)
+    ms = do_bench(lambda: y.copy_(x), return_mode="median")
+    return 2 * x.numel() / (ms * 1e-3)
+
+
+def bench_stream(sname: str, r, channels: int, width: int, bandwidth: float) -> list[dict]:
+    from triton.testing import do_bench_cudagraph
+
+    T = r.seg_lo.shape[0]
+    x = torch.randn(T, channels, device="cuda", dtype=torch.bfloat16)
+    weight = (torch.randn(channels, width, device="cuda") * 0.5).to(torch.bfloat16)
+    floor_s = 2 * x.numel() * x.element_size() / bandwidth
+    meta = (r.seg_lo, r.trunk_lo, r.trunk_hi, True)
+    triton_op = resolve("fork_conv", "triton")
+    fns = {
+        "triton": lambda: triton_op(x, weight, *meta),
+        "conv1d-stream": lambda: F.silu(F.conv1d(x.T[None], weight[:, None, :], padding=width - 1,
+                                                 groups=channels)[0, :, :T]).T,
+        "reference": lambda: resolve("fork_conv", "reference")(x, weight, *meta),
+    }
+    want = reference.fork_conv(x.float(), weight.float(), *meta) if T <= 8192 else None
+    rows = []
+    for engine, fn in fns.items():
+        out = fn()
+        torch.cuda.synchronize()
+        ms = do_bench_cudagraph(fn, return_mode="median")
+        row = {"workload": sname, "model": f"D{channels}-W{width}", "engine": engine, "metric": "fork_conv_ms",
+               "value": ms, "unit": "ms", "hardware": torch.cuda.get_device_name(), "tokens": T,
+               "floor_ms": floor_s * 1e3, "x_floor": ms / (floor_s * 1e3)}
+        extra = ""
+        if engine == "triton" and want is not None:
+            row["max_abs_err_vs_reference"] = (out.float() - want).abs().max().item()
+            extra = f"  max abs err vs fp32 reference {row['max_abs_err_vs_reference']:.1e}"
+        rows.append(row)
+        print(f"{sname:18} {engine:14} T={T:6} {ms:8.4f} ms  floor {floor_s * 1e3:7.4f} ms x{row['x_floor']:.1f}"
+              f"{extra}", flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--channels", type=int, default=6144)
+    args = parser.parse_args()
+    bandwidth = copy_bandwidth()
+    print(f"ceiling: {bandwidth / 1e12:.2f} TB/s copy")
+    rows = []
+    streams = {"state2000_q64x40": stream(1, 2000, 64, 40), "race64": stream(64, 300, 4, 45)}
+    for sname, r in streams.items():
+        rows += bench_stream(sname, r.to("cuda"), args.channels, 4, bandwidth)
+    Path(args.out).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

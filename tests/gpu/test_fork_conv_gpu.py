@@ -1,0 +1,87 @@
+"""The `triton` variant of fork_conv (flide::fork_conv_triton) against the reference on the GPU: odd stream lengths,
+many segments, Qwen3.5's conv width (6144 channels on 9B), fp32 and bf16, every output element written, opcheck of
+the custom op with CUDA tensors, and replay inside a CUDA graph with other round compositions."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from flide.ops.fork_conv import reference
+from flide.ops.registry import resolve
+from flide.testing import random_round_tensors
+
+
+def inputs(tokens: int, channels: int, dtype, seed: int, width: int = 4):
+    rng = random.Random(seed)
+    # many segments: up to 40 requests of states up to 300 tokens and up to 12 questions each
+    r = random_round_tensors(rng, tokens, max_requests=40, max_questions=12, max_state=300, max_question=60).to("cuda")
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(tokens, channels, device="cuda", generator=g).to(dtype)
+    weight = (torch.randn(channels, width, device="cuda", generator=g) * 0.5).to(dtype)
+    return x, weight, r
+
+
+def triton_op():
+    return resolve("fork_conv", "triton")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("channels", [64, 6144])
+@pytest.mark.parametrize("tokens", [1, 63, 64, 65, 500, 3600])
+def test_triton_matches_reference(tokens, channels, dtype):
+    x, weight, r = inputs(tokens, channels, dtype, seed=tokens + channels)
+    # the reference in fp32 (the kernel sums in fp32 whatever the dtype): equal up to one rounding of the output
+    want = reference.fork_conv(x.float(), weight.float(), r.seg_lo, r.trunk_lo, r.trunk_hi, True)
+    out = triton_op()(x, weight, r.seg_lo, r.trunk_lo, r.trunk_hi, True)
+    assert out.shape == x.shape and out.dtype == dtype and out.is_contiguous()
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    else:
+        torch.testing.assert_close(out.float(), want, atol=1e-3, rtol=2 ** -7)
+    # no SiLU, fp32 weights with bf16 inputs
+    want = reference.fork_conv(x.float(), weight.float(), r.seg_lo, r.trunk_lo, r.trunk_hi, False)
+    out = triton_op()(x, weight.float(), r.seg_lo, r.trunk_lo, r.trunk_hi, False)
+    torch.testing.assert_close(out.float(), want, atol=1e-5 if dtype == torch.float32 else 1e-3,
+                               rtol=1e-5 if dtype == torch.float32 else 2 ** -7)
+
+
+@pytest.mark.parametrize("tokens", [1, 65, 3600])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_every_output_element_is_written(tokens, dtype):
+    from flide.ops.fork_conv import triton as kernel
+
+    x, weight, r = inputs(tokens, 6144, dtype, seed=5)
+    out = torch.full_like(x, float("nan"))
+    kernel.fork_conv(x, weight, r.seg_lo, r.trunk_lo, r.trunk_hi, True, out=out)
+    assert torch.isfinite(out).all()
+    assert torch.equal(out, triton_op()(x, weight, r.seg_lo, r.trunk_lo, r.trunk_hi, True))
+
+
+def test_opcheck_on_cuda():
+    x, weight, r = inputs(200, 96, torch.bfloat16, seed=3)
+    torch.library.opcheck(triton_op(), (x, weight, r.seg_lo, r.trunk_lo, r.trunk_hi, True))
+
+
+def test_replays_in_a_cuda_graph_with_other_rounds():
+    tokens, channels = 2048, 6144
+    op = triton_op()
+    x, weight, r = inputs(tokens, channels, torch.bfloat16, seed=1)
+    static = [x.clone(), r.seg_lo.clone(), r.trunk_lo.clone(), r.trunk_hi.clone()]
+    for _ in range(2):  # warm up: compile outside the capture
+        op(static[0], weight, *static[1:], True)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = op(static[0], weight, *static[1:], True)
+    for seed in (2, 3, 4):  # other compositions, written into the same buffers
+        x2, _, r2 = inputs(tokens, channels, torch.bfloat16, seed=seed)
+        for buffer, value in zip(static, (x2, r2.seg_lo, r2.trunk_lo, r2.trunk_hi)):
+            buffer.copy_(value)
+        graph.replay()
+        eager = op(x2, weight, r2.seg_lo, r2.trunk_lo, r2.trunk_hi, True)
+        assert torch.equal(out, eager)
+        want = reference.fork_conv(x2.float(), weight.float(), r2.seg_lo, r2.trunk_lo, r2.trunk_hi, True)
+        torch.testing.assert_close(out.float(), want, atol=1e-3, rtol=2 ** -7)

@@ -134,6 +134,7 @@ class Engine:
                     branch.options.append(rows)
                 except ValueError as error:
                     raise RequestError(f"questions.{question.name}", str(error), 400) from None
+        _ = prepared.round_layout  # its part of any round, made here (the caller's or a prepare thread), not per round
         return prepared
 
     def decide(self, request: Any | list) -> dict | list[dict]:

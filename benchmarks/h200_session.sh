@@ -7,6 +7,7 @@
 # There (device `run`, carry [".whl"]; shared/ travels by itself):
 #     bash benchmarks/h200_session.sh tests      GPU tests (kernels vs references, graph capture/replay)    ~6 min
 #     bash benchmarks/h200_session.sh profile    latency alone + kernel profile of one replay, 0.8B     ~5 min
+#     bash benchmarks/h200_session.sh ops        op benchmarks (attention, gated delta, conv) vs floors     ~5 min
 #     bash benchmarks/h200_session.sh bench ARGS  python -m flide.bench ARGS (e.g. a config and --engines flide)
 # Logs and results go to $OUT.
 set -u
@@ -43,6 +44,11 @@ profile)
         --tokenizer shared/models/qwen3_5 --data shared/data --eager --repeats 20 --profile-runs 3 \
         --out "$OUT/profile_0_8b.json" 2>&1 | grep -v DEBUG | tr '\r' '\n' | grep -v '^\s*$' > "$OUT/profile.log"
     tail -20 "$OUT/profile.log" ;;
+ops)
+    for op in fork_attention gated_delta fork_conv; do
+        timeout 200 python3 benchmarks/ops/bench_$op.py --out "$OUT/ops_$op.json" > "$OUT/ops_$op.log" 2>&1
+        echo "$op rc=$?" | tee -a "$OUT/summary.txt"; tail -12 "$OUT/ops_$op.log"
+    done ;;
 bench)
     timeout 570 python3 -m flide.bench "$@" --out "$OUT" > "$OUT/bench.log" 2>&1
     echo "bench rc=$?"; tail -20 "$OUT/bench.log" ;;

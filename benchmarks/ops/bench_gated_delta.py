@@ -1,0 +1,113 @@
+"""The forked gated delta rule on the GPU: Flide's two-call fork against its floor and against the same kernel
+without forking.
+
+    python benchmarks/ops/bench_gated_delta.py --out benchmarks/results/ops_gated_delta.json
+
+Shapes: the Gated DeltaNet layers of Qwen3.5-0.8B (16 key heads, 16 value heads, dims 128) and 9B (16 / 32 / 128)
+on two streams: a 2,000-token state with 64 questions of 40 tokens, and 64 RACE-sized requests (a 300-token state
+and 4 questions of 45 tokens each). Times are medians of CUDA-graph replays (triton.testing.do_bench_cudagraph).
+
+- `fork` (the `gated_delta` variant through `flide.ops.gated_delta.fork`): states from zero, then every question
+  from its state's final fp32 state (the metadata-driven chunk lists, no host sync);
+- `unforked`: the same fla kernel once over the whole stream as one varlen call of the same segments, each from
+  zero (what the stream costs without the fork: no state gather, one call; it answers nothing correctly);
+- `floor`: the larger of FLOPs over the measured bf16 matmul rate and bytes over the measured copy bandwidth. FLOPs
+  of the chunked form (chunk C = 64), per token and value head: 2*K*V (decay + delta update of the state, k^T u),
+  2*K*V (q . h), 2*C*(K + V) (intra-chunk q k^T and its product with u), 2*C*K (k k^T for the WY form): an
+  estimate of the useful work, not of fla's exact instruction count. Bytes: q, k, v, o in bf16, g and beta once, and
+  the fp32 final states written and gathered once per state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from flide.ops.gated_delta import fork  # noqa: E402
+from flide.ops.registry import resolve  # noqa: E402
+from flide.round import Shape, build_round  # noqa: E402
+from flide.testing import synthetic_request  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_fork_attention import measure_ceilings  # noqa: E402
+
+MODELS = {"0.8B": (16, 16, 128, 128), "9B": (16, 32, 128, 128)}  # key heads, value heads, K, V
+STREAMS = {"2000+64x40": (1, 2000, 64, 40), "64xRACE": (64, 300, 4, 45)}
+CHUNK = 64
+
+
+def stream(requests: int, state: int, questions: int, question: int):
+    preps = [synthetic_request(np.ones(state), [np.ones(question)] * questions) for _ in range(requests)]
+    tokens = requests * (state + questions * question)
+    tokens = -(-tokens // CHUNK) * CHUNK
+    return build_round(preps, Shape(tokens, requests, requests * questions, requests * questions, 2), 0).tensors
+
+
+def floor_ms(tokens: int, states: int, hv: int, k: int, v: int, hk: int, flops_rate: float, bandwidth: float) -> float:
+    flops = tokens * hv * (4 * k * v + 2 * CHUNK * (k + v) + 2 * CHUNK * k)
+    moved = tokens * (2 * hk * k * 2 + 2 * hv * v * 2 + hv * (4 + 2)) + 2 * states * hv * k * v * 4
+    return max(flops / flops_rate, moved / bandwidth) * 1e3
+
+
+def main() -> None:
+    from triton.testing import do_bench_cudagraph
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--variant", default="fla")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    kernel = resolve("gated_delta", args.variant)
+    flops_rate, bandwidth = measure_ceilings()
+    rows = []
+    for model, (hk, hv, k, v) in MODELS.items():
+        for name, spec in STREAMS.items():
+            r = stream(*spec).to("cuda")
+            T = r.seg_lo.shape[0]
+            g = torch.Generator(device="cuda").manual_seed(0)
+            q, kk = (torch.randn(T, hk, k, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(2))
+            vv = torch.randn(T, hv, v, device="cuda", generator=g, dtype=torch.bfloat16)
+            decay = -torch.nn.functional.softplus(torch.randn(T, hv, device="cuda", generator=g)) * 0.5
+            beta = torch.sigmoid(torch.randn(T, hv, device="cuda", generator=g)).to(torch.bfloat16)
+            # every segment of the stream from zero, in one call: the unforked cost of the same tokens
+            seg_start = torch.cat([r.state_start, r.branch_start])
+            seg_len = torch.cat([r.state_len, r.branch_len])
+            order = torch.argsort(torch.where(seg_len > 0, seg_start, seg_start.new_full((), 1 << 40)))
+            seg_start, seg_len = seg_start[order], seg_len[order]
+            none = torch.full_like(seg_start, -1)
+            empty = q.new_zeros(0, hv, k, v, dtype=torch.float32)
+            scale = k ** -0.5
+            fns = {  # partials: each binds this iteration's tensors
+                "fork": partial(fork, kernel, q, kk, vv, decay, beta, r.state_start, r.state_len, r.branch_start,
+                                r.branch_len, r.branch_state, scale, True),
+                "unforked": partial(kernel, q, kk, vv, decay, beta, seg_start, seg_len, empty, none, scale, True),
+            }
+            states = int((r.state_len > 0).sum())
+            floor = floor_ms(T, states, hv, k, v, hk, flops_rate, bandwidth)
+            for engine, fn in fns.items():
+                fn()
+                torch.cuda.synchronize()
+                ms = do_bench_cudagraph(fn, return_mode="median")
+                rows.append({"op": "gated_delta", "variant": args.variant, "impl": engine, "model": model,
+                             "stream": name, "tokens": T, "ms": round(ms, 4), "floor_ms": round(floor, 4),
+                             "x_floor": round(ms / floor, 2)})
+                print(json.dumps(rows[-1]), flush=True)
+    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "bf16_tflops": round(flops_rate / 1e12, 1), "copy_tb_s": round(bandwidth / 1e12, 2), "rows": rows}
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1))
+        lines = ["| model | stream | impl | ms | floor ms | x floor |", "| --- | --- | --- | --- | --- | --- |"]
+        lines += [f"| {x['model']} | {x['stream']} | {x['impl']} | {x['ms']} | {x['floor_ms']} | {x['x_floor']} |"
+                  for x in rows]
+        Path(args.out).with_suffix(".md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

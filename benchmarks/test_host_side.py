@@ -5,9 +5,9 @@
 - packing and laying out 64 RACE-sized requests (a 300-token state and 4 questions of 45 tokens each) into their
   rounds: planning, metadata, readout rows (issue 8's goal for this: under 0.3 ms, excluding tokenization), into a
   reused packed buffer (`out=`, what the graph runner does) and into a fresh one. Each request's own part of a round
-  is computed once (`PreparedRequest.round_layout`, at its first round) and reused, as in the engine: the first
-  round of fresh requests pays it, measured on its own below, and so does reading the round's `Read` records, which
-  the engine does only after the forward;
+  is computed once (`PreparedRequest.round_layout`, which `Engine.prepare` makes) and reused, so it is measured on
+  its own below, as is making the round's `Read` records, which the engine reads only after the forward;
+- the same for a round of real RACE passages with the real Qwen3.5 tokenizer (skipped without ../shared);
 - rendering + tokenizing one request with the tiny in-code tokenizer (split into trunk and branches).
 """
 

@@ -78,9 +78,9 @@ class PreparedRequest:
 
     @cached_property
     def round_layout(self):
-        """This request's part of a round, relative to its own start (`flide.round.RequestLayout`): built on its
-        first round (after the engine has set each branch's `options`) and reused by every round it joins, so its
-        trunks and branches must not change after that."""
+        """This request's part of a round, relative to its own start (`flide.round.RequestLayout`): made once, by
+        `Engine.prepare` after it has set each branch's `options` (or else on the request's first round), and reused
+        by every round the request joins, so its trunks and branches must not change after that."""
         from .round import RequestLayout
 
         return RequestLayout(self)

@@ -141,9 +141,7 @@ class Scheduler:
         prompts = getattr(self._local, "prompts", None)
         if prompts is None:  # a thread outside the pool: give it a copy of its own too
             prompts = self._local.prompts = self.engine.prompts.copy_for_thread()
-        prepared = self.engine.prepare(request, prompts=prompts)
-        _ = prepared.round_layout  # its part of a round (`flide.round.RequestLayout`): made here, not on the model thread
-        return prepared
+        return self.engine.prepare(request, prompts=prompts)
 
     # ---- rounds (the model thread) ----
     def submit(self, ticket: Ticket, prepared: PreparedRequest) -> Future:

@@ -19,15 +19,16 @@ import statistics
 import sys
 import time
 from collections import defaultdict
+from functools import partial
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import flide  # noqa: E402
-from flide import workloads  # noqa: E402
-from flide.loading import load_tokenizer, random_model  # noqa: E402
+import flide
+from flide import workloads
+from flide.loading import load_tokenizer, random_model
 
 FAMILIES = [  # first match wins: (family, substrings of the kernel name)
     ("gemm", ("gemm", "cutlass", "sm90_xmma", "nvjet", "cublas", "matmul", "mm_")),
@@ -80,7 +81,8 @@ def median_ms(fn, repeats: int) -> float:
 
 
 def profile(fn, runs: int) -> dict:
-    from torch.profiler import ProfilerActivity, profile as torch_profile
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
 
     with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(runs):
@@ -131,12 +133,12 @@ def main() -> None:
         prepared = engine.prepare(request)
         engine.run([prepared])  # warm
         row = {"workload": name, "questions": len(request["questions"]), "stream_tokens": prepared.stream_tokens,
-               "latency_ms": round(median_ms(lambda: engine.run([prepared]), args.repeats), 3)}
+               "latency_ms": round(median_ms(partial(engine.run, [prepared]), args.repeats), 3)}
         if eager is not None:
             p2 = eager.prepare(request)
             eager.run([p2])
-            row["eager_latency_ms"] = round(median_ms(lambda: eager.run([p2]), max(3, args.repeats // 4)), 3)
-        row["profile"] = profile(lambda: engine.run([prepared]), args.profile_runs)
+            row["eager_latency_ms"] = round(median_ms(partial(eager.run, [p2]), max(3, args.repeats // 4)), 3)
+        row["profile"] = profile(partial(engine.run, [prepared]), args.profile_runs)
         report["rows"].append(row)
         print(json.dumps(row), flush=True)
     report["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)

@@ -31,13 +31,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from flide.ops.gated_delta import fork  # noqa: E402
-from flide.ops.registry import resolve  # noqa: E402
-from flide.round import Shape, build_round  # noqa: E402
-from flide.testing import synthetic_request  # noqa: E402
+from flide.ops.gated_delta import fork
+from flide.ops.registry import resolve
+from flide.round import Shape, build_round
+from flide.testing import synthetic_request
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_fork_attention import measure_ceilings  # noqa: E402
+from bench_fork_attention import measure_ceilings
 
 MODELS = {"0.8B": (16, 16, 128, 128), "9B": (16, 32, 128, 128)}  # key heads, value heads, K, V
 STREAMS = {"2000+64x40": (1, 2000, 64, 40), "64xRACE": (64, 300, 4, 45)}

@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
-from collections.abc import Callable
 
 import torch
 
@@ -108,7 +108,7 @@ class GraphRunner:
         device = torch.zeros(size, dtype=torch.int64, device=self.device)
         tensors = RoundTensors.from_flat(device, shape)
         if self.compile:
-            for _, view in tensors.items():
+            for _, view in tensors.items():  # noqa: PERF102 (RoundTensors is a dataclass, not a dict)
                 # the graph reads these addresses; unmarked inputs would be copied into graph-owned buffers per call
                 torch._dynamo.mark_static_address(view)
         return Bucket(shape, host, device, tensors)

@@ -91,7 +91,7 @@ def test_thousand_random_rounds_replay_without_recompiles(setup, monkeypatch):
 
 
 def test_oversized_request_runs_eagerly_with_the_same_answers(setup):
-    spare, tok, requests, engine = setup
+    spare, tok, _, engine = setup
     rng = random.Random(2)
     big = random_request(rng, max_words=300)
     small_buckets = flide.patch(spare[1], tok, config={**GRAPHS, "capacities": {"buckets": [256], "requests": 16}})

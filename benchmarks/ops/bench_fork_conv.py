@@ -2,6 +2,7 @@
 causal conv without forking.
 
     python benchmarks/ops/bench_fork_conv.py --out benchmarks/results/ops_fork_conv.json
+    python benchmarks/ops/bench_fork_conv.py --out ... --sweep   # also the triton kernel's other tiles
 
 Streams: a 2,000-token state with 64 questions of 40 tokens (T=4,608), and 64 RACE-sized requests (300-token state,
 4 questions of 45; T=30,720, about the largest bucket). Channels: 6,144 (Qwen3.5-0.8B's conv: 2 x 16 x 128 + 16 x
@@ -9,7 +10,8 @@ Streams: a 2,000-token state with 64 questions of 40 tokens (T=4,608), and 64 RA
 (triton.testing.do_bench_cudagraph). The floor is the bytes that must move (x read once, the output written once)
 over the measured copy bandwidth. "conv1d-stream" is `F.conv1d` (depthwise, causal padding) over the whole stream
 as one sequence plus SiLU: what an engine without forks would run (cuDNN; answering nothing correctly). `triton` rows
-carry their largest difference from the fp32 reference (`max_abs_err_vs_reference`) where the reference fits.
+carry their largest difference from the fp32 reference (`max_abs_err_vs_reference`) where the reference fits;
+with --sweep, rows `triton[T..,D..,w..]` time other (BLOCK_T, BLOCK_D, num_warps) tiles.
 """
 
 from __future__ import annotations
@@ -46,8 +48,14 @@ def copy_bandwidth() -> float:
     return 2 * x.numel() / (ms * 1e-3)
 
 
-def bench_stream(sname: str, r, channels: int, width: int, bandwidth: float) -> list[dict]:
+# (BLOCK_T, BLOCK_D, num_warps) tried by --sweep; the default is flide.ops.fork_conv.triton's
+SWEEP = [(16, 128, 4), (32, 128, 4), (64, 128, 8), (32, 256, 4), (64, 64, 4), (128, 64, 8)]
+
+
+def bench_stream(sname: str, r, channels: int, width: int, bandwidth: float, sweep: bool) -> list[dict]:
     from triton.testing import do_bench_cudagraph
+
+    from flide.ops.fork_conv import triton as triton_kernel
 
     T = r.seg_lo.shape[0]
     x = torch.randn(T, channels, device="cuda", dtype=torch.bfloat16)
@@ -61,6 +69,10 @@ def bench_stream(sname: str, r, channels: int, width: int, bandwidth: float) -> 
                                                  groups=channels)[0, :, :T]).T,
         "reference": lambda: resolve("fork_conv", "reference")(x, weight, *meta),
     }
+    if sweep:
+        for bt, bd, warps in SWEEP:
+            fns[f"triton[T{bt},D{bd},w{warps}]"] = lambda bt=bt, bd=bd, warps=warps: triton_kernel.fork_conv(
+                x, weight, *meta, block_t=bt, block_d=bd, num_warps=warps)
     want = reference.fork_conv(x.float(), weight.float(), *meta) if T <= 8192 else None
     rows = []
     for engine, fn in fns.items():
@@ -71,7 +83,7 @@ def bench_stream(sname: str, r, channels: int, width: int, bandwidth: float) -> 
                "value": ms, "unit": "ms", "hardware": torch.cuda.get_device_name(), "tokens": T,
                "floor_ms": floor_s * 1e3, "x_floor": ms / (floor_s * 1e3)}
         extra = ""
-        if engine == "triton" and want is not None:
+        if engine.startswith("triton") and want is not None:
             row["max_abs_err_vs_reference"] = (out.float() - want).abs().max().item()
             extra = f"  max abs err vs fp32 reference {row['max_abs_err_vs_reference']:.1e}"
         rows.append(row)
@@ -84,13 +96,14 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--channels", type=int, default=6144)
+    parser.add_argument("--sweep", action="store_true", help="also time the triton kernel's other tiles")
     args = parser.parse_args()
     bandwidth = copy_bandwidth()
     print(f"ceiling: {bandwidth / 1e12:.2f} TB/s copy")
     rows = []
     streams = {"state2000_q64x40": stream(1, 2000, 64, 40), "race64": stream(64, 300, 4, 45)}
     for sname, r in streams.items():
-        rows += bench_stream(sname, r.to("cuda"), args.channels, 4, bandwidth)
+        rows += bench_stream(sname, r.to("cuda"), args.channels, 4, bandwidth, args.sweep)
     Path(args.out).write_text(json.dumps(rows, indent=1))
 
 

@@ -1,0 +1,116 @@
+"""Registers, spills and shared memory of Flide's Triton kernels on sm_90 (H100/H200), without a GPU.
+
+    python benchmarks/ops/kernel_resources.py                      # the default tiles of every shape the tests use
+    python benchmarks/ops/kernel_resources.py --attention 128,32,8,3  # one bf16 dim-256 attention tile config
+
+Compiles each kernel ahead of time for a CUDA target (triton.compile on an ASTSource, the pointers and strides
+marked 16-divisible as the JIT would mark them: without that hint loads are not vectorised nor pipelined and the
+counts mean nothing), then runs the ptxas bundled with triton with -v on the PTX. A tile config that spills a few
+hundred bytes a thread is worth timing; one that spills kilobytes is not. Timing still needs the device
+(bench_fork_attention.py --sweep).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+TARGET_ARCH = 90
+
+
+def _compile(fn, signature: dict[str, str], constants: dict[str, object], num_warps: int, num_stages: int):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = list(signature)
+    div16 = [n for n, t in signature.items() if t.startswith("*") or (t == "i32" and n.startswith("stride"))]
+    src = ASTSource(fn=fn, signature=signature, constexprs={(names.index(n),): v for n, v in constants.items()},
+                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in div16})
+    return triton.compile(src, target=GPUTarget("cuda", TARGET_ARCH, 32),
+                          options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def resources(kernel) -> str:
+    """'regs R, spills S/L bytes, smem M KB' from ptxas -v on the kernel's PTX."""
+    import triton
+
+    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    ptxas = next(p for p in (bin_dir / "ptxas-blackwell", bin_dir / "ptxas") if p.exists())  # the newer PTX ISA
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(kernel.asm["ptx"])
+    try:
+        log = subprocess.run([str(ptxas), f"-arch=sm_{TARGET_ARCH}a", "-v", f.name, "-o", os.devnull],
+                             capture_output=True, text=True, check=True).stderr
+    finally:
+        os.unlink(f.name)
+    regs = re.search(r"Used (\d+) registers", log).group(1)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    return (f"regs {regs:>3}, spills {spills.group(1)}/{spills.group(2)} bytes, "
+            f"smem {kernel.metadata.shared // 1024} KB")
+
+
+def attention(dtype: str, head_dim: int, group: int, config) -> str:
+    import triton
+
+    from flide.ops.fork_attention import triton as fa
+
+    ptr = f"*{dtype}"
+    sig = {"q_ptr": ptr, "k_ptr": ptr, "v_ptr": ptr, "o_ptr": ptr, "seg_lo_ptr": "*i64", "trunk_lo_ptr": "*i64",
+           "trunk_hi_ptr": "*i64", "stats_ptr": "*i64", "T": "i32", "qk_scale": "fp32"}
+    sig.update({f"stride_{n}": "i32" for n in ("qt", "qh", "kt", "kh", "vt", "vh", "ot", "oh")})
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    consts = {"GROUP": group, "HEAD_DIM": head_dim, "HEAD_DIM_V": head_dim, "BLOCK_M": config.block_m,
+              "BLOCK_N": config.block_n, "BLOCK_D": block_d, "BLOCK_DV": block_d,
+              "PRECISION": "ieee" if dtype == "fp32" else "tf32", "STATS": False}
+    sig.update({n: "constexpr" for n in consts})
+    return resources(_compile(fa._fork_attention_kernel, sig, consts, config.num_warps, config.num_stages))
+
+
+def conv(dtype: str) -> str:
+    from flide.ops.fork_conv import triton as fc
+
+    ptr = f"*{dtype}"
+    sig = {"x_ptr": ptr, "w_ptr": ptr, "out_ptr": ptr, "seg_lo_ptr": "*i64", "trunk_lo_ptr": "*i64",
+           "trunk_hi_ptr": "*i64", "T": "i32", "D": "i32", "stride_xt": "i32", "stride_xd": "i32",
+           "stride_wd": "i32", "stride_ww": "i32", "stride_ot": "i32", "stride_od": "i32"}
+    # unit strides are specialised to constants by the JIT
+    consts = {"stride_xd": 1, "stride_ww": 1, "stride_od": 1, "W": 4, "SILU": True, "BLOCK_T": fc.BLOCK_T,
+              "BLOCK_D": fc.BLOCK_D}
+    sig.update({n: "constexpr" for n in consts})
+    return resources(_compile(fc._fork_conv_kernel, sig, consts, fc.NUM_WARPS, 1))
+
+
+def main() -> None:
+    import torch
+
+    from flide.ops.fork_attention import triton as fa
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--attention", help="BLOCK_M,BLOCK_N,num_warps,num_stages: one bf16 dim-256 GQA-4 config")
+    args = parser.parse_args()
+    if args.attention:
+        config = fa.Config(*map(int, args.attention.split(",")))
+        print(f"attention bf16 D256 group 4 {config}: {attention('bf16', 256, 4, config)}")
+        return
+    from flide.ops.fork_conv import triton as fc
+
+    for dtype in ("bf16", "fp32"):
+        print(f"fork_conv {dtype} W4 {fc.BLOCK_T}x{fc.BLOCK_D} tiles: {conv(dtype)}", flush=True)
+    torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}
+    for dtype in ("bf16", "fp32"):
+        for hq, hkv, d in [(8, 2, 256), (8, 8, 128), (14, 2, 128), (4, 2, 16)]:
+            config = fa.default_config(d, torch_dtype[dtype])
+            print(f"fork_attention {dtype} Hq{hq}/Hkv{hkv} D{d} {config}: {attention(dtype, d, hq // hkv, config)}",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -154,6 +154,20 @@ else:
         assert out.shape == (tokens, hq, d) and out.dtype == torch.float32
         torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)  # NaN anywhere (an unwritten element) fails
 
+    def test_fork_attention_short_states():
+        """States of 0-2 tokens: question rows whose state is empty (trunk_lo == trunk_hi, not necessarily 0) sit
+        in the same query blocks as rows with a state, so the block's state range and its unmasked part must ignore
+        them, and the rows themselves must see only their own tokens."""
+        tokens = 120
+        r = tiny_round(tokens, seed=4, max_state=2, max_question=7, max_questions=8)
+        used = r.branch_len > 0
+        stateless = used & (r.state_len[r.branch_state] == 0)  # questions of a 0-token state
+        assert stateless.any() and (used & (r.state_len[r.branch_state] > 0)).any()
+        q, k, v = randn(tokens, 4, 16, seed=7), randn(tokens, 2, 16, seed=8), randn(tokens, 2, 16, seed=9)
+        out = attn_triton.fork_attention(q, k, v, r.seg_lo, r.trunk_lo, r.trunk_hi, 0.25, config=Config(16, 16, 4, 1))
+        want = attn_ref.fork_attention_naive(q, k, v, r.seg_lo, r.trunk_lo, r.trunk_hi, 0.25)
+        torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+
     def test_fork_attention_value_dim_and_fp16():
         """Dv != D; fp16 inputs (fp16 out, fp32 softmax) within fp16 rounding of the fp32 reference."""
         tokens = 70

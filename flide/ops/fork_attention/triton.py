@@ -48,7 +48,8 @@ class Config:
 
 
 def default_config(head_dim: int, dtype: torch.dtype) -> Config:
-    """Fixed tiles per (head dim, dtype), for Hopper (sm_90), checked with ptxas for register spills.
+    """Fixed tiles per (head dim, dtype), for Hopper (sm_90), checked with ptxas for register spills
+    (`benchmarks/ops/kernel_resources.py`, no GPU needed).
 
     bf16/fp16: Q and the K/V stages live in shared memory; the fp32 accumulator (BLOCK_M x head dim) and the score
     tile live in registers. At dim 256 the accumulator alone is 128 registers a thread with 128 rows over 8 warps;

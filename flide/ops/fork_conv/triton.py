@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+# Default tiles (no spills on sm_90: benchmarks/ops/kernel_resources.py; bench_fork_conv.py --sweep times others)
 BLOCK_T = 32  # tokens per tile
 BLOCK_D = 128  # channels per tile: 256 contiguous bytes of a bf16 row per token
 NUM_WARPS = 4

@@ -21,7 +21,6 @@ from .requests import PreparedRequest, PromptTokenizer, RequestError, parse_requ
 from .round import Footprint, Round, build_round, footprint
 
 
-
 @dataclass
 class Usage:
     input_tokens: int  # each state counted once
@@ -99,7 +98,7 @@ class Engine:
         return self.flat.head.weight.device
 
     @classmethod
-    def from_pretrained(cls, name_or_path: str, config: FlideConfig | dict | str | None = None, **kwargs) -> "Engine":
+    def from_pretrained(cls, name_or_path: str, config: FlideConfig | dict | str | None = None, **kwargs) -> Engine:
         """Loads a model (causal LM or Jev decision model) and its tokenizer from a local folder or hub id."""
         from .loading import load_model
 

@@ -8,8 +8,8 @@ and recurrent updates to the last layer's mixer, and nothing else of it is neede
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import nn

@@ -5,13 +5,14 @@
 #     copies the Qwen3.5 tokenizer/configs and the workload data into ./shared (git-ignored via .git/info/exclude;
 #     the data must not be committed) and fetches the wheels into .whl (../shared/gpu/wheels.sh).
 # There (device `run`, carry [".whl"]; shared/ travels by itself):
-#     bash benchmarks/h200_session.sh tests      GPU tests (kernels vs references, graph capture/replay)    ~6 min
+#     bash benchmarks/h200_session.sh kernels    GPU tests of the op variants against the references       ~8 min
+#     bash benchmarks/h200_session.sh models     GPU tests of whole engines: fast kernels, graph capture   ~8 min
 #     bash benchmarks/h200_session.sh profile    latency alone + kernel profile of one replay, 0.8B     ~5 min
 #     bash benchmarks/h200_session.sh ops        op benchmarks (attention, gated delta, conv) vs floors     ~5 min
 #     bash benchmarks/h200_session.sh bench ARGS  python -m flide.bench ARGS (e.g. a config and --engines flide)
 # Logs and results go to $OUT.
 set -u
-part=${1:?usage: h200_session.sh stage|tests|profile|bench ...}
+part=${1:?usage: h200_session.sh stage|kernels|models|profile|ops|bench ...}
 shift
 if [ "$part" = stage ]; then
     grep -qx '/shared/' .git/info/exclude || echo '/shared/' >> .git/info/exclude
@@ -32,11 +33,14 @@ export PYTHONPATH=$PWD:/tmp/site
 # a persistent compile cache for the runs of this command (the machine starts bare each time)
 export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache
 case "$part" in
-tests)
-    for f in tests/gpu/test_gated_delta_gpu.py tests/gpu/test_fork_conv_gpu.py tests/gpu/test_fork_attention_gpu.py \
-             tests/gpu/test_fork_attention_triton_gpu.py tests/gpu/test_engine_gpu.py tests/gpu/test_graphs_gpu.py; do
-        name=$(basename "$f" .py)
-        timeout 240 python3 -m pytest -q -p no:logging "$f" > "$OUT/$name.log" 2>&1
+kernels|models)
+    if [ "$part" = kernels ]; then
+        files="test_fork_conv_gpu test_gated_delta_gpu test_fork_attention_triton_gpu test_fork_attention_gpu"
+    else
+        files="test_engine_gpu test_graphs_gpu"
+    fi
+    for name in $files; do
+        timeout 280 python3 -m pytest -q -x -p no:logging "tests/gpu/$name.py" > "$OUT/$name.log" 2>&1
         echo "$name rc=$? $(tail -1 "$OUT/$name.log")" | tee -a "$OUT/summary.txt"
     done ;;
 profile)

@@ -118,6 +118,9 @@ def main() -> None:
 
     tokenizer = load_tokenizer(args.tokenizer)
     model = random_model(args.config_json, torch.bfloat16, "cuda")
+    # a copy for the eager engine, made before patching: patching swaps the model's mixers in place (and a patched
+    # model holds custom-op handles that cannot be deep-copied)
+    spare = copy.deepcopy(model) if args.eager else None
     start = time.perf_counter()
     engine = flide.patch(model, tokenizer, config=args.config)
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "kernels": str(engine.kernels),
@@ -125,8 +128,7 @@ def main() -> None:
     if engine.runner is not None:
         report["capture_s"] = round(engine.runner.capture_seconds, 1)
         report["graph_memory_gib"] = round(engine.runner.graph_memory_bytes / 2**30, 3)
-    # a copy: patching swaps the model's mixers in place, and the captured engine must keep its own
-    eager = flide.patch(copy.deepcopy(model), tokenizer, config={"runtime": {"graphs": "off"}}) if args.eager else None
+    eager = flide.patch(spare, tokenizer, config={"runtime": {"graphs": "off"}}) if args.eager else None
     print(json.dumps({k: v for k, v in report.items() if k != "rows"}), flush=True)
     for name in args.workloads:
         request = load(name, tokenizer, args.data)

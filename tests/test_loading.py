@@ -59,3 +59,24 @@ def test_missing_checkpoint_is_a_clear_error(tmp_path):
         assert "tokenizer" in str(error)
     else:
         raise AssertionError("expected a ValueError")
+
+
+def test_patched_model_deep_copies():
+    """A patched model can be deep-copied (kernel handles are shared, weights copied): the copy answers the same and
+    patching it leaves the first engine alone."""
+    import copy
+
+    from flide.models.tiny import tiny_model, tiny_tokenizer
+    from flide.testing import max_difference
+
+    tok = tiny_tokenizer()
+    request = {"state": "The parcel arrived broken.", "questions": {"q": {"type": "noul", "instructions": "Broken?"}}}
+    for kind in ("qwen3_5_text", "llama"):
+        model = tiny_model(kind)
+        engine = flide.patch(model, tok)
+        before = engine.decide(request)
+        clone = copy.deepcopy(model)
+        assert next(clone.parameters()).data_ptr() != next(model.parameters()).data_ptr()
+        assert clone.state_dict().keys() == model.state_dict().keys()
+        assert max_difference(flide.patch(clone, tok).decide(request), before) == 0
+        assert max_difference(engine.decide(request), before) == 0

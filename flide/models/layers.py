@@ -40,6 +40,25 @@ class _Swapped(nn.Module):
         # Not a registered child: its parameters are ours already, and state_dict must not list them twice
         self.__dict__["original"] = original
 
+    # kernel handles (registered custom ops) are shared, never copied: they cannot be deep-copied, and a copy of a
+    # patched model runs the same kernels
+    SHARED = ()
+
+    def __deepcopy__(self, memo):
+        import copy
+
+        shared = {name: self.__dict__.pop(name) for name in self.SHARED}
+        try:
+            cls = type(self)
+            clone = cls.__new__(cls)
+            memo[id(self)] = clone
+            for key, value in self.__dict__.items():
+                clone.__dict__[key] = copy.deepcopy(value, memo)
+        finally:
+            self.__dict__.update(shared)
+        clone.__dict__.update(shared)
+        return clone
+
     def forward(self, *args, flide: FlatContext | None = None, **kwargs):
         if flide is None:
             return self.original(*args, **kwargs)
@@ -53,6 +72,8 @@ class FlideAttention(_Swapped):
     RMSNorms over the head dim before RoPE (Qwen3, Qwen3.5), partial rotary (Qwen3.5; in the family's own
     apply_rotary_pos_emb), GQA.
     """
+
+    SHARED = ("op", "apply_rotary")
 
     def __init__(self, original: nn.Module, attention_op: Callable):
         names = ("q_proj", "k_proj", "v_proj", "o_proj") + tuple(n for n in ("q_norm", "k_norm") if hasattr(original, n))
@@ -93,6 +114,7 @@ class FlideGatedDeltaNet(_Swapped):
     calls of `gated_delta` (states first, then every question from its state's final recurrent state)."""
 
     NAMES = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "norm", "out_proj", "A_log", "dt_bias")
+    SHARED = ("conv_op", "delta_op")
 
     def __init__(self, original: nn.Module, conv_op: Callable, delta_op: Callable):
         super().__init__(original, self.NAMES)

@@ -326,3 +326,45 @@ def test_swe_agent_trajectories_replayed():
             replayed += 1
     stats = engine.checkpoints.stats()
     assert replayed >= 4 and stats["hits"] >= replayed - 2 * len(paths)
+
+
+def test_jev_template_trunks_per_type_resume_exactly():
+    """Jev's template prints the question type before the state: a trunk per type, each saved and resumed."""
+    from transformers.decision import DecisionConfig
+    from transformers.models.jev.configuration_jev import JEV_TEMPLATE
+
+    from flide.models.tiny import tiny_jev
+
+    dc = DecisionConfig(chat_template=JEV_TEMPLATE, noul_options=["false", "true"],
+                        temperature={"noul": 0.7, "choice": 1.3, "score": 2.0})
+    model, tok = tiny_jev(), tiny_tokenizer()
+    cfg = {"runtime": {"graphs": "off"}}
+    engine = flide.Engine(model, tok, {**cfg, "checkpoints": {"enabled": True}}, decision_config=dc)
+    fresh = flide.Engine(model, tok, cfg, decision_config=dc)
+    for request in conversation(9, 3):
+        assert max_difference(fresh.decide(request), engine.decide(request)) <= ATOL
+    assert engine.checkpoints.stats()["hits"] >= 2
+
+
+def test_serve_exports_checkpoint_metrics():
+    from prometheus_client.parser import text_string_to_metric_families
+    from starlette.testclient import TestClient
+
+    from flide.serve import create_app
+
+    engine = _engine(tiny_model("qwen3_5_text"), tiny_tokenizer())
+    with TestClient(create_app(engine, "tiny")) as client:
+        for request in conversation(8, 2, questions=1):
+            assert client.post("/v1/systemone", json=request).status_code == 200
+        text = client.get("/metrics").text
+    values = {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
+    assert values["flide_checkpoint_hits_total"] == 1 and values["flide_checkpoint_stores_total"] >= 2
+    assert values["flide_checkpoint_bytes"] > 0
+
+
+def test_cli_serve_has_the_checkpoint_flag(capsys):
+    from flide.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["serve", "--help"])
+    assert done.value.code == 0 and "--checkpoint-cache-gb" in capsys.readouterr().out

@@ -3,7 +3,7 @@
     flide decide [--model PATH_OR_HUB_ID] [--config YAML] [--random-weights] [--tokenizer PATH] REQUEST.json|-
     flide bench  CONFIG.yaml [--workloads ...] [--engines ...] [--out DIR] [--dry-run]
     flide serve  [--model PATH_OR_HUB_ID] [--config YAML] [--random-weights] [--tokenizer PATH] [--host 127.0.0.1]
-                 [--port 8000] [--timeout S] [--max-queue N] [--log-format text|json]
+                 [--port 8000] [--timeout S] [--max-queue N] [--log-format text|json] [--checkpoint-cache-gb GB]
 
 REQUEST.json holds one System One request or a list of them ('-' reads standard input); the answers are printed as
 JSON. `serve` answers POST /v1/systemone over HTTP (see flide/serve). Without --model, an embedded tiny Qwen3.5 with
@@ -90,6 +90,9 @@ def cmd_serve(args) -> int:
         cfg = load_config(args.config)
         if overrides:
             cfg = cfg.replace(serve=overrides)
+        if args.checkpoint_cache_gb is not None:  # > 0: checkpoints on with this budget; 0: off
+            gb = args.checkpoint_cache_gb
+            cfg = cfg.replace(checkpoints={"enabled": gb > 0, **({"cache_gb": gb} if gb > 0 else {})})
     except ValueError as error:
         print(f"flide: {error}", file=sys.stderr)
         return 2
@@ -108,6 +111,9 @@ def cmd_serve(args) -> int:
     params = sum(p.numel() for p in model.parameters())
     log.info("model %s: %s, %.1fM parameters, %s on %s; loaded in %.1f s", name, model.config.model_type, params / 1e6,
              str(next(model.parameters()).dtype).replace("torch.", ""), engine.device, time.perf_counter() - start)
+    if engine.checkpoints is not None:
+        log.info("checkpoints on: cache %.2f GiB, states from %d tokens, margin %d", cfg.checkpoints.cache_gb,
+                 cfg.checkpoints.min_state_tokens, cfg.checkpoints.margin_tokens)
     warm = time.perf_counter()
     engine.decide({"state": "Warm-up.", "questions": {"ok": {"type": "noul", "instructions": "Ready?"}}})
     log.info("warm-up round: %.0f ms", (time.perf_counter() - warm) * 1e3)
@@ -150,6 +156,9 @@ def main(argv: list[str] | None = None) -> int:
                                                      "(default: serve.request_timeout_s of the config, 60)")
     serve.add_argument("--max-queue", type=int, help="requests waiting for a round before 503s "
                                                      "(default: serve.max_queue of the config, 1024)")
+    serve.add_argument("--checkpoint-cache-gb", type=float,
+                       help="turn checkpoints of growing states on with this cache budget in GiB (0: off; default: "
+                            "checkpoints.* of the config, off)")
     serve.add_argument("--log-format", choices=("text", "json"), default="text",
                        help="text, or one JSON object per line")
     serve.set_defaults(func=cmd_serve)

@@ -76,12 +76,31 @@ class ServeConfig:
 
 
 @dataclass(frozen=True)
+class CheckpointConfig:
+    """Growing states (flide/checkpoints): the forward pass that answers a request saves each long state's GDN
+    recurrent states, conv windows and attention keys/values at a chunk-aligned position m a little before its end,
+    and a later request whose state starts with the same tokens resumes from there, computing only the tail.
+
+    m is the largest multiple of 64 (GDN_CHUNK) <= state length - `margin_tokens`: the last tokens (the end of a
+    turn, the template's closing text) are the ones the next agent step changes, so they stay after m. States
+    shorter than `min_state_tokens` are not saved. `cache_gb`: the cache's budget (GiB), least recently used first
+    out. Only the reference kernel variants resume and snapshot yet: with others the engine turns checkpoints off
+    with a warning; rounds that resume or save run eagerly (not from a captured CUDA graph)."""
+
+    enabled: bool = False
+    cache_gb: float = 1.0
+    min_state_tokens: int = 256
+    margin_tokens: int = 64
+
+
+@dataclass(frozen=True)
 class FlideConfig:
     kernels: KernelConfig = field(default_factory=KernelConfig)
     capacities: CapacityConfig = field(default_factory=CapacityConfig)
     limits: LimitConfig = field(default_factory=LimitConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)
+    checkpoints: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -120,6 +139,9 @@ def _build(cls, values: Any, where: str):
             if not isinstance(value, (list, tuple)) or not value or not all(isinstance(v, int) and v > 0 for v in value):
                 raise ValueError(f"Config `{key}` must be a non-empty list of positive integers, got {value!r}.")
             value = tuple(sorted(set(value)))
+        elif isinstance(default, bool):
+            if not isinstance(value, bool):
+                raise ValueError(f"Config `{key}` must be true or false, got {value!r}.")
         elif isinstance(default, float):
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
                 raise ValueError(f"Config `{key}` must be a positive number, got {value!r}.")
@@ -148,7 +170,7 @@ def config_from_dict(values: dict[str, Any] | None) -> FlideConfig:
     if unknown:
         raise ValueError(f"Unknown config section(s) {', '.join(unknown)}; valid sections: {', '.join(sections)}.")
     classes = {"kernels": KernelConfig, "capacities": CapacityConfig, "limits": LimitConfig, "runtime": RuntimeConfig,
-               "serve": ServeConfig}
+               "serve": ServeConfig, "checkpoints": CheckpointConfig}
     return FlideConfig(**{name: _build(classes[name], section or {}, name) for name, section in values.items()})
 
 

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -15,17 +16,20 @@ from typing import Any
 import torch
 
 from .config import FlideConfig, load_config
-from .graphs.buckets import plan_rounds
+from .graphs.buckets import exact_shape, plan_rounds
 from .loading import DTYPES
 from .requests import PreparedRequest, PromptTokenizer, RequestError, parse_request
 from .round import Footprint, Round, build_round, footprint
 
+logger = logging.getLogger("flide.engine")
 
 @dataclass
 class Usage:
     input_tokens: int  # each state counted once
-    stream_tokens: int  # tokens computed for the request in its round(s) (= input_tokens)
+    stream_tokens: int  # the request's tokens in a round's stream without checkpoints (= input_tokens)
     prompt_tokens: int  # what one sequence per question would have computed
+    cached_tokens: int = 0  # state tokens resumed from checkpoints in its last round (not computed)
+    computed_tokens: int = 0  # tokens computed for it in its last round: stream_tokens - cached_tokens
 
 
 class Engine:
@@ -68,6 +72,22 @@ class Engine:
         self._head_lock = threading.Lock()
         self._scheduler = None  # started by the first `submit` (or `flide serve`)
         self.runner = self._graph_runner() if self._use_graphs() else None
+        # growing states: the checkpoint cache, and the kernels' companions that resume and snapshot
+        self.checkpoints, self._resumable = self._checkpoint_cache()
+
+    def _checkpoint_cache(self):
+        from .checkpoints import CheckpointCache
+        from .ops.registry import resumable
+
+        cfg = self.config.checkpoints
+        if not cfg.enabled:
+            return None, None
+        try:
+            ops = resumable(self.kernels, self.device)
+        except ValueError as error:
+            logger.warning("checkpoints are off: %s", error)
+            return None, None
+        return CheckpointCache(int(cfg.cache_gb * 2**30)), ops
 
     def _use_graphs(self) -> bool:
         from .ops.registry import not_capturable
@@ -181,7 +201,9 @@ class Engine:
             return self._scheduler
 
     def usage(self, prepared: PreparedRequest) -> Usage:
-        return Usage(prepared.input_tokens, prepared.stream_tokens, prepared.prompt_tokens)
+        cached = prepared.cached_tokens
+        return Usage(prepared.input_tokens, prepared.stream_tokens, prepared.prompt_tokens, cached,
+                     prepared.stream_tokens - cached)
 
     # ---- rounds ----
     def run(self, prepared: list[PreparedRequest]) -> list[dict]:
@@ -191,10 +213,24 @@ class Engine:
         # Eager rounds take their own size; with graphs a round takes its bucket's shape and replays its graph, and
         # only a request larger than every bucket runs eagerly in a shape of its own (the same flat forward)
         graphs = self.runner is not None
+        # With checkpoints the plan is conservative (whole states); what a round resumes is looked up when it is
+        # built, so a request resumes from what an earlier round of this call saved, and the round then shrinks
         for planned in plan_rounds(needs, self.config.capacities, self.max_options, exact=not graphs):
             requests = [prepared[i] for i in planned.requests]
-            if graphs and not planned.oversized:
+            work = self._checkpoint_work(requests)
+            for request, cached in zip(requests, work.cached_tokens if work is not None else [0] * len(requests)):
+                request.cached_tokens = cached
+            if graphs and not planned.oversized and work is None:
                 round_, scores = self.runner.run(requests, planned.shape)
+            elif work is not None:  # resumes or saves: eagerly (the captured graphs know no checkpoints)
+                layouts = work.layouts(requests)
+                counts = [lay.counts for lay in layouts]  # (state tokens, question tokens, states, branches, reads)
+                need = Footprint(sum(c[0] + c[1] for c in counts), sum(c[2] for c in counts),
+                                 sum(c[3] for c in counts), sum(c[4] for c in counts), len(requests))
+                round_ = build_round(requests, exact_shape(need, self.max_options), self.pad_id, layouts=layouts)
+                work.bind(round_, self.device)
+                scores = self.forward(round_, work)
+                work.store()
             else:
                 round_ = build_round(requests, planned.shape, self.pad_id)
                 scores = self.forward(round_)
@@ -203,11 +239,21 @@ class Engine:
                 answers[index] = {q.name: answer[q.name] for q in prepared[index].questions}  # request order
         return answers
 
-    def forward(self, round_: Round) -> torch.Tensor:
-        """One flat forward pass: the option scores [readout rows, options] of a round, on the CPU in float32."""
+    def _checkpoint_work(self, requests: list[PreparedRequest]):
+        """The round's checkpoint work (`RoundCheckpoints`), or None without checkpoints or when there is none."""
+        if self.checkpoints is None:
+            return None
+        from .checkpoints import RoundCheckpoints
+
+        work = RoundCheckpoints(self.checkpoints, self.config.checkpoints, self._resumable, requests)
+        return None if work.empty else work
+
+    def forward(self, round_: Round, checkpoints=None) -> torch.Tensor:
+        """One flat forward pass: the option scores [readout rows, options] of a round, on the CPU in float32.
+        `checkpoints`: the round's bound `RoundCheckpoints` (resumes and saves), or None."""
         tensors = round_.tensors.to(self.device)
         with torch.inference_mode():
-            scores = self.flat(tensors)
+            scores = self.flat(tensors, checkpoints) if checkpoints is not None else self.flat(tensors)
         return scores.float().cpu()
 
     def answers(self, round_: Round, scores: torch.Tensor) -> dict[int, dict]:

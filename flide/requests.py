@@ -66,6 +66,7 @@ class PreparedRequest:
     branches: list[Branch]
     questions: list[Question] = field(default_factory=list)  # in request order
     prompt_tokens: int = 0  # sum over prompts of their whole length: what one sequence per question would compute
+    cached_tokens: int = 0  # state tokens its last round resumed from checkpoints instead of computing
 
     @property
     def stream_tokens(self) -> int:

@@ -175,12 +175,14 @@ class Round:
                  flat: torch.Tensor | None = None, requests: list[PreparedRequest] | None = None):
         self.tensors, self.shape, self.used_tokens, self.flat = tensors, shape, used_tokens, flat
         self._reads, self._requests = reads, requests
+        self.layouts: list[RequestLayout] | None = None  # each request's part, as build_round laid it out
 
     @property
     def reads(self) -> list[Read]:
         if self._reads is None:
-            self._reads = [Read(r, question, options, tail) for r, request in enumerate(self._requests or ())
-                           for question, options, tail in request.round_layout.reads]
+            layouts = self.layouts or [request.round_layout for request in self._requests or ()]
+            self._reads = [Read(r, question, options, tail) for r, lay in enumerate(layouts)
+                           for question, options, tail in lay.reads]
         return self._reads
 
     @reads.setter
@@ -216,8 +218,13 @@ class RequestLayout:
 
     __slots__ = ("_options", "_small", "_tokens", "counts", "parts", "reads", "trunk_reads")
 
-    def __init__(self, request: PreparedRequest):
-        trunks = request.trunks
+    def __init__(self, request: PreparedRequest, skip: list[int] | None = None):
+        """`skip[t]`: tokens of trunk t resumed from a checkpoint (flide/checkpoints): its segment then holds only
+        the trunk's tokens from there on, with positions counting from `skip[t]`; its questions' positions and reads
+        still count from the start of the whole prompt. A read inside a trunk must not fall in the skipped part."""
+        full_lens = [len(t) for t in request.trunks]
+        skip = skip or [0] * len(full_lens)
+        trunks = [t[m:] if m else t for t, m in zip(request.trunks, skip)]
         trunk_lens = [len(t) for t in trunks]
         by_trunk: dict[int, list] = {}
         for branch in request.branches:
@@ -231,12 +238,15 @@ class RequestLayout:
         read_rel, read_flag, self.reads, self._options = [], [], [], []
         q_cursor = 0
         for branch, t, n in zip(branches, branch_state, branch_lens):
-            pos0 = trunk_lens[t]
+            pos0 = full_lens[t]
             reads = branch.reads.tolist() if isinstance(branch.reads, np.ndarray) else branch.reads
             for pos, question, options in zip(reads, branch.questions, branch.options):
                 pos = int(pos)
                 if pos < pos0:  # a read inside the trunk (a template that marks before the question): the state row
-                    read_rel.append(state_start[t] + pos), read_flag.append(1)
+                    if pos < skip[t]:
+                        raise ValueError(f"a read at token {pos} falls in the {skip[t]} tokens resumed from a "
+                                         f"checkpoint")
+                    read_rel.append(state_start[t] + pos - skip[t]), read_flag.append(1)
                 else:
                     read_rel.append(q_cursor + pos - pos0), read_flag.append(0)
                 self._options.append([int(o) for o in options])
@@ -263,10 +273,12 @@ class RequestLayout:
                 raise ValueError("token ids must fit in int32")
             ids = ids.astype(np.int32)
         shift = [0, *accumulate(lens)][:-1]  # each segment's start, less its first position
+        for k, m in enumerate(skip):
+            shift[k] -= m
         for k, t in enumerate(branch_state):
-            shift[len(trunks) + k] -= trunk_lens[t]
+            shift[len(trunks) + k] -= full_lens[t]
         positions = np.arange(ns + nq, dtype=np.int32)
-        if len(lens) > 1:
+        if len(lens) > 1 or any(skip):
             positions -= np.repeat(np.asarray(shift, dtype=np.int32), lens)
         ids, positions = ids.tobytes(), positions.tobytes()
         self._tokens = (ids[: 4 * ns], ids[4 * ns:], positions[: 4 * ns], positions[4 * ns:])
@@ -312,17 +324,20 @@ def _fill32(value: int, n: int) -> memoryview:
     return memoryview(block)[: 4 * n]
 
 
-def build_round(requests: list[PreparedRequest], shape: Shape, pad_id: int, out: torch.Tensor | None = None) -> Round:
+def build_round(requests: list[PreparedRequest], shape: Shape, pad_id: int, out: torch.Tensor | None = None,
+                layouts: list[RequestLayout] | None = None) -> Round:
     """Lays `requests` out as one stream of `shape.tokens` tokens (each branch's `options` must be set; a request's
     part is computed on its first round and cached, so its branches must not change after that).
 
     With `out` (a contiguous 1-D int64 CPU tensor of `packed_size(shape)` elements, e.g. pinned and reused round after
     round) every element of it is written and the round's tensors are views of it; otherwise a fresh buffer is used.
+    `layouts`: each request's part when it is not `request.round_layout` (a request resuming from checkpoints).
     """
     out, tokens, view, tensors = _buffers(out, shape)
     T, L = shape.tokens, shape.options
     R = len(requests)
-    cols = list(zip(*[request.round_layout.parts[L] for request in requests])) or [()] * (_SMALL + _TOKEN_PARTS)
+    layouts = layouts if layouts is not None else [request.round_layout for request in requests]
+    cols = list(zip(*[lay.parts[L] for lay in layouts])) or [()] * (_SMALL + _TOKEN_PARTS)
     small = np.frombuffer(b"".join(chain.from_iterable(cols[:_SMALL])), dtype=np.int64)
     counts = small[: R * _COUNTS].reshape(R, _COUNTS)
     ends = counts.cumsum(0)
@@ -391,14 +406,16 @@ def build_round(requests: list[PreparedRequest], shape: Shape, pad_id: int, out:
     per_read = counts[:, 4]
     np.add(np.repeat(first[:, 1] + ns_tok, per_read), read_rel, out=v[:NR])
     if n_trunk_reads:
-        read_flag = np.frombuffer(b"".join([request.round_layout.trunk_reads for request in requests]), np.int64)
+        read_flag = np.frombuffer(b"".join([lay.trunk_reads for lay in layouts]), np.int64)
         v[:NR] -= read_flag * np.repeat(first[:, 1] + ns_tok - first[:, 0], per_read)
     v[NR:] = 0
     v = view["option_index"]
     v[:NR] = option_rows
     v[NR:] = 0
 
-    return Round(RoundTensors(*tensors), None, shape, n, out, requests)
+    round_ = Round(RoundTensors(*tensors), None, shape, n, out, requests)
+    round_.layouts = layouts
+    return round_
 
 
 # id(out) -> (weakref to out, its data_ptr, {shape: (numpy view of input_ids + positions, numpy field views, torch

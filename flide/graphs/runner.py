@@ -7,6 +7,10 @@ and its cudagraph trees record one CUDA graph per bucket (a warm-up run, a recor
 built straight into its bucket's pinned buffer, moved to the GPU in ONE copy, and the bucket's graph replays; no
 shape, Python int or launch size depends on the round's contents, so nothing recompiles or re-records after capture.
 
+Checkpoints (flide/checkpoints) are not captured: a round that resumes from a checkpoint or saves one runs eagerly
+(`Engine.run` decides before choosing the runner), since its prefix keys, conv windows and snapshots have
+round-dependent sizes; rounds without checkpoint work still replay here.
+
 The forward is compiled with dynamic sizes, once for every bucket: with `dynamic=False` Inductor compiled each
 bucket anew, ~40 s apiece for Qwen3.5-0.8B on the H200 (over 5 minutes for the 8 default buckets), while every
 bucket shares one kernel set whose sizes are arguments. The graphs stay one per bucket: a graph's sizes are fixed

@@ -51,6 +51,11 @@ class FlatBlock(nn.Module):
         h = h + self.mixer(self.input_layernorm(h), flide=ctx)
         return h + self.mlp(self.post_attention_layernorm(h))
 
+    def run(self, h: torch.Tensor, ctx: FlatContext) -> torch.Tensor:
+        """The same layer, eagerly, with a context of its own (rounds with checkpoints: never compiled)."""
+        h = h + self.mixer(self.input_layernorm(h), flide=ctx)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
 
 class FlatModel(nn.Module):
     """A patched decoder stack and its head, run over RoundTensors -> option scores [readout_rows, options]."""
@@ -70,16 +75,24 @@ class FlatModel(nn.Module):
     def mixer(self, layer: nn.Module) -> nn.Module:
         return layer.linear_attn if hasattr(layer, "linear_attn") else layer.self_attn
 
-    def forward(self, r: RoundTensors) -> torch.Tensor:
+    def forward(self, r: RoundTensors, checkpoints=None) -> torch.Tensor:
+        """`checkpoints`: the round's `flide.checkpoints.RoundCheckpoints` (bound), or None. With it every layer
+        runs eagerly with its own part of the checkpoint work in its context."""
         m = self.text_model
         h = m.embed_tokens(r.input_ids)  # [T, H]
         cos, sin = m.rotary_emb(h[None], r.positions[None])
         ctx = FlatContext(r, cos[0], sin[0])
-        # separate tensors: the fields are views of one packed buffer, and a compile region's inputs must not alias
-        fields = tuple(value.clone() for _, value in r.items())
-        for block in self.blocks[:-1]:
-            h = block(h, ctx.cos, ctx.sin, *fields)
         last = self.blocks[-1]
+        if checkpoints is not None:
+            for index, block in enumerate(self.blocks[:-1]):
+                h = block.run(h, FlatContext(r, ctx.cos, ctx.sin, checkpoints.layer(index)))
+            ctx = FlatContext(r, ctx.cos, ctx.sin, checkpoints.layer(len(self.blocks) - 1))
+        else:
+            # separate tensors: the fields are views of one packed buffer, and a compile region's inputs must not
+            # alias
+            fields = tuple(value.clone() for _, value in r.items())
+            for block in self.blocks[:-1]:
+                h = block(h, ctx.cos, ctx.sin, *fields)
         h = h + last.mixer(last.input_layernorm(h), flide=ctx)
         if self.selective:
             h = h[r.readout_rows]  # only the read rows go on through the last MLP, the norm and the head

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops.gated_delta import fork as gated_delta_fork
+from ..ops.gated_delta import fork_resumable as gated_delta_fork_resumable
 from ..round import RoundTensors
 
 
@@ -26,6 +27,9 @@ class FlatContext:
     round: RoundTensors
     cos: torch.Tensor  # [T, rotary_dim]
     sin: torch.Tensor
+    # this layer's part of the round's checkpoint work (flide.checkpoints.LayerCheckpoint): what it resumes from and
+    # saves; None without checkpoints (and always inside a captured graph)
+    checkpoint: object = None
 
 
 class _Swapped(nn.Module):
@@ -101,8 +105,16 @@ class FlideAttention(_Swapped):
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.apply_rotary(q, k, ctx.cos, ctx.sin, unsqueeze_dim=1)  # [T, H, D] with cos [T, d]
-        r = ctx.round
-        out = self.op(q.contiguous(), k.contiguous(), v.contiguous(), r.seg_lo, r.trunk_lo, r.trunk_hi, self.scaling)
+        r, ck = ctx.round, ctx.checkpoint
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        if ck is not None and ck.resumes:  # resumed states: their checkpoint's keys precede the stream's
+            pk, pv = ck.prefix()
+            out = ck.work.ops["fork_attention"](q, k, v, r.seg_lo, r.trunk_lo, r.trunk_hi, pk, pv, ck.work.pre_lo,
+                                                ck.work.pre_hi, self.scaling)
+        else:
+            out = self.op(q, k, v, r.seg_lo, r.trunk_lo, r.trunk_hi, self.scaling)
+        if ck is not None:
+            ck.save_attention(k, v)
         out = out.reshape(T, -1)
         if gate is not None:
             out = out * torch.sigmoid(gate)
@@ -127,17 +139,30 @@ class FlideGatedDeltaNet(_Swapped):
         self.head_k_dim, self.head_v_dim = original.head_k_dim, original.head_v_dim
 
     def flat_forward(self, x: torch.Tensor, ctx: FlatContext) -> torch.Tensor:
-        T, r = x.shape[0], ctx.round
-        qkv = self.conv_op(self.in_proj_qkv(x), self.conv1d.weight.squeeze(1), r.seg_lo, r.trunk_lo, r.trunk_hi, True)
+        T, r, ck = x.shape[0], ctx.round, ctx.checkpoint
+        conv_in, weight = self.in_proj_qkv(x), self.conv1d.weight.squeeze(1)
+        if ck is not None and ck.resumes:  # a resumed state's conv window continues the checkpoint's last inputs
+            qkv = ck.work.ops["fork_conv"](conv_in, weight, r.seg_lo, r.trunk_lo, r.trunk_hi, ck.window(),
+                                           ck.work.win_index, True)
+        else:
+            qkv = self.conv_op(conv_in, weight, r.seg_lo, r.trunk_lo, r.trunk_hi, True)
         q, k, v = torch.split(qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q, k = q.reshape(T, -1, self.head_k_dim), k.reshape(T, -1, self.head_k_dim)
         v = v.reshape(T, -1, self.head_v_dim)
         beta = self.in_proj_b(x).sigmoid()
         # float32, as transformers does: in half precision exp(A_log) could overflow
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
-        out, _ = gated_delta_fork(self.delta_op, q.contiguous(), k.contiguous(), v.contiguous(), g, beta,
-                                  r.state_start, r.state_len, r.branch_start, r.branch_len, r.branch_state,
-                                  self.head_k_dim ** -0.5, True)
+        if ck is None:
+            out, _ = gated_delta_fork(self.delta_op, q.contiguous(), k.contiguous(), v.contiguous(), g, beta,
+                                      r.state_start, r.state_len, r.branch_start, r.branch_len, r.branch_state,
+                                      self.head_k_dim ** -0.5, True)
+        else:  # states start from their checkpoints' recurrent states; the state call snapshots the saves' states
+            initial = ck.initial_state((v.shape[1], self.head_k_dim, self.head_v_dim))
+            out, _, snapshot = gated_delta_fork_resumable(
+                ck.work.ops["gated_delta"], q.contiguous(), k.contiguous(), v.contiguous(), g, beta, r.state_start,
+                r.state_len, r.branch_start, r.branch_len, r.branch_state, self.head_k_dim ** -0.5, True, initial,
+                ck.work.initial_index, ck.work.snapshot_chunk)
+            ck.save_gdn(conv_in, snapshot, weight.shape[1])
         z = self.in_proj_z(x).reshape(-1, self.head_v_dim)
         out = self.norm(out.reshape(-1, self.head_v_dim), z).reshape(T, -1)
         return self.out_proj(out)

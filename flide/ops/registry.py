@@ -15,6 +15,11 @@ OP_FAMILIES = ("fork_attention", "gated_delta", "fork_conv", "readout")
 _REGISTRY: dict[tuple[str, str], Callable] = {}
 _AVAILABLE: dict[tuple[str, str], Callable[[], str | None]] = {}
 _NOT_CAPTURABLE: set[tuple[str, str]] = set()
+# (op, variant) -> its checkpointing companion (flide/checkpoints): the same op with resume inputs (prefix keys,
+# conv windows, initial recurrent states) and, for gated_delta, the snapshot output
+_RESUMABLE: dict[tuple[str, str], Callable] = {}
+# ops whose work checkpoints change (readout runs after the mixers and needs nothing)
+RESUMABLE_OPS = ("fork_attention", "gated_delta", "fork_conv")
 
 
 def register(op: str, variant: str, available: Callable[[], str | None] | None = None, capturable: bool = True):
@@ -104,3 +109,25 @@ def not_capturable(kernels) -> list[str]:
     kernels = concrete(kernels)
     return [f"kernels.{op}: {getattr(kernels, op)}" for op in OP_FAMILIES
             if (op, getattr(kernels, op)) in _NOT_CAPTURABLE]
+
+
+def register_resumable(op: str, variant: str):
+    """Decorator: registers `fn` as the checkpointing companion of `variant` of `op` (see `resumable`)."""
+    def wrap(fn: Callable) -> Callable:
+        _RESUMABLE[(op, variant)] = fn
+        return fn
+
+    return wrap
+
+
+def resumable(kernels, device: str = "cpu") -> dict[str, Callable]:
+    """{op: checkpointing companion} of the variants a `KernelConfig` picks on `device`; ValueError naming every
+    `kernels.<op>: <variant>` that has none (today only the reference variants resume and snapshot)."""
+    _load_all()
+    kernels = concrete(kernels, device)
+    missing = [f"kernels.{op}: {getattr(kernels, op)}" for op in RESUMABLE_OPS
+               if (op, getattr(kernels, op)) not in _RESUMABLE]
+    if missing:
+        raise ValueError(f"checkpoints need kernel variants that can resume and snapshot; these cannot: "
+                         f"{', '.join(missing)} (use `reference`).")
+    return {op: _RESUMABLE[(op, getattr(kernels, op))] for op in RESUMABLE_OPS}

@@ -56,6 +56,8 @@ def create_app(engine, model_name: str | None = None, settings: ServeConfig | No
     metrics = Metrics()
     scheduler = scheduler or Scheduler(engine, settings, metrics)
     metrics = scheduler.metrics
+    if getattr(engine, "checkpoints", None) is not None:
+        metrics.watch_checkpoints(engine.checkpoints)
     created = int(time.time())
 
     @asynccontextmanager

@@ -44,5 +44,36 @@ class Metrics:
                                                       "waiting).", registry=r)
         self.running = Gauge("flide_running_requests", "Requests in the round now running.", registry=r)
 
+    def watch_checkpoints(self, cache) -> None:
+        """Exports a `flide.checkpoints.CheckpointCache`'s counters (read at each scrape); once per registry."""
+        if getattr(self, "_checkpoints", None) is None:
+            self._checkpoints = _CheckpointCollector(cache)
+            self.registry.register(self._checkpoints)
+
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _CheckpointCollector:
+    """The checkpoint cache's own counters as Prometheus metrics: the cache counts under its lock, so the exported
+    values are read from it rather than kept twice."""
+
+    def __init__(self, cache) -> None:
+        self.cache = cache
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        stats = self.cache.stats()
+        for key, text in (("hits", "States resumed from a checkpoint."),
+                          ("misses", "States over 64 tokens that found no checkpoint."),
+                          ("stores", "Checkpoints saved."), ("evictions", "Checkpoints evicted (least recently used)."),
+                          ("rejected", "Checkpoints larger than the whole budget, not kept.")):
+            yield CounterMetricFamily(f"flide_checkpoint_{key}", text, value=stats[key])
+        yield GaugeMetricFamily("flide_checkpoint_bytes", "Bytes held by the checkpoint cache.", value=stats["bytes"])
+        yield GaugeMetricFamily("flide_checkpoint_entries", "Checkpoints in the cache.", value=stats["entries"])
+        yield GaugeMetricFamily("flide_checkpoint_budget_bytes", "The checkpoint cache's budget.",
+                                value=stats["budget_bytes"])

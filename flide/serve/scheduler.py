@@ -251,7 +251,7 @@ class Scheduler:
         """One round (`prepared` fits one by construction) -> answers, and its metrics."""
         start = time.perf_counter()
         answers = self.engine.run(prepared)
-        tokens = sum(p.stream_tokens for p in prepared)
+        tokens = sum(p.stream_tokens - p.cached_tokens for p in prepared)  # resumed checkpoints not recomputed
         m = self.metrics
         m.round_seconds.observe(time.perf_counter() - start)
         m.rounds.inc()

@@ -7,7 +7,7 @@ import importlib.util
 
 import torch
 
-from ..registry import register
+from ..registry import register, register_resumable
 from . import flex, reference
 
 
@@ -24,6 +24,23 @@ def _fake(q, k, v, seg_lo, trunk_lo, trunk_hi, scale):
 
 fork_attention_reference.register_fake(_fake)
 register("fork_attention", "reference", capturable=False)(fork_attention_reference)
+
+
+@torch.library.custom_op("flide::fork_attention_prefix_reference", mutates_args=())
+def fork_attention_prefix_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_lo: torch.Tensor,
+                                    trunk_lo: torch.Tensor, trunk_hi: torch.Tensor, pk: torch.Tensor,
+                                    pv: torch.Tensor, pre_lo: torch.Tensor, pre_hi: torch.Tensor,
+                                    scale: float) -> torch.Tensor:
+    return reference.fork_attention_prefix(q, k, v, seg_lo, trunk_lo, trunk_hi, pk, pv, pre_lo, pre_hi, scale)
+
+
+@fork_attention_prefix_reference.register_fake
+def _fake_prefix(q, k, v, seg_lo, trunk_lo, trunk_hi, pk, pv, pre_lo, pre_hi, scale):
+    return q.new_empty(q.shape[0], q.shape[1], v.shape[2])
+
+
+# The checkpointing companion of the reference variant (flide/checkpoints): cached prefix keys of resumed states
+register_resumable("fork_attention", "reference")(fork_attention_prefix_reference)
 
 
 def _cuda_only() -> str | None:

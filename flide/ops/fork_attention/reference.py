@@ -4,6 +4,10 @@ The stream holds states (trunks) and questions (branches) side by side. Token t 
     seg_lo[t] <= s <= t                      (causal inside its own segment), or
     trunk_lo[t] <= s < trunk_hi[t]           (the whole state its question forks from; empty for state tokens),
 so a question sees its state and its own earlier tokens, and nothing of its siblings or of other requests.
+
+`fork_attention_prefix` adds the keys of checkpoints (flide/checkpoints): a state resumed at m holds only its tokens
+from m on in the stream; its first m keys and values come from the checkpoint, in extra rows `pk`/`pv`, and every
+token of that state and of its questions also sees the prefix rows `[pre_lo[t], pre_hi[t])`.
 """
 
 from __future__ import annotations
@@ -22,6 +26,17 @@ def visible(seg_lo: torch.Tensor, trunk_lo: torch.Tensor, trunk_hi: torch.Tensor
     return own | trunk
 
 
+def fork_attention_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_lo: torch.Tensor,
+                          trunk_lo: torch.Tensor, trunk_hi: torch.Tensor, pk: torch.Tensor, pv: torch.Tensor,
+                          pre_lo: torch.Tensor, pre_hi: torch.Tensor, scale: float) -> torch.Tensor:
+    """`fork_attention` with cached prefix keys: pk [P, Hkv, D], pv [P, Hkv, Dv] (the checkpoints a round resumes
+    from, concatenated), and per token the prefix rows it sees, `[pre_lo[t], pre_hi[t])` (empty: none). The prefix
+    rows precede the stream's in every query's key list, as they precede them in the sequence."""
+    T = q.shape[0]
+    keys, values = torch.cat([k, pk.to(k.dtype)]), torch.cat([v, pv.to(v.dtype)])
+    return _attend(q, keys, values, seg_lo, trunk_lo, trunk_hi, pre_lo + T, pre_hi + T, scale)
+
+
 def fork_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_lo: torch.Tensor, trunk_lo: torch.Tensor,
                    trunk_hi: torch.Tensor, scale: float) -> torch.Tensor:
     """
@@ -32,6 +47,12 @@ def fork_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_lo: to
         scale: the softmax scale.
     Returns: [T, Hq, Dv] in q's dtype. Scores, softmax and sums run in float32.
     """
+    return _attend(q, k, v, seg_lo, trunk_lo, trunk_hi, None, None, scale)
+
+
+def _attend(q, k, v, seg_lo, trunk_lo, trunk_hi, pre_lo, pre_hi, scale: float) -> torch.Tensor:
+    """Fork attention over key rows k/v (the stream's T rows, then any extra rows a query reaches through
+    [pre_lo, pre_hi), or None)."""
     T, Hq, D = q.shape
     Hkv, Dv = k.shape[1], v.shape[2]
     group = Hq // Hkv
@@ -43,6 +64,12 @@ def fork_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_lo: to
         rows = torch.arange(start, stop, device=q.device)
         keys = _block_keys(seg_lo[start:stop], trunk_lo[start:stop], trunk_hi[start:stop], stop)
         mask = visible(seg_lo, trunk_lo, trunk_hi, rows, keys)  # [R, S]
+        if pre_lo is not None:
+            extra = _spans(pre_lo[start:stop], pre_hi[start:stop], seg_lo.device)
+            if extra.numel():
+                keys = torch.cat([extra, keys])
+                lo, hi = pre_lo[rows][:, None], pre_hi[rows][:, None]
+                mask = torch.cat([(extra[None, :] >= lo) & (extra[None, :] < hi), mask], dim=1)
         scores = torch.einsum("rhgd,shd->hgrs", qf[start:stop], kf[keys]) * scale
         scores = scores.masked_fill(~mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
@@ -60,13 +87,25 @@ def _block_keys(seg_lo: torch.Tensor, trunk_lo: torch.Tensor, trunk_hi: torch.Te
     return torch.cat(parts).unique()
 
 
-def fork_attention_naive(q, k, v, seg_lo, trunk_lo, trunk_hi, scale: float) -> torch.Tensor:
-    """The test oracle of the oracle: one query at a time, its keys listed explicitly, plain float64 softmax."""
+def _spans(lo: torch.Tensor, hi: torch.Tensor, device) -> torch.Tensor:
+    """The rows of the union of the non-empty ranges [lo, hi) (host sync: reference only)."""
+    spans = {(int(a), int(b)) for a, b in torch.stack([lo, hi], 1).unique(dim=0).tolist() if b > a}
+    parts = [torch.arange(a, b, device=device) for a, b in sorted(spans)]
+    return torch.cat(parts).unique() if parts else torch.zeros(0, dtype=torch.long, device=device)
+
+
+def fork_attention_naive(q, k, v, seg_lo, trunk_lo, trunk_hi, scale: float, pk=None, pv=None, pre_lo=None,
+                         pre_hi=None) -> torch.Tensor:
+    """The test oracle of the oracle: one query at a time, its keys listed explicitly, plain float64 softmax (with
+    `pk`...`pre_hi`: the prefix rows first, as `fork_attention_prefix`)."""
     T, Hq, D = q.shape
     group = Hq // k.shape[1]
     out = torch.zeros(T, Hq, v.shape[2], dtype=torch.float64)
+    if pk is not None:
+        k, v = torch.cat([k, pk]), torch.cat([v, pv])
     for t in range(T):
-        keys = list(range(int(trunk_lo[t]), int(trunk_hi[t]))) + list(range(int(seg_lo[t]), t + 1))
+        keys = [] if pk is None else list(range(T + int(pre_lo[t]), T + int(pre_hi[t])))
+        keys += list(range(int(trunk_lo[t]), int(trunk_hi[t]))) + list(range(int(seg_lo[t]), t + 1))
         kk, vv = k[keys].double(), v[keys].double()
         for h in range(Hq):
             w = torch.softmax((kk[:, h // group] @ q[t, h].double()) * scale, dim=0)

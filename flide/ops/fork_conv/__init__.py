@@ -7,7 +7,7 @@ import importlib.util
 
 import torch
 
-from ..registry import register
+from ..registry import register, register_resumable
 from . import reference
 
 
@@ -24,6 +24,22 @@ def _fake(x, weight, seg_lo, trunk_lo, trunk_hi, silu):
 
 fork_conv_reference.register_fake(_fake)
 register("fork_conv", "reference")(fork_conv_reference)
+
+
+@torch.library.custom_op("flide::fork_conv_window_reference", mutates_args=())
+def fork_conv_window_reference(x: torch.Tensor, weight: torch.Tensor, seg_lo: torch.Tensor, trunk_lo: torch.Tensor,
+                               trunk_hi: torch.Tensor, window: torch.Tensor, win_index: torch.Tensor,
+                               silu: bool) -> torch.Tensor:
+    return reference.fork_conv_window(x, weight, seg_lo, trunk_lo, trunk_hi, window, win_index, silu)
+
+
+@fork_conv_window_reference.register_fake
+def _fake_window(x, weight, seg_lo, trunk_lo, trunk_hi, window, win_index, silu):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+# The checkpointing companion of the reference variant (flide/checkpoints): conv windows of resumed states
+register_resumable("fork_conv", "reference")(fork_conv_window_reference)
 
 
 @torch.library.custom_op("flide::fork_conv_triton", mutates_args=(), device_types="cuda")

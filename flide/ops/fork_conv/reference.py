@@ -3,6 +3,10 @@
 Each output is a weighted sum of the last W inputs of its token's *logical* sequence: inside its own segment the
 stream's previous rows; before a question's first token, the last inputs of its state (its conv window), read
 straight from the stream where the state lies; zeros before the start of the state, as in the standalone prompt.
+
+`fork_conv_window` serves states resumed from a checkpoint (flide/checkpoints): such a state's segment starts at
+token m of the state, and the W-1 inputs before m come from the checkpoint's conv window, extra rows the token's
+`win_index` names, found where the logical sequence runs past the start of the state's segment.
 """
 
 from __future__ import annotations
@@ -24,6 +28,33 @@ def predecessor_index(seg_lo: torch.Tensor, trunk_lo: torch.Tensor, trunk_hi: to
     return torch.where(before <= 0, src, torch.where(from_trunk, in_trunk, torch.full_like(src, T)))
 
 
+def window_index(seg_lo: torch.Tensor, trunk_lo: torch.Tensor, trunk_hi: torch.Tensor, win_index: torch.Tensor,
+                 width: int) -> torch.Tensor:
+    """`predecessor_index` where inputs before the start of a token's state come from conv windows: [T, width]
+    rows into [x; a zero row; window rows], window p's row j at T + 1 + p * (width - 1) + j (win_index -1: none)."""
+    T = seg_lo.shape[0]
+    rows = predecessor_index(seg_lo, trunk_lo, trunk_hi, width)
+    t = torch.arange(T, device=seg_lo.device)[:, None]
+    back = torch.arange(width - 1, -1, -1, device=seg_lo.device)[None, :]
+    before = seg_lo[:, None] - (t - back)  # > 0: how far before the token's own segment start
+    before_state = before - (trunk_hi - trunk_lo)[:, None]  # how far before its state's (resumed) segment start
+    use = (before_state > 0) & (before_state <= width - 1) & (win_index[:, None] >= 0)
+    from_window = T + 1 + win_index[:, None] * (width - 1) + (width - 1) - before_state
+    return torch.where(use, from_window, rows)
+
+
+def fork_conv_window(x: torch.Tensor, weight: torch.Tensor, seg_lo: torch.Tensor, trunk_lo: torch.Tensor,
+                     trunk_hi: torch.Tensor, window: torch.Tensor, win_index: torch.Tensor, silu: bool) -> torch.Tensor:
+    """`fork_conv` with checkpoint windows: window [P, W-1, D] (the last W-1 conv inputs before each resumed
+    checkpoint's position), win_index [T] the window each token's state resumed from (-1: none)."""
+    T, D = x.shape
+    W = weight.shape[1]
+    rows = window_index(seg_lo, trunk_lo, trunk_hi, win_index, W)
+    padded = torch.cat([x.to(weight.dtype), x.new_zeros(1, D, dtype=weight.dtype),
+                        window.reshape(-1, D).to(weight.dtype)])
+    return _conv(padded[rows], weight, silu, x.dtype)
+
+
 def fork_conv(x: torch.Tensor, weight: torch.Tensor, seg_lo: torch.Tensor, trunk_lo: torch.Tensor,
               trunk_hi: torch.Tensor, silu: bool) -> torch.Tensor:
     """
@@ -37,8 +68,12 @@ def fork_conv(x: torch.Tensor, weight: torch.Tensor, seg_lo: torch.Tensor, trunk
     W = weight.shape[1]
     rows = predecessor_index(seg_lo, trunk_lo, trunk_hi, W)  # [T, W]
     padded = torch.cat([x.to(weight.dtype), x.new_zeros(1, D, dtype=weight.dtype)])
-    windows = padded[rows]  # [T, W, D]
+    return _conv(padded[rows], weight, silu, x.dtype)
+
+
+def _conv(windows: torch.Tensor, weight: torch.Tensor, silu: bool, dtype: torch.dtype) -> torch.Tensor:
+    """windows [T, W, D] -> [T, D]: the depthwise dot products, then SiLU."""
     out = torch.einsum("twd,dw->td", windows, weight)
     if silu:
         out = F.silu(out)
-    return out.to(x.dtype).contiguous()  # einsum hands back [T, D] transposed in memory; the fake impl says contiguous
+    return out.to(dtype).contiguous()  # einsum hands back [T, D] transposed in memory; the fake impl says contiguous

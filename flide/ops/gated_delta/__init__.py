@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..registry import register
+from ..registry import register, register_resumable
 from . import fla, reference
 
 
@@ -27,6 +27,27 @@ def _fake(q, k, v, g, beta, seg_start, seg_len, initial_state, initial_index, sc
 
 
 register("gated_delta", "reference", capturable=False)(gated_delta_reference)
+
+
+@torch.library.custom_op("flide::gated_delta_snapshot_reference", mutates_args=())
+def gated_delta_snapshot_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                                   beta: torch.Tensor, seg_start: torch.Tensor, seg_len: torch.Tensor,
+                                   initial_state: torch.Tensor, initial_index: torch.Tensor,
+                                   snapshot_chunk: torch.Tensor, scale: float,
+                                   use_qk_l2norm: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return reference.gated_delta_snapshot(q, k, v, g, beta, seg_start, seg_len, initial_state, initial_index,
+                                          snapshot_chunk, scale, use_qk_l2norm)
+
+
+@gated_delta_snapshot_reference.register_fake
+def _fake_snapshot(q, k, v, g, beta, seg_start, seg_len, initial_state, initial_index, snapshot_chunk, scale,
+                   use_qk_l2norm):
+    out, final = _fake(q, k, v, g, beta, seg_start, seg_len, initial_state, initial_index, scale, use_qk_l2norm)
+    return out, final, torch.empty_like(final)
+
+
+# The checkpointing companion of the reference variant: resumes from initial states and snapshots (flide/checkpoints)
+register_resumable("gated_delta", "reference")(gated_delta_snapshot_reference)
 
 
 @torch.library.custom_op("flide::gated_delta_fla", mutates_args=(), device_types="cuda")
@@ -55,3 +76,20 @@ def fork(kernel, q, k, v, g, beta, state_start, state_len, branch_start, branch_
     o_states, finals = kernel(q, k, v, g, beta, state_start, state_len, no_initial, none, scale, use_qk_l2norm)
     o_branches, _ = kernel(q, k, v, g, beta, branch_start, branch_len, finals, branch_state, scale, use_qk_l2norm)
     return o_states + o_branches, finals
+
+
+def fork_resumable(snapshot_kernel, q, k, v, g, beta, state_start, state_len, branch_start, branch_len, branch_state,
+                   scale: float, use_qk_l2norm: bool, initial_state: torch.Tensor, initial_index: torch.Tensor,
+                   snapshot_chunk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`fork` for rounds with checkpoints: a state resumed from a checkpoint starts from its saved recurrent state
+    (`initial_state[initial_index[s]]`, -1: from zero) instead of zero, and the state call also snapshots each state
+    at chunk `snapshot_chunk[s]` (-1: none), the checkpoint a later request resumes from.
+
+    Returns: (o [T, Hv, V], state_final [NS, Hv, K, V] float32, snapshot [NS, Hv, K, V] float32).
+    """
+    o_states, finals, snapshot = snapshot_kernel(q, k, v, g, beta, state_start, state_len, initial_state,
+                                                 initial_index, snapshot_chunk, scale, use_qk_l2norm)
+    none = torch.full_like(branch_state, -1)
+    o_branches, _, _ = snapshot_kernel(q, k, v, g, beta, branch_start, branch_len, finals, branch_state, none, scale,
+                                       use_qk_l2norm)
+    return o_states + o_branches, finals, snapshot

@@ -4,6 +4,9 @@ The recurrence, per value head, with S a [K, V] state:
     S_t = exp(g_t) S_{t-1} + beta_t k_t (v_t - exp(g_t) S_{t-1}^T k_t)^T,      o_t = S_t^T (scale * q_t)
 Forking runs it twice (see `fork`): over all states from zero, keeping each state's final S (float32); then over
 all questions, each starting from the final S of its state, gathered by index.
+
+`gated_delta_snapshot` also returns each segment's state at a chosen chunk boundary: the checkpoint a later request
+resumes from (flide/checkpoints), taken inside the pass that answers the request, so saving costs no extra pass.
 """
 
 from __future__ import annotations
@@ -33,6 +36,25 @@ def _initial(initial_state: torch.Tensor, initial_index: torch.Tensor, shape) ->
 def gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                 seg_start: torch.Tensor, seg_len: torch.Tensor, initial_state: torch.Tensor,
                 initial_index: torch.Tensor, scale: float, use_qk_l2norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """See `_chunked` for the arguments. Returns: (o [T, Hv, V] in q's dtype, final_state [N, Hv, K, V] float32)."""
+    out, final, _ = _chunked(q, k, v, g, beta, seg_start, seg_len, initial_state, initial_index, None, scale,
+                             use_qk_l2norm)
+    return out, final
+
+
+def gated_delta_snapshot(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                         seg_start: torch.Tensor, seg_len: torch.Tensor, initial_state: torch.Tensor,
+                         initial_index: torch.Tensor, snapshot_chunk: torch.Tensor, scale: float,
+                         use_qk_l2norm: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`gated_delta` that also keeps, per segment, the float32 state after its first `snapshot_chunk[n]` chunks
+    (i.e. at token 64 * c of the segment; -1: none, the row is then zeros): chunk-aligned, so the state is one the
+    chunked recurrence holds anyway. Returns (o, final_state, snapshot [N, Hv, K, V] float32)."""
+    return _chunked(q, k, v, g, beta, seg_start, seg_len, initial_state, initial_index, snapshot_chunk, scale,
+                    use_qk_l2norm)
+
+
+def _chunked(q, k, v, g, beta, seg_start, seg_len, initial_state, initial_index, snapshot_chunk, scale: float,
+             use_qk_l2norm: bool):
     """
     Args:
         q, k: [T, Hk, K]; v: [T, Hv, V] with Hv a multiple of Hk (value head h reads key head h // (Hv // Hk)).
@@ -40,17 +62,21 @@ def gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
         seg_start, seg_len: [N] int64: the segments to run (length 0: skipped). Rows outside them are left at 0.
         initial_state: [M, Hv, K, V] float32; initial_index: [N] int64 row of initial_state each segment starts
             from, -1 for a zero state.
+        snapshot_chunk: [N] int64 or None: the chunk boundary whose state to keep per segment (-1: none).
         scale: query scale; use_qk_l2norm: L2-normalise q and k first (Qwen3.5 does, in float32).
-    Returns: (o [T, Hv, V] in q's dtype, final_state [N, Hv, K, V] float32).
+    Returns: (o [T, Hv, V] in q's dtype, final_state [N, Hv, K, V] float32, snapshot [N, Hv, K, V] float32 or None).
     """
     T, Hk, K = k.shape
     Hv, V = v.shape[1], v.shape[2]
     # Only the segments that hold tokens are computed (the reference may sync with the host: it is never captured
     # in a graph); an empty segment's final state is its initial state.
     final = _initial(initial_state, initial_index, (seg_start.shape[0], Hv, K, V))
+    snapshot = None if snapshot_chunk is None else torch.zeros_like(final)
     active = torch.nonzero(seg_len > 0).flatten()
     if active.numel() == 0:
-        return q.new_zeros(T, Hv, V), final
+        if snapshot is not None:  # an empty segment's state at chunk 0 is its initial state
+            snapshot = torch.where((snapshot_chunk == 0)[:, None, None, None], final, snapshot)
+        return q.new_zeros(T, Hv, V), final, snapshot
     seg_start, seg_len, initial_index = seg_start[active], seg_len[active], initial_index[active]
     N = seg_start.shape[0]
     dev = q.device
@@ -88,7 +114,11 @@ def gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
 
     state = _initial(initial_state, initial_index, (N, Hv, K, V))
     out = torch.empty_like(new_v)
+    snap_chunk = None if snapshot is None else snapshot_chunk[active][:, None, None, None]
+    snap = None if snapshot is None else torch.zeros_like(state)
     for c in range(C):
+        if snap is not None:  # the state before chunk c is the state at token 64 * c
+            snap = torch.where(snap_chunk == c, state, snap)
         v_new = new_v[:, :, c] - k_cum[:, :, c] @ state
         out[:, :, c] = q_dec[:, :, c] @ state + intra[:, :, c] @ v_new
         state = state * chunk_decay[:, :, c] + k_dec[:, :, c].transpose(-1, -2) @ v_new
@@ -97,7 +127,9 @@ def gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     full = torch.zeros(T + 1, Hv, V, dtype=torch.float32, device=dev)
     full[rows.reshape(-1)] = out.reshape(-1, Hv, V)  # padding lands on the spare row T
     final[active] = state
-    return full[:T].to(q.dtype), final
+    if snap is not None:
+        snapshot[active] = torch.where(snap_chunk == C, state, snap)
+    return full[:T].to(q.dtype), final, snapshot
 
 
 def gated_delta_naive(q, k, v, g, beta, seg_start, seg_len, initial_state, initial_index, scale: float,

@@ -20,13 +20,14 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Iterable, Iterator
 from itertools import islice
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 
-__all__ = ["data_available", "data_dir", "jev_support", "multirc", "quality", "race"]
+__all__ = ["AGENT_QUESTIONS", "data_available", "data_dir", "jev_support", "multirc", "quality", "race", "swe_agent"]
 
 
 def data_dir() -> Path:
@@ -160,3 +161,39 @@ def jev_support(limit: int | None = None, folder: str | Path | None = None) -> l
         raise ValueError("jev/open_jev_support_28.json is not a System One request {\"state\": ..., \"questions\": "
                          "{...}}.")
     return _take([request], limit)
+
+
+# ---- SWE-agent trajectories (growing states) ----
+AGENT_QUESTIONS = {
+    "done": {"type": "noul", "instructions": "Has the agent solved the task?"},
+    "next": {"type": "choice", "instructions": "What should the agent do next?",
+             "criteria": {"edit": "edit a file", "run": "run a command or the tests", "submit": None}},
+    "progress": {"type": "score", "instructions": "How far along is the agent?",
+                 "criteria": ["lost", "started", "close", "done"]},
+}
+
+
+def swe_agent(limit: int | None = None, steps: int | None = None, chars: int | None = None,
+              folder: str | Path | None = None) -> list[list[str]]:
+    """SWE-agent trajectories (`swe_agent_trajs/*.traj`, file order) as growing states: for each trajectory, the
+    history as text after each assistant turn (each step's state extends the previous one). `steps`: at most that
+    many steps per trajectory; `chars`: cut every message to that many characters (quick runs on tiny models). Ask
+    `AGENT_QUESTIONS` (or your own) of each state to replay an agent guard step by step."""
+    trajectories = []
+    directory = _path("swe_agent_trajs", "MANIFEST.json", folder=folder).parent
+    for path in sorted(directory.glob("*.traj")):
+        history = json.loads(path.read_text(encoding="utf-8")).get("history") or []
+        states, text = [], ""
+        for message in history:
+            content = message.get("content")
+            if isinstance(content, list):
+                content = " ".join(part.get("text", "") for part in content if isinstance(part, dict))
+            content = str(content) if chars is None else str(content)[:chars]
+            text += f"{message.get('role')}: {content}\n\n"
+            if message.get("role") == "assistant":
+                states.append(text)
+                if steps is not None and len(states) == steps:
+                    break
+        if states:
+            trajectories.append(states)
+    return _take(trajectories, limit)

@@ -149,3 +149,10 @@ def test_quality_cut(qwen_tokenizer):
         assert full["state"].startswith(cut["state"][:1000])
         assert abs(len(qwen_tokenizer(cut["state"], add_special_tokens=False)["input_ids"]) - 512) <= 2
     check_tokens(requests, qwen_tokenizer)
+
+
+def test_swe_agent_trajectories_grow():
+    trajectories = workloads.swe_agent(limit=4, steps=5, chars=300)
+    assert trajectories and all(1 <= len(states) <= 5 for states in trajectories)
+    for states in trajectories:  # each step's state extends the one before (a growing history)
+        assert all(later.startswith(earlier) and len(later) > len(earlier) for earlier, later in zip(states, states[1:]))

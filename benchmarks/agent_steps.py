@@ -1,0 +1,155 @@
+"""Growing states: SWE-agent trajectories replayed step by step, a few questions of the whole history at every step.
+
+    python benchmarks/agent_steps.py --model tiny:qwen3_5_text --trajectories 3 --steps 4 --chars 600    # CPU check
+    python benchmarks/agent_steps.py --model shared/models/qwen3_5/configs/qwen3.5-0.8b.json \\
+        --tokenizer shared/models/qwen3_5 --data shared/data --dtype bfloat16 --device cuda --out results.json
+
+For each engine: the latency of every step against the length of its history (each trajectory replayed alone, in
+order), the least-squares slope in ms per 1,000 history tokens, and steps/s with 1 and N agents (N threads, each
+replaying trajectories closed-loop). Engines: `flide+checkpoints` (each step resumes from the checkpoint the previous
+step saved: only the new tail and the questions are computed), `flide` (no checkpoints: the whole history each
+step, each state once), `prefix-cache` (the history once per step with use_cache, the cache copied per question) and
+`pipeline` (transformers' pipeline("decision"): the history once per question). Flide's agent threads submit
+through `Engine.submit` (shared rounds). Checkpoints need the reference kernels today (the GPU variants lack the
+resume companions), so `flide+checkpoints` runs `kernels: reference` eagerly on any device. Rows use the results
+format of `flide bench` (workload `swe_agent`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from flide import workloads
+from flide.bench.engines import FlideEngine, make_engine
+from flide.bench.runner import git_commit, hardware_name
+
+ENGINES = ("flide+checkpoints", "flide", "prefix-cache", "pipeline")
+
+
+def build(name: str, model, tokenizer, device: str):
+    base = {"runtime": {"device": device}}
+    if name == "flide+checkpoints":
+        return FlideEngine(model, tokenizer, {**base, "checkpoints": {"enabled": True},
+                                              "kernels": {"fork_attention": "reference", "gated_delta": "reference",
+                                                          "fork_conv": "reference"}}, name=name)
+    if name == "flide":
+        return FlideEngine(model, tokenizer, base, name=name)
+    return make_engine(name, model, tokenizer)
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def replay_alone(engine, tokenizer, trajectories: list[list[str]], device: str) -> list[tuple[int, float]]:
+    """(history tokens, ms) of every step, each trajectory in order, one step at a time. History tokens: the
+    state's own tokens (the same count for every engine, whatever each computes)."""
+    points = []
+    for states in trajectories:
+        for state in states:
+            request = {"state": state, "questions": workloads.AGENT_QUESTIONS}
+            tokens = len(tokenizer(state, add_special_tokens=False).input_ids)
+            sync(device)
+            start = time.perf_counter()
+            engine.decide([request])
+            sync(device)
+            points.append((tokens, (time.perf_counter() - start) * 1e3))
+    return points
+
+
+def steps_per_second(engine, tokenizer, trajectories: list[list[str]], agents: int, device: str) -> float:
+    """`agents` threads, agent i replaying trajectories i, i + agents, ... step by step (closed loop)."""
+    clones = [engine.for_thread(tokenizer) for _ in range(agents)]
+    done = [0]
+    lock = threading.Lock()
+
+    def agent(i: int) -> None:
+        for states in trajectories[i::agents] or [trajectories[i % len(trajectories)]]:
+            for state in states:
+                clones[i].decide([{"state": state, "questions": workloads.AGENT_QUESTIONS}])
+                with lock:
+                    done[0] += 1
+
+    threads = [threading.Thread(target=agent, args=(i,)) for i in range(agents)]
+    sync(device)
+    start = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    sync(device)
+    return done[0] / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", required=True, help="tiny:<model_type> or a config json (random weights)")
+    parser.add_argument("--tokenizer", default=None)
+    parser.add_argument("--data", default=None)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES)
+    parser.add_argument("--trajectories", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=None, help="at most this many steps per trajectory")
+    parser.add_argument("--chars", type=int, default=None, help="cut every message to this many characters")
+    parser.add_argument("--agents", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+
+    if args.model.startswith("tiny:"):
+        from flide.models.tiny import tiny_model, tiny_tokenizer
+
+        model, tokenizer, model_name = tiny_model(args.model[5:]), tiny_tokenizer(), args.model
+        model = model.to(args.device)
+    else:
+        from flide.loading import load_tokenizer, random_model
+
+        tokenizer = load_tokenizer(args.tokenizer)
+        model = random_model(args.model, args.dtype, args.device)
+        model_name = Path(args.model).stem
+    trajectories = workloads.swe_agent(limit=args.trajectories, steps=args.steps, chars=args.chars,
+                                       folder=args.data)
+    hardware, commit = hardware_name(torch.device(args.device)), git_commit()
+    rows = []
+
+    def row(engine: str, metric: str, value: float, unit: str) -> None:
+        rows.append({"workload": "swe_agent", "model": model_name, "engine": engine, "metric": metric,
+                     "value": round(value, 4), "unit": unit, "hardware": hardware, "commit": commit})
+        print(json.dumps(rows[-1]), flush=True)
+
+    for name in args.engines:
+        engine = build(name, model, tokenizer, args.device)
+        replay_alone(engine, tokenizer, trajectories[:1], args.device)  # warm-up (and checkpoints of the first trajectory)
+        if name == "flide+checkpoints":
+            engine.engine.checkpoints.clear()
+        points = replay_alone(engine, tokenizer, trajectories, args.device)
+        tokens = np.array([p[0] for p in points], dtype=float)
+        ms = np.array([p[1] for p in points])
+        slope, intercept = np.polyfit(tokens / 1000, ms, 1)
+        row(name, "step_latency_p50_ms", statistics.median(ms), "ms")
+        row(name, "slope_ms_per_1k_history_tokens", slope, "ms per 1,000 tokens")
+        row(name, "intercept_ms", intercept, "ms")
+        row(name, "history_tokens_max", tokens.max(), "tokens")
+        for agents in args.agents:
+            row(name, f"steps_per_s@{agents}", steps_per_second(engine, tokenizer, trajectories, agents, args.device),
+                "steps/s")
+        if name.startswith("flide") and engine.engine._scheduler is not None:
+            engine.engine.scheduler().stop()
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

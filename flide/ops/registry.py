@@ -8,7 +8,7 @@ valid names.
 from __future__ import annotations
 
 import importlib
-from typing import Callable
+from collections.abc import Callable
 
 OP_FAMILIES = ("fork_attention", "gated_delta", "fork_conv", "readout")
 
@@ -20,6 +20,22 @@ _NOT_CAPTURABLE: set[tuple[str, str]] = set()
 _RESUMABLE: dict[tuple[str, str], Callable] = {}
 # ops whose work checkpoints change (readout runs after the mixers and needs nothing)
 RESUMABLE_OPS = ("fork_attention", "gated_delta", "fork_conv")
+
+
+def needs_cuda() -> str | None:
+    """An `available` check: None on a machine with a CUDA GPU, else why not."""
+    import torch
+
+    return None if torch.cuda.is_available() else "it needs a CUDA GPU"
+
+
+def needs_cuda_triton() -> str | None:
+    """An `available` check for our Triton kernels: a CUDA GPU and the triton package."""
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is None:
+        return "it needs the triton package"
+    return needs_cuda()
 
 
 def register(op: str, variant: str, available: Callable[[], str | None] | None = None, capturable: bool = True):

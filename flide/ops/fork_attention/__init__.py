@@ -3,11 +3,9 @@ block tables built on the GPU; CUDA)."""
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 
-from ..registry import register, register_resumable
+from ..registry import needs_cuda, needs_cuda_triton, register, register_resumable
 from . import flex, reference
 
 
@@ -43,9 +41,6 @@ def _fake_prefix(q, k, v, seg_lo, trunk_lo, trunk_hi, pk, pv, pre_lo, pre_hi, sc
 register_resumable("fork_attention", "reference")(fork_attention_prefix_reference)
 
 
-def _cuda_only() -> str | None:
-    return None if torch.cuda.is_available() else "it needs a CUDA GPU"
-
 
 @torch.library.custom_op("flide::fork_attention_flex", mutates_args=(), device_types="cuda")
 def fork_attention_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_lo: torch.Tensor,
@@ -57,7 +52,7 @@ def fork_attention_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_l
 
 
 fork_attention_flex.register_fake(_fake)
-register("fork_attention", "flex", available=_cuda_only)(fork_attention_flex)
+register("fork_attention", "flex", available=needs_cuda)(fork_attention_flex)
 
 
 @torch.library.custom_op("flide::fork_attention_triton", mutates_args=(), device_types="cuda")
@@ -73,12 +68,5 @@ def fork_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg
 fork_attention_triton.register_fake(_fake)
 
 
-def _cuda_and_triton() -> str | None:
-    if not torch.cuda.is_available():
-        return "it needs a CUDA GPU"
-    if importlib.util.find_spec("triton") is None:
-        return "it needs the triton package"
-    return None
 
-
-register("fork_attention", "triton", available=_cuda_and_triton)(fork_attention_triton)
+register("fork_attention", "triton", available=needs_cuda_triton)(fork_attention_triton)

@@ -70,7 +70,7 @@ def _fork_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_lo: t
     return out[0].transpose(0, 1)[:T].contiguous()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compiled():
     # The whole op is compiled, block tables and BlockMask included: BlockMask.from_kv_blocks runs vmap, which fails
     # eagerly when this op is called from inside an Inductor graph ("Cannot access storage of BatchedTensorImpl",

@@ -3,11 +3,9 @@ token x channel tiles; CUDA)."""
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 
-from ..registry import register, register_resumable
+from ..registry import needs_cuda_triton, register, register_resumable
 from . import reference
 
 
@@ -53,12 +51,5 @@ def fork_conv_triton(x: torch.Tensor, weight: torch.Tensor, seg_lo: torch.Tensor
 fork_conv_triton.register_fake(_fake)
 
 
-def _cuda_and_triton() -> str | None:
-    if not torch.cuda.is_available():
-        return "it needs a CUDA GPU"
-    if importlib.util.find_spec("triton") is None:
-        return "it needs the triton package"
-    return None
 
-
-register("fork_conv", "triton", available=_cuda_and_triton)(fork_conv_triton)
+register("fork_conv", "triton", available=needs_cuda_triton)(fork_conv_triton)

@@ -3,8 +3,6 @@ whole head at every row; with it the model also runs its last layer at every tok
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from ..registry import register
@@ -12,13 +10,13 @@ from . import reference
 
 
 @torch.library.custom_op("flide::readout_selective", mutates_args=())
-def readout_selective(hidden: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+def readout_selective(hidden: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                       option_index: torch.Tensor) -> torch.Tensor:
     return reference.readout_selective(hidden, rows, weight, bias, option_index)
 
 
 @torch.library.custom_op("flide::readout_full", mutates_args=())
-def readout_full(hidden: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+def readout_full(hidden: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                  option_index: torch.Tensor) -> torch.Tensor:
     return reference.readout_full(hidden, rows, weight, bias, option_index)
 

@@ -9,6 +9,7 @@
 #     bash benchmarks/h200_session.sh models     GPU tests of whole engines: fast kernels, graph capture   ~8 min
 #     bash benchmarks/h200_session.sh profile    latency alone + kernel profile of one replay, 0.8B     ~5 min
 #     bash benchmarks/h200_session.sh ops        op benchmarks (attention, gated delta, conv) vs floors     ~5 min
+#     bash benchmarks/h200_session.sh rounds     pytest-benchmark of engine rounds (benchmarks/test_gpu_rounds.py) ~5 min
 #     bash benchmarks/h200_session.sh agents     SWE-agent replay (issue 6): slope and steps/s, 0.8B            ~8 min
 #     bash benchmarks/h200_session.sh bench ARGS  python -m flide.bench ARGS (e.g. a config and --engines flide)
 # Logs and results go to $OUT.
@@ -54,6 +55,10 @@ ops)
         timeout 200 python3 benchmarks/ops/bench_$op.py --out "$OUT/ops_$op.json" > "$OUT/ops_$op.log" 2>&1
         echo "$op rc=$?" | tee -a "$OUT/summary.txt"; tail -12 "$OUT/ops_$op.log"
     done ;;
+rounds)
+    timeout 560 python3 -m pytest -q -p no:logging benchmarks/test_gpu_rounds.py \
+        --benchmark-json "$OUT/gpu_rounds.json" > "$OUT/gpu_rounds.log" 2>&1
+    echo "rounds rc=$?"; tail -15 "$OUT/gpu_rounds.log" ;;
 agents)
     timeout 560 python3 benchmarks/agent_steps.py --model shared/models/qwen3_5/configs/qwen3.5-0.8b.json \
         --tokenizer shared/models/qwen3_5 --data shared/data --dtype bfloat16 --device cuda --trajectories 6 \

@@ -66,3 +66,13 @@ def test_rounds_take_the_smallest_bucket_and_oversized_requests_run_alone():
     planned = plan_rounds([footprint(small), footprint(big), footprint(small)], caps, engine.max_options)
     assert [p.requests for p in planned] == [[0], [1], [2]]
     assert [p.oversized for p in planned] == [False, True, False]
+
+
+def test_graphs_on_without_cuda_is_a_clear_error():
+    tok = tiny_tokenizer()
+    with pytest.raises(ValueError, match="runtime.graphs: on"):
+        flide.patch(tiny_model("qwen3_5_text"), tok, config={"runtime": {"graphs": "on"}})
+    with pytest.raises(ValueError, match="runtime.compiler"):
+        load_config({"runtime": {"compiler": "tvm"}})
+    # auto on the CPU: eager rounds of their own size, no runner
+    assert flide.patch(tiny_model("qwen3_5_text"), tok).runner is None

@@ -66,8 +66,9 @@ def fork(kernel, q, k, v, g, beta, state_start, state_len, branch_start, branch_
     """Forked gated delta rule, in two calls of one varlen kernel.
 
     Call 1 runs every state from a zero state and keeps each one's final recurrent state (float32); call 2 runs every
-    question from the final state of its state (`branch_state` indexes the states). Each call writes only the rows of
-    its own segments and zeros elsewhere, so their sum is the output of the whole stream, exactly.
+    question from the final state of its state (`branch_state` indexes the states). The level-major layout puts all
+    states in one span and all questions in the next, so each row's output is taken from the call that covers it
+    (`combine`), and rows covered by neither (the tail padding) are zero.
 
     Returns: (o [T, Hv, V], state_final [NS, Hv, K, V] float32).
     """
@@ -75,7 +76,20 @@ def fork(kernel, q, k, v, g, beta, state_start, state_len, branch_start, branch_
     none = torch.full_like(state_start, -1)
     o_states, finals = kernel(q, k, v, g, beta, state_start, state_len, no_initial, none, scale, use_qk_l2norm)
     o_branches, _ = kernel(q, k, v, g, beta, branch_start, branch_len, finals, branch_state, scale, use_qk_l2norm)
-    return o_states + o_branches, finals
+    return combine(o_states, o_branches, state_start, state_len, branch_start, branch_len), finals
+
+
+def combine(o_states: torch.Tensor, o_branches: torch.Tensor, state_start: torch.Tensor, state_len: torch.Tensor,
+            branch_start: torch.Tensor, branch_len: torch.Tensor) -> torch.Tensor:
+    """The stream's output from the two calls: state rows from the first, question rows from the second, zero
+    elsewhere. One fused select: a variant may leave the rows outside its call's span unwritten (fla does, and they
+    can hold NaN, which a sum would spread and a select does not), and no variant needs to zero them first."""
+    t = torch.arange(o_states.shape[0], device=o_states.device)[:, None, None]
+    states_end = state_start[:1] + state_len.sum(0, keepdim=True)
+    branches_end = branch_start[:1] + branch_len.sum(0, keepdim=True)
+    in_branches = (t >= branch_start[:1]) & (t < branches_end)
+    zero = torch.zeros((), dtype=o_states.dtype, device=o_states.device)
+    return torch.where(t < states_end, o_states, torch.where(in_branches, o_branches, zero))
 
 
 def fork_resumable(snapshot_kernel, q, k, v, g, beta, state_start, state_len, branch_start, branch_len, branch_state,
@@ -92,4 +106,4 @@ def fork_resumable(snapshot_kernel, q, k, v, g, beta, state_start, state_len, br
     none = torch.full_like(branch_state, -1)
     o_branches, _, _ = snapshot_kernel(q, k, v, g, beta, branch_start, branch_len, finals, branch_state, none, scale,
                                        use_qk_l2norm)
-    return o_states + o_branches, finals, snapshot
+    return combine(o_states, o_branches, state_start, state_len, branch_start, branch_len), finals, snapshot

@@ -7,8 +7,10 @@ depends on the capacities alone. Its rows past the real chunks must name a real,
 kernels read `cu_seqlens[i_n]` without checking fla's own sentinel (i_n = -1, which only its KDA kernels test), so a
 sentinel row would read one element before cu_seqlens and launch on garbage bounds (the illegal memory accesses
 seen on the H200). We append one zero-length sequence at the end of the call and point the spare rows at it; every
-kernel returns at once there (`i_t * BT >= T`). Rows outside the call's span are zeroed: fla leaves them
-unwritten, and a NaN there would leak through 0-probability attention products.
+kernel returns at once there (`i_t * BT >= T`). Rows outside the call's span are left unwritten (they may hold
+anything, NaN included): unlike the reference, this op's output is defined only inside its segments, and
+`gated_delta.fork` selects each row from the call that covers it and zeroes the padding (a NaN in a pad row would
+leak through 0-probability attention products).
 """
 
 from __future__ import annotations
@@ -77,7 +79,6 @@ def gated_delta(q, k, v, g, beta, seg_start, seg_len, initial_state, initial_ind
     o, final = chunk_rule(q[None], k[None], v[None], g[None].float(), beta[None].to(q.dtype), scale=scale,
                           initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm,
                           cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
-    t = torch.arange(T, device=q.device)
-    inside = (t >= cu_seqlens[0]) & (t < end)
-    o = torch.where(inside[:, None, None], o[0], torch.zeros((), dtype=o.dtype, device=o.device))
-    return o.to(q.dtype), final[:N]
+    # rows outside the call's span are left as fla leaves them (unwritten): `fork` selects each row from the call
+    # that covers it (`combine`), which costs one pass instead of zeroing here and summing there
+    return o[0].to(q.dtype), final[:N]

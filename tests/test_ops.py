@@ -546,3 +546,24 @@ def test_registry_variants():
     ops = flide.ops.resolve_all(KernelConfig())
     assert set(ops) == set(OP_FAMILIES)
     assert resolve("readout", "selective").gathers_rows_first and not resolve("readout", "full").gathers_rows_first
+
+
+def test_gated_delta_combine_selects_each_row_from_its_call():
+    """`fork` combines its two calls by span: a variant may leave rows outside its call's span unwritten (fla does),
+    so NaN there must never reach the result, and the tail padding is zero."""
+    from flide.ops.gated_delta import combine
+
+    T, H, V = 20, 2, 3
+    state_start, state_len = torch.tensor([0, 4, 9]), torch.tensor([4, 5, 0])
+    branch_start, branch_len = torch.tensor([9, 12, 0, 0]), torch.tensor([3, 4, 0, 0])
+    o_states = torch.full((T, H, V), float("nan"))
+    o_states[:9] = 1.0
+    o_branches = torch.full((T, H, V), float("nan"))
+    o_branches[9:16] = 2.0
+    out = combine(o_states, o_branches, state_start, state_len, branch_start, branch_len)
+    assert torch.isfinite(out).all()
+    assert (out[:9] == 1).all() and (out[9:16] == 2).all() and (out[16:] == 0).all()
+    # no questions at all (an empty branch table): the state rows, then zeros
+    none = torch.zeros(4, dtype=torch.int64)
+    out = combine(o_states, o_branches, state_start, state_len, none, none)
+    assert (out[:9] == 1).all() and (out[9:] == 0).all()

@@ -42,10 +42,10 @@ def test_flex_matches_reference(tokens, heads, dtype):
     assert rel_err(out, ref) < TOL[dtype]
 
 
-def test_flex_replays_in_a_cuda_graph_with_other_rounds():
-    tokens, hq, hkv, d = 2048, 8, 2, 256
-    op = resolve("fork_attention", "flex")
-    q, k, v, r = inputs(tokens, hq, hkv, d, torch.bfloat16, seed=1)
+def graph_replays(op, dtype, tokens: int = 2048, hq: int = 8, hkv: int = 2, d: int = 256):
+    """Captures `op` once in a CUDA graph on one round, then for three other round compositions written into the same
+    buffers yields (q, k, v, round, the replay's output, the eager output)."""
+    q, k, v, r = inputs(tokens, hq, hkv, d, dtype, seed=1)
     static = [x.clone() for x in (q, k, v, r.seg_lo, r.trunk_lo, r.trunk_hi)]
     for _ in range(2):  # warm up: compile and autotune outside the capture
         op(*static, d ** -0.5)
@@ -53,10 +53,14 @@ def test_flex_replays_in_a_cuda_graph_with_other_rounds():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = op(*static, d ** -0.5)
-    for seed in (2, 3, 4):  # other compositions, written into the same buffers
-        q2, k2, v2, r2 = inputs(tokens, hq, hkv, d, torch.bfloat16, seed=seed)
+    for seed in (2, 3, 4):
+        q2, k2, v2, r2 = inputs(tokens, hq, hkv, d, dtype, seed=seed)
         for buffer, value in zip(static, (q2, k2, v2, r2.seg_lo, r2.trunk_lo, r2.trunk_hi)):
             buffer.copy_(value)
         graph.replay()
-        eager = op(q2, k2, v2, r2.seg_lo, r2.trunk_lo, r2.trunk_hi, d ** -0.5)
+        yield q2, k2, v2, r2, out, op(q2, k2, v2, r2.seg_lo, r2.trunk_lo, r2.trunk_hi, d ** -0.5)
+
+
+def test_flex_replays_in_a_cuda_graph_with_other_rounds():
+    for *_, out, eager in graph_replays(resolve("fork_attention", "flex"), torch.bfloat16):
         assert torch.equal(out, eager)

@@ -13,7 +13,7 @@ from flide.ops.registry import resolve
 from flide.round import Shape, build_round
 from flide.testing import synthetic_request
 
-from .test_fork_attention_gpu import TOL, inputs, rel_err
+from .test_fork_attention_gpu import TOL, graph_replays, inputs, rel_err
 
 HEADS = [(8, 2, 256), (16, 4, 256), (8, 8, 128), (14, 2, 128)]
 HEAD_IDS = [f"Hq{h[0]}-Hkv{h[1]}-D{h[2]}" for h in HEADS]
@@ -93,21 +93,6 @@ def test_opcheck_on_cuda():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_triton_replays_in_a_cuda_graph_with_other_rounds(dtype):
-    tokens, hq, hkv, d = 2048, 8, 2, 256
-    op = triton_op()
-    q, k, v, r = inputs(tokens, hq, hkv, d, dtype, seed=1)
-    static = [x.clone() for x in (q, k, v, r.seg_lo, r.trunk_lo, r.trunk_hi)]
-    for _ in range(2):  # warm up: compile outside the capture
-        op(*static, d ** -0.5)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = op(*static, d ** -0.5)
-    for seed in (2, 3, 4):  # other compositions, written into the same buffers
-        q2, k2, v2, r2 = inputs(tokens, hq, hkv, d, dtype, seed=seed)
-        for buffer, value in zip(static, (q2, k2, v2, r2.seg_lo, r2.trunk_lo, r2.trunk_hi)):
-            buffer.copy_(value)
-        graph.replay()
-        eager = op(q2, k2, v2, r2.seg_lo, r2.trunk_lo, r2.trunk_hi, d ** -0.5)
+    for q2, k2, v2, r2, out, eager in graph_replays(triton_op(), dtype):
         assert torch.equal(out, eager)
-        assert rel_err(out, reference(q2, k2, v2, r2, d ** -0.5)) < TOL[dtype]
+        assert rel_err(out, reference(q2, k2, v2, r2, 256 ** -0.5)) < TOL[dtype]

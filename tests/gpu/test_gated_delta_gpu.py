@@ -92,15 +92,16 @@ def segments_round(state_lens, branch_lens, branch_state, capacity_states, capac
     for n in list(state_lens) + list(branch_lens):
         starts.append(at)
         at += n
-    ns, nb = len(state_lens), len(branch_lens)
+    ns = len(state_lens)
 
     def table(values, capacity, fill):
         return torch.tensor(list(values) + [fill] * (capacity - len(values)), device="cuda")
 
-    return at, dict(state_start=table(starts[:ns], capacity_states, at), state_len=table(state_lens, capacity_states, 0),
-                    branch_start=table(starts[ns:], capacity_branches, at),
-                    branch_len=table(branch_lens, capacity_branches, 0),
-                    branch_state=table(branch_state, capacity_branches, 0))
+    return at, {"state_start": table(starts[:ns], capacity_states, at),
+                "state_len": table(state_lens, capacity_states, 0),
+                "branch_start": table(starts[ns:], capacity_branches, at),
+                "branch_len": table(branch_lens, capacity_branches, 0),
+                "branch_state": table(branch_state, capacity_branches, 0)}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

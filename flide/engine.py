@@ -80,7 +80,8 @@ class Engine:
         # The head's label lookup encodes labels with the shared tokenizer on a cache miss; threads that prepare
         # requests at once (flide serve) take turns there (fast tokenizers are not safe to share while encoding)
         self._head_lock = threading.Lock()
-        self._scheduler = None  # started by the first `submit` (or `flide serve`)
+        self._scheduler = None  # started by the first `submit`
+        self._scheduler_lock = threading.Lock()
         self.runner = self._graph_runner() if self._use_graphs() else None
         # growing states: the checkpoint cache, and the kernels' companions that resume and snapshot
         self.checkpoints, self._resumable = self._checkpoint_cache()
@@ -201,7 +202,7 @@ class Engine:
     def scheduler(self):
         """The scheduler behind `submit` (`flide.serve.Scheduler`, the one `flide serve` runs: a model thread running
         rounds back to back, packing what waits), started on first use."""
-        with self._head_lock:
+        with self._scheduler_lock:
             if self._scheduler is None:
                 from .serve.scheduler import Scheduler
 

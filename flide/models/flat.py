@@ -88,9 +88,9 @@ class FlatModel(nn.Module):
                 h = block.run(h, FlatContext(r, ctx.cos, ctx.sin, checkpoints.layer(index)))
             ctx = FlatContext(r, ctx.cos, ctx.sin, checkpoints.layer(len(self.blocks) - 1))
         else:
-            # separate tensors: the fields are views of one packed buffer, and a compile region's inputs must not
-            # alias
-            fields = tuple(value.clone() for _, value in r.items())
+            # under torch.compile, separate tensors: the fields are views of one packed buffer and a compile region's
+            # inputs must not alias; eagerly the regions are plain calls and the views serve as they are
+            fields = tuple(value.clone() if torch.compiler.is_compiling() else value for _, value in r.items())
             for block in self.blocks[:-1]:
                 h = block(h, ctx.cos, ctx.sin, *fields)
         h = h + last.mixer(last.input_layernorm(h), flide=ctx)

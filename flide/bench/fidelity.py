@@ -327,8 +327,7 @@ def run(config: BenchConfig, workloads: list[str] | None = None, engines: list[s
     """The fidelity grid: per model, the reference once, then every engine on every workload -> result rows."""
     import torch
 
-    from .engines import make_engine
-    from .runner import ROW_KEYS, TokenizerPool, git_commit, hardware_name, prepare_model
+    from .runner import ROW_KEYS, TokenizerPool, build_engine, git_commit, hardware_name, prepare_model
 
     log = log or (lambda message: print(message, file=sys.stderr, flush=True))
     threads_before = torch.get_num_threads()
@@ -361,14 +360,8 @@ def run(config: BenchConfig, workloads: list[str] | None = None, engines: list[s
             log(f"[{model_name}] reference done in {seconds:.1f} s")
             pool = TokenizerPool(tokenizer)
             for engine_name in engine_names:
-                log(f"[{model_name}] building engine {engine_name}")
-                try:
-                    engine = make_engine(engine_name, model, tokenizer, config, spec=spec)
-                except Exception as error:  # one failing engine must not lose the grid
-                    logger.exception("%s / %s: building the engine failed", model_name, engine_name)
-                    for workload in built:
-                        add(workload, engine_name, "error", None, f"{type(error).__name__}: {error}"[:500])
-                    log(f"[{model_name}] {engine_name:14} FAILED to build: {type(error).__name__}: {error}")
+                engine = build_engine(engine_name, model, tokenizer, config, spec, model_name, built, add, log)
+                if engine is None:
                     continue
                 for workload, requests in built.items():
                     start = time.perf_counter()

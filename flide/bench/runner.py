@@ -226,6 +226,16 @@ def throughput(engines: list, requests: list[dict], threads: int, seconds: float
     return len(done) / total, (statistics.median(done) if done else float("nan"))
 
 
+def latency_alone(engine, requests: list[dict], config: BenchConfig, timer: Timer):
+    """One request at a time after `warmup` untimed runs: (median ms, its latency rows)."""
+    for _ in range(config.warmup):
+        engine.decide([requests[0]])
+    samples = [timer(lambda r=r: engine.decide([r])) for r in requests[: config.latency_requests]
+               for _ in range(config.repeats)]
+    alone = statistics.median(samples)
+    return alone, [("latency_p50_ms", alone, "ms"), ("latency_p90_ms", percentile(samples, 0.9), "ms")]
+
+
 def measure(engine, requests: list[dict], config: BenchConfig, timer: Timer, pool: TokenizerPool | None,
             alone_only: bool, device) -> list[tuple[str, float | None, str]]:
     """(metric, value, unit) of one engine on one workload."""
@@ -235,12 +245,8 @@ def measure(engine, requests: list[dict], config: BenchConfig, timer: Timer, poo
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     out = [("tokens_per_request", statistics.mean(engine.tokens(r) for r in requests), "tokens")]
-    for _ in range(config.warmup):
-        engine.decide([requests[0]])
-    samples = [timer(lambda r=r: engine.decide([r])) for r in requests[: config.latency_requests]
-               for _ in range(config.repeats)]
-    alone = statistics.median(samples)
-    out += [("latency_p50_ms", alone, "ms"), ("latency_p90_ms", percentile(samples, 0.9), "ms")]
+    alone, rows = latency_alone(engine, requests, config, timer)
+    out += rows
     if not alone_only:
         for n in config.concurrency:
             estimate = n * alone / 1e3
@@ -288,12 +294,8 @@ def measure_http(engine, requests: list[dict], config: BenchConfig, timer: Timer
             raise AssertionError(f"answers over HTTP differ from the in-process engine's by {difference:.3g} > "
                                  f"http.check_atol {atol:g} ({len(sample)} requests)")
         out.append(("http_max_abs_diff", difference, "probability"))
-    for _ in range(config.warmup):
-        engine.decide([requests[0]])
-    samples = [timer(lambda r=r: engine.decide([r])) for r in requests[: config.latency_requests]
-               for _ in range(config.repeats)]
-    alone = statistics.median(samples)
-    out += [("latency_p50_ms", alone, "ms"), ("latency_p90_ms", percentile(samples, 0.9), "ms")]
+    alone, rows = latency_alone(engine, requests, config, timer)
+    out += rows
     if alone_only:
         return out
     for n in options.concurrency or config.concurrency:
@@ -341,12 +343,26 @@ def _finite(value):
     return None if isinstance(value, float) and math.isnan(value) else value
 
 
+def build_engine(engine_name: str, model, tokenizer, config: BenchConfig, spec: str, model_name: str, workloads,
+                 add: Callable, log: Callable[[str], None]):
+    """The engine, or None after an error row for each of `workloads` (one failing engine must not lose the grid)."""
+    from .engines import make_engine
+
+    log(f"[{model_name}] building engine {engine_name}")
+    try:
+        return make_engine(engine_name, model, tokenizer, config, spec=spec)
+    except Exception as error:
+        logger.exception("%s / %s: building the engine failed", model_name, engine_name)
+        for workload in workloads:
+            add(workload, engine_name, "error", None, f"{type(error).__name__}: {error}"[:500])
+        log(f"[{model_name}] {engine_name:14} FAILED to build: {type(error).__name__}: {error}")
+        return None
+
+
 def run(config: BenchConfig, workloads: list[str] | None = None, engines: list[str] | None = None,
         commit: str | None = None, log: Callable[[str], None] | None = None) -> list[dict]:
     """Runs the grid (optionally only some workloads / engines) and returns its rows."""
     import torch
-
-    from .engines import make_engine
 
     log = log or (lambda message: print(message, file=sys.stderr, flush=True))
     if config.mode == "fidelity":
@@ -378,14 +394,8 @@ def run(config: BenchConfig, workloads: list[str] | None = None, engines: list[s
                 cells = {w: r for w, r in built.items() if config.runs(engine_name, w)}
                 if not cells:
                     continue
-                log(f"[{model_name}] building engine {engine_name}")
-                try:
-                    engine = make_engine(engine_name, model, tokenizer, config, spec=spec)
-                except Exception as error:  # one failing engine must not lose the grid
-                    logger.exception("%s / %s: building the engine failed", model_name, engine_name)
-                    for workload in cells:
-                        add(workload, engine_name, "error", None, f"{type(error).__name__}: {error}"[:500])
-                    log(f"[{model_name}] {engine_name:14} FAILED to build: {type(error).__name__}: {error}")
+                engine = build_engine(engine_name, model, tokenizer, config, spec, model_name, cells, add, log)
+                if engine is None:
                     continue
                 try:
                     for workload, requests in cells.items():

@@ -5,6 +5,7 @@ round within 1e-6."""
 from __future__ import annotations
 
 import random
+import zlib
 
 import pytest
 import torch
@@ -55,7 +56,7 @@ def random_rounds(rng: random.Random, n: int) -> list[list[int]]:
 def case(request):
     factory, decision_config, n = CASES[request.param]
     model, tok = factory(), tiny_tokenizer()
-    rng = random.Random(hash(request.param) % 1000)
+    rng = random.Random(zlib.crc32(request.param.encode()))  # str hash() differs per process
     requests = [random_request(rng) for _ in range(n)]
     decide = pipeline("decision", model=model, tokenizer=tok, decision_config=decision_config)
     expected = [decide(r) for r in requests]  # before patching: the untouched transformers model
@@ -97,10 +98,9 @@ def test_state_is_shared(case):
     for p in many:
         # Jev's template prints the question type before the state: one trunk per type. A question whose prompt
         # continues the state's last line break differently (no instructions: "\n\n\n") tokenizes the state's end
-        # differently, so it gets a trunk of its own; the rest share one.
-        per_trunk = [sum(b.trunk == t for b in p.branches) for t in range(len(p.trunks))]
+        # differently, so it gets a trunk of its own; the rest share one: at most two trunks per request.
         if "template" not in name:
-            assert max(per_trunk) >= 0.7 * len(p.branches), per_trunk
+            assert len(p.trunks) <= 2 < len(p.branches), [b.trunk for b in p.branches]
     assert sum(p.stream_tokens for p in many) < 0.7 * sum(p.prompt_tokens for p in many)
 
 

@@ -25,7 +25,14 @@ class KernelConfig:
     fork_conv: str = "auto"
     # selective: the last layer's MLP and the head run only at readout rows and only the label logits are computed.
     # full: the last layer and the whole vocabulary run at every token, then the rows are read (the ablation).
-    readout: str = "selective"
+    # invariant: selective with every score summed in a fixed order. auto: selective, or invariant when
+    # batch_invariant is on.
+    readout: str = "auto"
+    # the decoder's linear layers: auto keeps the model's own nn.Linear (`torch`) unless batch_invariant is on
+    linear: str = "auto"
+    # batch-invariant mode: every answer has the same bits whatever else shares its round (`auto` picks only
+    # batch-invariant variants, `flide.ops.registry.AUTO_INVARIANT`; a variant named that is not one is an error)
+    batch_invariant: bool = False
 
 
 @dataclass(frozen=True)

@@ -137,3 +137,32 @@ def random_round_tensors(rng: random.Random, tokens: int, max_requests: int = 6,
         requests.append(synthetic_request([i % 1000 for i in range(max(tokens - 1, 0))], [[7]]))
     shape = Shape(tokens, 64, 512, 512, 2)
     return build_round(requests, shape, pad_id=0).tensors
+
+
+class ScoreRecorder:
+    """Records the raw option scores (the head's logits, before the decision config's processors) of every question
+    an engine answers, keyed by (the PreparedRequest object, question name): the batch-invariance checks compare
+    them bitwise across rounds. Wraps `engine.answers`; `close()` unwraps it."""
+
+    def __init__(self, engine):
+        self.engine, self.scores = engine, {}
+        self._answers = engine.answers
+
+        def answers(round_, scores):
+            for row, read in enumerate(round_.reads):
+                key = (id(round_._requests[read.request]), read.question.name)
+                self.scores.setdefault(key, []).append(scores[row, :read.options].clone())
+            return self._answers(round_, scores)
+
+        engine.answers = answers
+
+    def unequal(self) -> list:
+        """The keys whose recorded scores are not all `torch.equal` to the first, with the largest difference."""
+        out = []
+        for key, rows in self.scores.items():
+            if not all(row.shape == rows[0].shape and bool((row == rows[0]).all()) for row in rows[1:]):
+                out.append((key, max(float((row - rows[0]).abs().max()) for row in rows[1:])))
+        return out
+
+    def close(self) -> None:
+        self.engine.answers = self._answers

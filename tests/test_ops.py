@@ -488,6 +488,8 @@ def opcheck_args(op: str):
         q, k, v, g, beta = gdn_inputs(T, seed=4, l2norm=True)
         initial_state = randn(len(t.state_start), HV, KD, VD, seed=5, scale=0.5)
         return (q, k, v, g, beta, t.branch_start, t.branch_len, initial_state, t.branch_state, KD ** -0.5, True)
+    if op == "linear":
+        return (randn(T, 6, seed=6), randn(5, 6, seed=7), randn(5, seed=8))
     raise AssertionError(op)
 
 
@@ -501,6 +503,9 @@ def test_opcheck(op, variant):
     assert isinstance(fn, torch._library.custom_ops.CustomOpDef), f"{op}/{variant} is not a torch.library custom op"
     if op == "readout":
         cases = [readout_inputs(bias=True), readout_inputs(bias=False, seed=3)]
+    elif op == "linear":
+        x, w, b = opcheck_args(op)
+        cases = [(x, w, b), (x[:1], w, None)]
     else:
         cases = [opcheck_args(op)]
     for args in cases:
@@ -542,7 +547,8 @@ def test_registry_variants():
     for op in ("fork_attention", "fork_conv", "gated_delta"):
         assert "reference" in variants(op), op
     assert {"selective", "full"} <= set(variants("readout"))
-    assert set(OP_FAMILIES) == {"fork_attention", "fork_conv", "gated_delta", "readout"}
+    assert set(OP_FAMILIES) == {"fork_attention", "fork_conv", "gated_delta", "readout", "linear"}
+    assert {"torch", "blocked", "triton"} <= set(variants("linear"))
     ops = flide.ops.resolve_all(KernelConfig())
     assert set(ops) == set(OP_FAMILIES)
     assert resolve("readout", "selective").gathers_rows_first and not resolve("readout", "full").gathers_rows_first

@@ -166,3 +166,49 @@ class FlideGatedDeltaNet(_Swapped):
         z = self.in_proj_z(x).reshape(-1, self.head_v_dim)
         out = self.norm(out.reshape(-1, self.head_v_dim), z).reshape(T, -1)
         return self.out_proj(out)
+
+
+class FlideLinear(nn.Module):
+    """An `nn.Linear` run through a registered `linear` op (batch-invariant mode: `blocked` on the CPU, `triton` on
+    CUDA), holding the same weight and bias objects (state_dict keys unchanged). Any leading dims, as nn.Linear."""
+
+    def __init__(self, original: nn.Linear, linear_op: Callable):
+        super().__init__()
+        self.weight = original.weight
+        self.bias = original.bias
+        self.in_features, self.out_features = original.in_features, original.out_features
+        self.__dict__["original"] = original  # not a child: its parameters are ours already
+        self.__dict__["op"] = linear_op  # a registered custom op: shared by copies, never deep-copied
+
+    def __deepcopy__(self, memo):
+        import copy
+
+        clone = type(self).__new__(type(self))
+        memo[id(self)] = clone
+        op = self.__dict__.pop("op")
+        try:
+            for key, value in self.__dict__.items():
+                clone.__dict__[key] = copy.deepcopy(value, memo)
+        finally:
+            self.__dict__["op"] = op
+        clone.__dict__["op"] = op
+        return clone
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        return self.op(x.reshape(-1, x.shape[-1]), self.weight, self.bias).view(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, op={self.op}"
+
+
+def swap_linears(module: nn.Module, linear_op: Callable | None) -> None:
+    """Runs every `nn.Linear` under `module` through `linear_op` (a `FlideLinear`), or with None puts the original
+    layers back. Call after the mixers are swapped: the swapped mixers hold the projections as their own children."""
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, FlideLinear):
+                child = child.original
+            elif type(child) is not nn.Linear:
+                continue
+            setattr(parent, name, child if linear_op is None else FlideLinear(child, linear_op))

@@ -10,11 +10,13 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 
-OP_FAMILIES = ("fork_attention", "gated_delta", "fork_conv", "readout")
+OP_FAMILIES = ("fork_attention", "gated_delta", "fork_conv", "readout", "linear")
 
 _REGISTRY: dict[tuple[str, str], Callable] = {}
 _AVAILABLE: dict[tuple[str, str], Callable[[], str | None]] = {}
 _NOT_CAPTURABLE: set[tuple[str, str]] = set()
+# variants whose every output row has the same bits whatever else shares the call (batch-invariant mode)
+_BATCH_INVARIANT: set[tuple[str, str]] = set()
 # (op, variant) -> its checkpointing companion (flide/checkpoints): the same op with resume inputs (prefix keys,
 # conv windows, initial recurrent states) and, for gated_delta, the snapshot output
 _RESUMABLE: dict[tuple[str, str], Callable] = {}
@@ -38,10 +40,13 @@ def needs_cuda_triton() -> str | None:
     return needs_cuda()
 
 
-def register(op: str, variant: str, available: Callable[[], str | None] | None = None, capturable: bool = True):
+def register(op: str, variant: str, available: Callable[[], str | None] | None = None, capturable: bool = True,
+             batch_invariant: bool = False):
     """Decorator: registers `fn` as `variant` of `op`. `available()` returns None, or why the variant can't run here.
     `capturable=False`: the variant syncs with the host or sizes its launches from the data, so it cannot run inside
-    a CUDA graph (the flat-graph runner refuses it)."""
+    a CUDA graph (the flat-graph runner refuses it). `batch_invariant=True`: every output row's bits depend only on
+    its own request's rows (its segment, its trunk), never on the stream's length or on where the request sits in
+    it; batch-invariant mode (`kernels.batch_invariant`) accepts only such variants."""
     if op not in OP_FAMILIES:
         raise ValueError(f"Unknown op {op!r}; ops: {', '.join(OP_FAMILIES)}.")
 
@@ -54,6 +59,8 @@ def register(op: str, variant: str, available: Callable[[], str | None] | None =
             _AVAILABLE[key] = available
         if not capturable:
             _NOT_CAPTURABLE.add(key)
+        if batch_invariant:
+            _BATCH_INVARIANT.add(key)
         return fn
 
     return wrap
@@ -93,26 +100,60 @@ AUTO = {
     # (tests/gpu/test_fork_conv_gpu.py); `kernels.fork_conv: triton` picks it now
     "fork_conv": {"cuda": ("reference",)},
     "readout": {},
+    "linear": {},  # `torch`: the model's own nn.Linear modules stay (no swap)
 }
+
+# `auto` in batch-invariant mode: the first batch-invariant variant that can run, by device type (see `AUTO`)
+AUTO_INVARIANT = {
+    "fork_attention": {"cuda": ("triton_invariant",), "cpu": ("segments",)},
+    "gated_delta": {"cuda": ("fla",), "cpu": ("reference",)},
+    "fork_conv": {"cuda": ("reference",), "cpu": ("reference",)},
+    "readout": {"cuda": ("invariant",), "cpu": ("invariant",)},
+    "linear": {"cuda": ("triton",), "cpu": ("blocked",)},
+}
+# what `auto` falls back to when no device-specific pick can run: the references (readout: selective; linear: the
+# model's own layers)
+FALLBACK = {"fork_attention": "reference", "gated_delta": "reference", "fork_conv": "reference",
+            "readout": "selective", "linear": "torch"}
+
+
+def _runs_here(key: tuple[str, str]) -> bool:
+    return key in _REGISTRY and _AVAILABLE.get(key, lambda: None)() is None
 
 
 def concrete(kernels, device: str = "cpu"):
     """The `KernelConfig` with every `auto` replaced by the variant it picks on `device` (a device type or
-    torch.device): the fastest registered variant that can run there, the reference ones on the CPU."""
+    torch.device): the fastest registered variant that can run there, the reference ones on the CPU. With
+    `kernels.batch_invariant` the picks come from `AUTO_INVARIANT`, and a variant named explicitly must be
+    batch-invariant (ValueError naming the `kernels.<op>` field otherwise)."""
     import dataclasses
 
     _load_all()
     device_type = getattr(device, "type", str(device).split(":")[0])
+    invariant = getattr(kernels, "batch_invariant", False)
     picked = {}
     for op in OP_FAMILIES:
-        if getattr(kernels, op) != "auto":
-            continue
-        for variant in AUTO[op].get(device_type, ()) + ("reference",):
-            key = (op, variant)
-            if key in _REGISTRY and _AVAILABLE.get(key, lambda: None)() is None:
-                picked[op] = variant
-                break
+        chosen = getattr(kernels, op)
+        if chosen == "auto":
+            table = AUTO_INVARIANT if invariant else AUTO
+            candidates = table[op].get(device_type, ()) + (() if invariant else (FALLBACK[op],))
+            found = next((v for v in candidates if _runs_here((op, v))), None)
+            if found is None:
+                raise ValueError(f"`kernels.batch_invariant: true` has no batch-invariant `{op}` variant for "
+                                 f"{device_type} (candidates: {', '.join(candidates) or 'none'}); name one in "
+                                 f"`kernels.{op}` or turn batch invariance off.")
+            picked[op] = chosen = found
+        if invariant and (op, chosen) in _REGISTRY and (op, chosen) not in _BATCH_INVARIANT:
+            valid = sorted(v for (name, v) in _BATCH_INVARIANT if name == op)
+            raise ValueError(f"`kernels.{op}: {chosen}` is not batch-invariant, and `kernels.batch_invariant` is "
+                             f"true; batch-invariant variants of {op}: {', '.join(valid)}.")
     return dataclasses.replace(kernels, **picked)
+
+
+def batch_invariant_variants(op: str) -> list[str]:
+    """The registered batch-invariant variants of `op`, sorted."""
+    _load_all()
+    return sorted(v for (name, v) in _BATCH_INVARIANT if name == op)
 
 
 def resolve_all(kernels, device: str = "cpu") -> dict[str, Callable]:

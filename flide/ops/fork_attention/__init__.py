@@ -37,6 +37,17 @@ def _fake_prefix(q, k, v, seg_lo, trunk_lo, trunk_hi, pk, pv, pre_lo, pre_hi, sc
     return q.new_empty(q.shape[0], q.shape[1], v.shape[2])
 
 
+@torch.library.custom_op("flide::fork_attention_segments", mutates_args=())
+def fork_attention_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_lo: torch.Tensor,
+                            trunk_lo: torch.Tensor, trunk_hi: torch.Tensor, scale: float) -> torch.Tensor:
+    return reference.fork_attention_segments(q, k, v, seg_lo, trunk_lo, trunk_hi, scale)
+
+
+fork_attention_segments.register_fake(_fake)
+# batch-invariant mode's CPU path: one segment at a time (host syncs: not capturable)
+register("fork_attention", "segments", capturable=False, batch_invariant=True)(fork_attention_segments)
+
+
 # The checkpointing companion of the reference variant (flide/checkpoints): cached prefix keys of resumed states
 register_resumable("fork_attention", "reference")(fork_attention_prefix_reference)
 

@@ -77,6 +77,44 @@ def _attend(q, k, v, seg_lo, trunk_lo, trunk_hi, pre_lo, pre_hi, scale: float) -
     return out
 
 
+def fork_attention_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_lo: torch.Tensor,
+                            trunk_lo: torch.Tensor, trunk_hi: torch.Tensor, scale: float) -> torch.Tensor:
+    """`fork_attention`, batch-invariant: each segment (a state, a question) is computed on its own, over exactly
+    its keys (its trunk's, then its own), with the same shapes as when its request is laid out alone, so its rows
+    have the same bits whatever else is in the stream. (`fork_attention`'s query blocks of 512 mix segments and size
+    their key lists from the block, so a row's softmax and sums run over other spans there.) Pure torch, with host
+    syncs: the CPU path of batch-invariant mode.
+
+    Segments are read from the metadata: a segment starts where `seg_lo[t] == t`. A one-token segment that forks
+    from nothing (a pad, a one-token state) sees only itself: its output is its value row, as the softmax of one
+    score is exactly 1."""
+    T, Hq, D = q.shape
+    Hkv, Dv = k.shape[1], v.shape[2]
+    group = Hq // Hkv
+    rows = torch.arange(T, device=q.device)
+    starts = (seg_lo == rows).nonzero().flatten().tolist()
+    ends = starts[1:] + [T]
+    out = torch.empty(T, Hq, Dv, dtype=q.dtype, device=q.device)
+    single = (torch.tensor(ends, device=q.device) - torch.tensor(starts, device=q.device) == 1)
+    lone = torch.tensor(starts, device=q.device, dtype=torch.long)[single]
+    lone = lone[trunk_hi[lone] <= trunk_lo[lone]]
+    out[lone] = v[lone].repeat_interleave(group, dim=1).to(q.dtype)
+    done = set(lone.tolist())
+    bounds = torch.stack([trunk_lo[starts], trunk_hi[starts]], 1).tolist() if starts else []
+    for start, end, (lo, hi) in zip(starts, ends, bounds):
+        if start in done:
+            continue
+        n, m = end - start, max(hi - lo, 0)
+        keys = torch.cat([torch.arange(lo, lo + m, device=q.device), torch.arange(start, end, device=q.device)])
+        qf = q[start:end].float().view(n, Hkv, group, D)
+        scores = torch.einsum("rhgd,shd->hgrs", qf, k[keys].float()) * scale  # [Hkv, group, n, m + n]
+        causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        mask = torch.cat([causal.new_ones(n, m), causal], dim=1)
+        probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+        out[start:end] = torch.einsum("hgrs,shd->rhgd", probs, v[keys].float()).reshape(n, Hq, Dv).to(q.dtype)
+    return out
+
+
 def _block_keys(seg_lo: torch.Tensor, trunk_lo: torch.Tensor, trunk_hi: torch.Tensor, stop: int) -> torch.Tensor:
     """The keys some row of a query block may see: the states its questions fork from, and the stream from its
     earliest own segment start to its end. Only these are scored (the reference may sync with the host)."""

@@ -21,7 +21,8 @@ def _fake(x, weight, seg_lo, trunk_lo, trunk_hi, silu):
 
 
 fork_conv_reference.register_fake(_fake)
-register("fork_conv", "reference")(fork_conv_reference)
+# every output row is its own window's sum, in the window's order: batch-invariant
+register("fork_conv", "reference", batch_invariant=True)(fork_conv_reference)
 
 
 @torch.library.custom_op("flide::fork_conv_window_reference", mutates_args=())
@@ -52,4 +53,4 @@ fork_conv_triton.register_fake(_fake)
 
 
 
-register("fork_conv", "triton", available=needs_cuda_triton)(fork_conv_triton)
+register("fork_conv", "triton", available=needs_cuda_triton, batch_invariant=True)(fork_conv_triton)

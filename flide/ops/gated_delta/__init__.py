@@ -26,7 +26,9 @@ def _fake(q, k, v, g, beta, seg_start, seg_len, initial_state, initial_index, sc
     return out, final
 
 
-register("gated_delta", "reference", capturable=False)(gated_delta_reference)
+# batch-invariant: chunks start at each segment's start, and a segment's chunk products have the same shapes
+# whatever else is in the call (checked bitwise in tests/test_batch_invariant.py)
+register("gated_delta", "reference", capturable=False, batch_invariant=True)(gated_delta_reference)
 
 
 @torch.library.custom_op("flide::gated_delta_snapshot_reference", mutates_args=())
@@ -58,7 +60,9 @@ def gated_delta_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
 
 
 gated_delta_fla.register_fake(_fake)  # the same shapes as the reference
-register("gated_delta", "fla", available=fla.available)(gated_delta_fla)
+# batch-invariant as far as fla's varlen kernels go: a sequence's chunks start at its own start and each program
+# owns one sequence and head (to be confirmed bitwise on the GPU: tests/gpu/test_batch_invariant_gpu.py)
+register("gated_delta", "fla", available=fla.available, batch_invariant=True)(gated_delta_fla)
 
 
 def fork(kernel, q, k, v, g, beta, state_start, state_len, branch_start, branch_len, branch_state, scale: float,

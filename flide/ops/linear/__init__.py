@@ -1,0 +1,40 @@
+"""flide::linear_* custom ops: the decoder's linear layers, swapped in only when a variant other than `torch` is
+picked (batch-invariant mode picks `blocked` on the CPU, `triton` on CUDA). Variants: `torch` (F.linear: BLAS /
+cuBLAS, kernel chosen per row count), `blocked` (pure torch, rows in fixed blocks: batch-invariant), `triton` (our
+fixed-tile Triton GEMM, no split-K: batch-invariant; CUDA)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..registry import needs_cuda_triton, register
+from . import reference
+
+
+def _fake(x, weight, bias):
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+@torch.library.custom_op("flide::linear_torch", mutates_args=())
+def linear_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return reference.linear(x, weight, bias)
+
+
+@torch.library.custom_op("flide::linear_blocked", mutates_args=())
+def linear_blocked(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return reference.linear_blocked(x, weight, bias)
+
+
+@torch.library.custom_op("flide::linear_triton", mutates_args=(), device_types="cuda")
+def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    from . import triton as kernel  # imported on first use: `import flide` does not need triton
+
+    return kernel.linear(x, weight, bias)
+
+
+for _op in (linear_torch, linear_blocked, linear_triton):
+    _op.register_fake(_fake)
+
+register("linear", "torch")(linear_torch)
+register("linear", "blocked", batch_invariant=True)(linear_blocked)
+register("linear", "triton", available=needs_cuda_triton, batch_invariant=True)(linear_triton)

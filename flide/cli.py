@@ -1,9 +1,10 @@
 """`flide` command line.
 
-    flide decide [--model PATH_OR_HUB_ID] [--config YAML] [--random-weights] [--tokenizer PATH] REQUEST.json|-
+    flide decide [--model PATH_OR_HUB_ID] [--config YAML] [--random-weights] [--tokenizer PATH] [--batch-invariant]
+                 REQUEST.json|-
     flide bench  CONFIG.yaml [--workloads ...] [--engines ...] [--out DIR] [--dry-run]
-    flide serve  [--model PATH_OR_HUB_ID] [--config YAML] [--random-weights] [--tokenizer PATH] [--host 127.0.0.1]
-                 [--port 8000] [--timeout S] [--max-queue N] [--log-format text|json] [--checkpoint-cache-gb GB]
+    flide serve  [--model PATH_OR_HUB_ID] [--config YAML] [--random-weights] [--tokenizer PATH] [--batch-invariant]
+                 [--host 127.0.0.1] [--port 8000] [--timeout S] [--max-queue N] [--log-format text|json] [--checkpoint-cache-gb GB]
 
 REQUEST.json holds one System One request or a list of them ('-' reads standard input); the answers are printed as
 JSON. `serve` answers POST /v1/systemone over HTTP (see flide/serve). Without --model, an embedded tiny Qwen3.5 with
@@ -24,6 +25,8 @@ def _build_engine(args):
     from flide.config import load_config
 
     cfg = load_config(args.config)
+    if args.batch_invariant:
+        cfg = cfg.replace(kernels={"batch_invariant": True})
     if args.model is None:
         from flide.models.tiny import tiny_model, tiny_tokenizer
 
@@ -111,6 +114,10 @@ def cmd_serve(args) -> int:
     params = sum(p.numel() for p in model.parameters())
     log.info("model %s: %s, %.1fM parameters, %s on %s; loaded in %.1f s", name, model.config.model_type, params / 1e6,
              str(next(model.parameters()).dtype).replace("torch.", ""), engine.device, time.perf_counter() - start)
+    kernels = engine.kernels
+    log.info("kernels: %s%s", ", ".join(f"{op} {getattr(kernels, op)}" for op in ("fork_attention", "gated_delta",
+                                                                              "fork_conv", "linear", "readout")),
+             "; batch-invariant mode" if kernels.batch_invariant else "")
     if engine.checkpoints is not None:
         log.info("checkpoints on: cache %.2f GiB, states from %d tokens, margin %d", cfg.checkpoints.cache_gb,
                  cfg.checkpoints.min_state_tokens, cfg.checkpoints.margin_tokens)
@@ -131,6 +138,9 @@ def _model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--random-weights", action="store_true",
                         help="build --model from its config.json with random weights (benchmarks, tests)")
     parser.add_argument("--tokenizer", help="tokenizer folder, when it is not the model's")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="batch-invariant mode (kernels.batch_invariant): every answer has the same bits whatever "
+                             "else shares its round")
 
 
 def main(argv: list[str] | None = None) -> int:

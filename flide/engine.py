@@ -104,6 +104,15 @@ class Engine:
         from .ops.registry import not_capturable
 
         mode = self.config.runtime.graphs
+        if self.kernels.batch_invariant and self.device.type == "cuda":
+            if self.config.runtime.compiler != "inductor":
+                # the cudagraphs compiler captures ATen's eager norms, whose reduction layout follows the row count
+                raise ValueError("`kernels.batch_invariant: true` needs `runtime.compiler: inductor` on CUDA (the "
+                                 "`cudagraphs` compiler runs eager reductions whose layout depends on the stream "
+                                 "length).")
+            if mode == "off" or not_capturable(self.kernels):
+                logger.warning("batch-invariant mode without CUDA graphs: eager CUDA rounds run ATen's norms, whose "
+                               "reduction layout may follow the stream length; invariance is checked under graphs")
         if mode == "off":
             return False
         reasons = []
@@ -120,7 +129,7 @@ class Engine:
         from .graphs.runner import GraphRunner
 
         runner = GraphRunner(self.flat, self.config.capacities, self.max_options, self.device, self.pad_id,
-                             compiler=self.config.runtime.compiler)
+                             compiler=self.config.runtime.compiler, batch_invariant=self.kernels.batch_invariant)
         runner.capture()
         return runner
 

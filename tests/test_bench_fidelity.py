@@ -273,7 +273,7 @@ def test_cpu_fidelity_run(tmp_path):
     assert {m for m, *_ in got} == models
     for model in models:
         for workload in values["workloads"]:
-            for engine in ("flide", "prefix-cache"):
+            for engine in ("flide", "flide:batch-invariant", "prefix-cache"):
                 assert got[(model, workload, engine, "tv_points")] < 1e-3  # 1e-5 in probability
                 assert got[(model, workload, engine, "max_abs_points")] < 1e-3
                 assert got[(model, workload, engine, "agreement_pct")] == 100

@@ -60,3 +60,11 @@ def test_bench_subcommand_reaches_the_runner():
     assert done.returncode == 0, done.stderr
     printed = done.stdout + done.stderr
     assert "cpu_smoke" in printed and "engines" in printed
+
+
+def test_decide_in_batch_invariant_mode_gives_the_same_answers():
+    done = run_cli("decide", "-", "--batch-invariant", stdin=json.dumps(REQUEST))
+    assert done.returncode == 0, done.stderr
+    plain = json.loads(run_cli("decide", "-", stdin=json.dumps(REQUEST)).stdout)
+    got = json.loads(done.stdout)
+    assert abs(got["refund"]["noul"] - plain["refund"]["noul"]) < 1e-5

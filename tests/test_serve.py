@@ -551,7 +551,7 @@ def test_cli_serve_with_the_embedded_model(engine):
     port = free_port()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     process = subprocess.Popen([sys.executable, "-m", "flide.cli", "serve", "--port", str(port), "--log-format",
-                                "json", "--timeout", "30"], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                "json", "--timeout", "30", "--batch-invariant"], cwd=REPO, env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
@@ -575,6 +575,7 @@ def test_cli_serve_with_the_embedded_model(engine):
         _, stderr = process.communicate(timeout=60)
     assert "RANDOM" in stderr  # it says its weights are random
     assert "127.0.0.1" in stderr and "serving" in stderr
+    assert "batch-invariant mode" in stderr and "linear blocked" in stderr  # --batch-invariant reached the engine
     lines = [json.loads(line) for line in stderr.splitlines() if line.startswith("{")]
     [logged] = [line for line in lines if line.get("request_id") == "cli-test-1"]
     assert logged["status"] == 200 and logged["questions"] == 3 and logged["input_tokens"] > 0

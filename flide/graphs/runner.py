@@ -55,8 +55,9 @@ class GraphRunner:
     """Runs rounds of bucketed shapes through one compiled, captured forward per bucket."""
 
     def __init__(self, flat: torch.nn.Module, caps: CapacityConfig, options: int, device: torch.device, pad_id: int,
-                 compile: bool = True, progress: bool = True, compiler: str = "inductor"):
+                 compile: bool = True, progress: bool = True, compiler: str = "inductor", batch_invariant: bool = False):
         self.flat, self.caps, self.options, self.pad_id = flat, caps, options, pad_id
+        self.batch_invariant = batch_invariant
         self.device = torch.device(device)
         self.compile = compile
         self.compiler = compiler
@@ -140,6 +141,15 @@ class GraphRunner:
 
         if getattr(inductor_config.triton, "cudagraph_dynamic_shape_warn_limit", None) is not None:
             inductor_config.triton.cudagraph_dynamic_shape_warn_limit = need
+        if self.batch_invariant:
+            # Batch-invariant mode: Inductor's own kernels (norms, pointwise, the GDN gates) must reduce each row in
+            # one fixed layout for every bucket. One dynamic-size compile already gives every bucket the same kernels;
+            # `deterministic` (where this torch has it) picks their configs by heuristics instead of by timing, so a
+            # restart picks the same; `batch_invariant` (torch >= 2.13) keeps reduction configs off the row count.
+            # Process-wide settings: other compiles of this process get them too.
+            for name in ("deterministic", "batch_invariant"):
+                if hasattr(inductor_config, name):
+                    setattr(inductor_config, name, True)
 
         def forward(*tensors: torch.Tensor) -> torch.Tensor:
             return flat(RoundTensors(**dict(zip(names, tensors))))

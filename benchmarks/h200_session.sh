@@ -7,6 +7,7 @@
 # There (device `run`, carry [".whl"]; shared/ travels by itself):
 #     bash benchmarks/h200_session.sh kernels    GPU tests of the op variants against the references       ~8 min
 #     bash benchmarks/h200_session.sh models     GPU tests of whole engines: fast kernels, graph capture   ~8 min
+#     bash benchmarks/h200_session.sh invariant  batch-invariant mode (issue 7): invariant GEMM + attention, engine ~9 min
 #     bash benchmarks/h200_session.sh profile    latency alone + kernel profile of one replay, 0.8B     ~5 min
 #     bash benchmarks/h200_session.sh ops        op benchmarks (attention, gated delta, conv) vs floors     ~5 min
 #     bash benchmarks/h200_session.sh rounds     pytest-benchmark of engine rounds (benchmarks/test_gpu_rounds.py) ~5 min
@@ -14,7 +15,7 @@
 #     bash benchmarks/h200_session.sh bench ARGS  python -m flide.bench ARGS (e.g. a config and --engines flide)
 # Logs and results go to $OUT.
 set -u
-part=${1:?usage: h200_session.sh stage|kernels|models|profile|ops|bench ...}
+part=${1:?usage: h200_session.sh stage|kernels|models|invariant|profile|ops|rounds|agents|bench ...}
 shift
 if [ "$part" = stage ]; then
     grep -qx '/shared/' .git/info/exclude || echo '/shared/' >> .git/info/exclude
@@ -35,9 +36,11 @@ export PYTHONPATH=$PWD:/tmp/site
 # a persistent compile cache for the runs of this command (the machine starts bare each time)
 export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache
 case "$part" in
-kernels|models)
+kernels|models|invariant)
     if [ "$part" = kernels ]; then
         files="test_fork_conv_gpu test_gated_delta_gpu test_fork_attention_triton_gpu test_fork_attention_gpu"
+    elif [ "$part" = invariant ]; then
+        files="test_linear_gpu test_fork_attention_invariant_gpu test_batch_invariant_gpu"
     else
         files="test_engine_gpu test_graphs_gpu"
     fi
@@ -51,7 +54,7 @@ profile)
         --out "$OUT/profile_0_8b.json" 2>&1 | grep -v DEBUG | tr '\r' '\n' | grep -v '^\s*$' > "$OUT/profile.log"
     tail -20 "$OUT/profile.log" ;;
 ops)
-    for op in fork_attention gated_delta fork_conv; do
+    for op in fork_attention gated_delta fork_conv linear; do
         timeout 200 python3 benchmarks/ops/bench_$op.py --out "$OUT/ops_$op.json" > "$OUT/ops_$op.log" 2>&1
         echo "$op rc=$?" | tee -a "$OUT/summary.txt"; tail -12 "$OUT/ops_$op.log"
     done ;;

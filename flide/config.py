@@ -91,8 +91,8 @@ class CheckpointConfig:
     m is the largest multiple of 64 (GDN_CHUNK) <= state length - `margin_tokens`: the last tokens (the end of a
     turn, the template's closing text) are the ones the next agent step changes, so they stay after m. States
     shorter than `min_state_tokens` are not saved. `cache_gb`: the cache's budget (GiB), least recently used first
-    out. Only the reference kernel variants resume and snapshot yet: with others the engine turns checkpoints off
-    with a warning; rounds that resume or save run eagerly (not from a captured CUDA graph)."""
+    out. Every kernel variant resumes (the fast ones through an extended stream, flide/ops/resume.py); rounds that
+    resume or save run eagerly (not from a captured CUDA graph)."""
 
     enabled: bool = False
     cache_gb: float = 1.0

@@ -25,7 +25,7 @@ from flide.ops.fork_attention import fork_attention_prefix_reference, fork_atten
 from flide.ops.fork_attention.reference import fork_attention_naive
 from flide.ops.fork_conv import fork_conv_reference, fork_conv_window_reference
 from flide.ops.gated_delta import gated_delta_reference, gated_delta_snapshot_reference
-from flide.ops.registry import resumable
+from flide.ops.registry import resumable, variants
 from flide.testing import _text, max_difference, random_question
 
 ATOL = 1e-5
@@ -135,10 +135,13 @@ def test_opcheck_resumable_ops():
                            seg(-1), seg(1), 0.3, True))
 
 
-def test_only_reference_variants_resume():
+def test_every_mixer_variant_resumes():
     assert set(resumable(KernelConfig())) == {"fork_attention", "gated_delta", "fork_conv"}
-    with pytest.raises(ValueError, match="kernels.gated_delta: fla"):
-        resumable(KernelConfig(gated_delta="fla"))
+    fast = resumable(KernelConfig(fork_attention="triton", gated_delta="fla", fork_conv="triton"), "cuda")
+    assert set(fast) == {"fork_attention", "gated_delta", "fork_conv"}
+    for op in ("fork_attention", "gated_delta", "fork_conv"):
+        for variant in variants(op):
+            assert resumable(KernelConfig(**{op: variant}), "cuda")[op] is not None, (op, variant)
 
 
 # ---- cache ----
@@ -368,3 +371,60 @@ def test_cli_serve_has_the_checkpoint_flag(capsys):
     with pytest.raises(SystemExit) as done:
         main(["serve", "--help"])
     assert done.value.code == 0 and "--checkpoint-cache-gb" in capsys.readouterr().out
+
+
+# ---- companions built on the plain variants (flide/ops/resume.py: what flex, Triton and fla resume with) ----
+
+def test_extended_stream_companions_equal_the_reference_ones():
+    from flide.ops.resume import attention_with_prefix, conv_with_window, gated_delta_with_snapshot
+
+    g = torch.Generator().manual_seed(5)
+    m, n, questions, W = 128, 130, [5, 1, 3], 4
+    full, cut = _fork_stream(g, m, n, questions)
+    T = len(full[0])
+    q, k, v = torch.randn(T, 4, 8, generator=g), torch.randn(T, 2, 8, generator=g), torch.randn(T, 2, 8, generator=g)
+    Tc = T - m
+    pre = (torch.zeros(Tc, dtype=torch.long), torch.full((Tc,), m, dtype=torch.long))
+    want = fork_attention_prefix_reference(q[m:], k[m:], v[m:], *cut, k[:m], v[:m], *pre, 0.3)
+    got = attention_with_prefix(fork_attention_reference)(q[m:], k[m:], v[m:], *cut, k[:m], v[:m], *pre, 0.3)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    x, weight = torch.randn(T, 6, generator=g), torch.randn(6, W, generator=g)
+    window, win_index = x[m - (W - 1): m][None], torch.zeros(Tc, dtype=torch.long)
+    want = fork_conv_window_reference(x[m:], weight, *cut, window, win_index, True)
+    got = conv_with_window(fork_conv_reference)(x[m:], weight, *cut, window, win_index, True)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    Hv, K = 4, 8
+    qg, kg = torch.randn(300, 2, K, generator=g), torch.randn(300, 2, K, generator=g)
+    vg, decay, beta = torch.randn(300, Hv, 8, generator=g), -torch.rand(300, Hv, generator=g), torch.rand(300, Hv)
+    init = torch.randn(1, Hv, K, 8, generator=g)
+    for chunks, index in [(seg(2, -1, 0), seg(-1, 0, -1)), (seg(4, 1, -1), seg(0, -1, -1))]:
+        args = (qg, kg, vg, decay, beta, seg(0, 200, 260), seg(200, 60, 40), init, index, chunks, 0.25, True)
+        want = gated_delta_snapshot_reference(*args)
+        got = gated_delta_with_snapshot(gated_delta_reference)(*args)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
+
+
+def test_engine_resumes_exactly_through_the_extended_stream_companions(monkeypatch):
+    """The engine with the plain-variant companions (as flex/Triton/fla get them) around the reference ops: several
+    growing conversations interleaved in shared rounds, some states resumed and some not, equal a fresh engine."""
+    from flide.ops import registry
+    from flide.ops.resume import attention_with_prefix, conv_with_window, gated_delta_with_snapshot
+
+    monkeypatch.setitem(registry._RESUMABLE, ("fork_attention", "reference"),
+                        attention_with_prefix(fork_attention_reference))
+    monkeypatch.setitem(registry._RESUMABLE, ("fork_conv", "reference"), conv_with_window(fork_conv_reference))
+    monkeypatch.setitem(registry._RESUMABLE, ("gated_delta", "reference"),
+                        gated_delta_with_snapshot(gated_delta_reference))
+    model, tok = tiny_model("qwen3_5_text"), tiny_tokenizer()
+    fresh, engine = _engine(model, tok, False), _engine(model, tok, min_state_tokens=64)
+    talks = [conversation(seed, 4, words=90) for seed in (21, 22, 23)]
+    for step in range(4):
+        requests = [talk[step] for talk in talks] + [conversation(99 + step, 1, words=30)[0]]
+        prepared = [engine.prepare(r) for r in requests]
+        got = engine.run(prepared)
+        for request, answer in zip(requests, got):
+            assert max_difference(fresh.decide(request), answer) <= ATOL, step
+        if step:
+            assert sum(engine.usage(p).cached_tokens > 0 for p in prepared) >= 3
+    assert engine.checkpoints.stats()["hits"] >= 9

@@ -181,7 +181,7 @@ def register_resumable(op: str, variant: str):
 
 def resumable(kernels, device: str = "cpu") -> dict[str, Callable]:
     """{op: checkpointing companion} of the variants a `KernelConfig` picks on `device`; ValueError naming every
-    `kernels.<op>: <variant>` that has none (today only the reference variants resume and snapshot)."""
+    `kernels.<op>: <variant>` that has none (every registered mixer variant has one today)."""
     _load_all()
     kernels = concrete(kernels, device)
     missing = [f"kernels.{op}: {getattr(kernels, op)}" for op in RESUMABLE_OPS

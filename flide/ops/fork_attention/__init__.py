@@ -1,5 +1,6 @@
-"""flide::fork_attention_* custom ops. Variants: `reference` (pure torch, any device), `flex` (FlexAttention with
-block tables built on the GPU; CUDA)."""
+"""flide::fork_attention_* custom ops. Variants: `reference` (pure torch, any device: the oracle), `segments` (pure
+torch, one segment at a time: batch-invariant, the CPU path of that mode), `flex` (FlexAttention with block tables
+built on the GPU; CUDA), `triton` (our kernel; CUDA), `triton_invariant` (our batch-invariant kernel; CUDA)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import torch
 
 from ..registry import needs_cuda, needs_cuda_triton, register, register_resumable
 from . import flex, reference
+from ..resume import attention_with_prefix
 
 
 @torch.library.custom_op("flide::fork_attention_reference", mutates_args=())
@@ -81,3 +83,25 @@ fork_attention_triton.register_fake(_fake)
 
 
 register("fork_attention", "triton", available=needs_cuda_triton)(fork_attention_triton)
+
+
+@torch.library.custom_op("flide::fork_attention_triton_invariant", mutates_args=(), device_types="cuda")
+def fork_attention_triton_invariant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_lo: torch.Tensor,
+                                    trunk_lo: torch.Tensor, trunk_hi: torch.Tensor, scale: float) -> torch.Tensor:
+    # batch-invariant mode's CUDA kernel (triton_invariant.py): key tiles start at each row's trunk_lo and seg_lo,
+    # never at absolute positions, so a row's sums run in one order whatever shares its query block
+    from . import triton_invariant as kernel
+
+    return kernel.fork_attention(q, k, v, seg_lo, trunk_lo, trunk_hi, scale)
+
+
+fork_attention_triton_invariant.register_fake(_fake)
+register("fork_attention", "triton_invariant", available=needs_cuda_triton,
+         batch_invariant=True)(fork_attention_triton_invariant)
+
+# Checkpoints with the fast variants: the prefix keys go back into an extended stream that the plain kernel runs
+# (flide/ops/resume.py; rounds with checkpoint work run eagerly, so the host may look at the metadata)
+for _variant, _op in (("segments", fork_attention_segments), ("flex", fork_attention_flex),
+                      ("triton", fork_attention_triton),
+                      ("triton_invariant", fork_attention_triton_invariant)):
+    register_resumable("fork_attention", _variant)(attention_with_prefix(_op))

@@ -7,6 +7,7 @@ import torch
 
 from ..registry import needs_cuda_triton, register, register_resumable
 from . import reference
+from ..resume import conv_with_window
 
 
 @torch.library.custom_op("flide::fork_conv_reference", mutates_args=())
@@ -54,3 +55,5 @@ fork_conv_triton.register_fake(_fake)
 
 
 register("fork_conv", "triton", available=needs_cuda_triton, batch_invariant=True)(fork_conv_triton)
+# checkpoints: the window rows go back into an extended stream that the plain kernel runs (flide/ops/resume.py)
+register_resumable("fork_conv", "triton")(conv_with_window(fork_conv_triton))

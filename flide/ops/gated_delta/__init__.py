@@ -7,6 +7,7 @@ import torch
 
 from ..registry import register, register_resumable
 from . import fla, reference
+from ..resume import gated_delta_with_snapshot
 
 
 @torch.library.custom_op("flide::gated_delta_reference", mutates_args=())
@@ -63,6 +64,8 @@ gated_delta_fla.register_fake(_fake)  # the same shapes as the reference
 # batch-invariant as far as fla's varlen kernels go: a sequence's chunks start at its own start and each program
 # owns one sequence and head (to be confirmed bitwise on the GPU: tests/gpu/test_batch_invariant_gpu.py)
 register("gated_delta", "fla", available=fla.available, batch_invariant=True)(gated_delta_fla)
+# checkpoints: initial states through the plain op, snapshots as the final states of a split call (ops/resume.py)
+register_resumable("gated_delta", "fla")(gated_delta_with_snapshot(gated_delta_fla))
 
 
 def fork(kernel, q, k, v, g, beta, state_start, state_len, branch_start, branch_len, branch_state, scale: float,

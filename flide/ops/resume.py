@@ -1,0 +1,162 @@
+"""Checkpoint companions for any plain op variant (flide/checkpoints): resume and snapshot through the plain kernel.
+
+A round that resumes a state from a checkpoint holds only the state's tokens from m on; the checkpoint supplies
+what came before: attention keys and values of tokens [0, m), the last W-1 conv inputs before m, and the fp32
+recurrent state at m. The reference variants take these as extra inputs (`fork_attention_prefix_reference`, ...).
+The fast variants (flex, Triton, fla) do not, and need not: rounds with checkpoint work run eagerly, so a companion
+may look at the metadata on the host and hand the plain kernel an *extended stream* in which the missing rows are
+present again.
+
+- Attention: each resumed state's prefix keys/values are inserted into the stream right before its segment, and the
+  segment (and its questions' trunk) is widened to start there. A state token then sees [prefix, own causal rows],
+  a question [prefix + state, own rows]: exactly the keys the reference companion scores, in the same order. The
+  inserted rows' own queries see only themselves (zeros, cheap) and their outputs are dropped.
+- Conv: the same with the checkpoint's W-1 window rows: the state's first tokens then read them as the inputs
+  before their segment, as the reference companion does.
+- Gated delta: initial states are the plain op's own `initial_state`/`initial_index`. A snapshot at chunk c of a
+  state is the final state of the state's first 64 c tokens: call 1 runs every state as two sequences (the part
+  before its snapshot, then the rest, which restarts from zero there and is dropped), call 2 runs the rests again,
+  gathered into a short stream, from call 1's snapshots. The rests are a margin of ~64-128 tokens per state, so the
+  extra work is small, and every state is read in fp32 from `output_final_state` (fla's per-chunk states `h` are
+  kept in the input dtype, too coarse for a checkpoint).
+
+Every companion has the signature of the reference one it replaces (`registry.register_resumable`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ..config import GDN_CHUNK
+
+PAD_TO = 256  # extended streams are padded to a multiple of this: fewer distinct shapes for per-shape kernels (flex)
+
+
+def _extend(seg_lo: torch.Tensor, trunk_lo: torch.Tensor, trunk_hi: torch.Tensor, starts: list[int],
+            lengths: list[int]):
+    """The metadata of the stream with `lengths[j]` rows inserted right before stream row `starts[j]` (sorted, one
+    per resumed state: its segment start), each state's segment and its questions' trunks widened over its inserted
+    rows. Returns (rows [T] new row of each old row, inserted [sum(lengths)] new row of each inserted row, in
+    order, seg_lo', trunk_lo', trunk_hi' of the padded extended stream, its length)."""
+    device = seg_lo.device
+    T = seg_lo.shape[0]
+    S = torch.tensor(starts, dtype=torch.long, device=device)
+    L = torch.tensor(lengths, dtype=torch.long, device=device)
+    after = L.cumsum(0)  # rows inserted up to and including block j
+    t = torch.arange(T, device=device)
+
+    def shift(x):  # rows inserted before old row x (blocks starting at or before x)
+        j = torch.searchsorted(S, x, right=True) - 1
+        return torch.where(j >= 0, after[j.clamp(min=0)], torch.zeros_like(x))
+
+    def widened(lo):  # lo is a block's start: the block's first inserted row; else lo mapped
+        j = torch.searchsorted(S, lo, right=True) - 1
+        hit = (j >= 0) & (S[j.clamp(min=0)] == lo)
+        return lo + shift(lo) - torch.where(hit, L[j.clamp(min=0)], torch.zeros_like(lo))
+
+    rows = t + shift(t)
+    total = T + int(after[-1]) if lengths else T
+    padded = -(-total // PAD_TO) * PAD_TO
+    new_seg = torch.arange(padded, device=device)  # inserted rows and pads see only themselves
+    new_lo = torch.zeros(padded, dtype=torch.long, device=device)
+    new_hi = torch.zeros(padded, dtype=torch.long, device=device)
+    has_trunk = trunk_hi > trunk_lo
+    new_seg[rows] = widened(seg_lo)
+    new_lo[rows] = torch.where(has_trunk, widened(trunk_lo), torch.zeros_like(trunk_lo))
+    # the trunk's end: one past its last row (mapping trunk_hi itself would count a block inserted right after it)
+    new_hi[rows] = torch.where(has_trunk, (trunk_hi - 1) + shift(trunk_hi - 1) + 1, torch.zeros_like(trunk_hi))
+    block_first = S + after - L  # new row of each block's first inserted row
+    inserted = torch.cat([torch.arange(int(f), int(f) + int(n), device=device)
+                          for f, n in zip(block_first.tolist(), lengths)]) if lengths else S
+    return rows, inserted, new_seg, new_lo, new_hi, padded
+
+
+def _resumed_starts(seg_lo: torch.Tensor, trunk_lo: torch.Tensor, trunk_hi: torch.Tensor, resumed: torch.Tensor):
+    """The segment starts of the resumed states (`resumed`: a [T] bool of tokens of resumed states and their
+    questions), in order, and one state token of each (host sync)."""
+    state_token = resumed & ~(trunk_hi > trunk_lo)
+    starts, first = torch.unique(seg_lo[state_token], return_inverse=True)
+    tokens = torch.nonzero(state_token).flatten()
+    one = torch.empty_like(starts).scatter_(0, first, tokens)
+    return starts.tolist(), one
+
+
+def attention_with_prefix(op: Callable) -> Callable:
+    """The `fork_attention_prefix` companion built on a plain fork attention variant `op`."""
+
+    def fork_attention_prefix(q, k, v, seg_lo, trunk_lo, trunk_hi, pk, pv, pre_lo, pre_hi, scale):
+        resumed = pre_hi > pre_lo
+        if not bool(resumed.any()):
+            return op(q, k, v, seg_lo, trunk_lo, trunk_hi, scale)
+        starts, token = _resumed_starts(seg_lo, trunk_lo, trunk_hi, resumed)
+        spans = torch.stack([pre_lo[token], pre_hi[token]], 1).tolist()
+        rows, inserted, new_seg, new_lo, new_hi, n = _extend(seg_lo, trunk_lo, trunk_hi, starts,
+                                                              [hi - lo for lo, hi in spans])
+        prefix = torch.cat([torch.arange(lo, hi, device=q.device) for lo, hi in spans])
+        q2 = q.new_zeros(n, *q.shape[1:])
+        k2, v2 = k.new_zeros(n, *k.shape[1:]), v.new_zeros(n, *v.shape[1:])
+        q2[rows], k2[rows], v2[rows] = q, k, v
+        k2[inserted], v2[inserted] = pk[prefix].to(k.dtype), pv[prefix].to(v.dtype)
+        return op(q2, k2, v2, new_seg, new_lo, new_hi, scale)[rows]
+
+    return fork_attention_prefix
+
+
+def conv_with_window(op: Callable) -> Callable:
+    """The `fork_conv_window` companion built on a plain fork conv variant `op`."""
+
+    def fork_conv_window(x, weight, seg_lo, trunk_lo, trunk_hi, window, win_index, silu):
+        resumed = win_index >= 0
+        if not bool(resumed.any()):
+            return op(x, weight, seg_lo, trunk_lo, trunk_hi, silu)
+        starts, token = _resumed_starts(seg_lo, trunk_lo, trunk_hi, resumed)
+        width = window.shape[1]  # W - 1
+        rows, inserted, new_seg, new_lo, new_hi, n = _extend(seg_lo, trunk_lo, trunk_hi, starts,
+                                                              [width] * len(starts))
+        x2 = x.new_zeros(n, x.shape[1])
+        x2[rows] = x
+        x2[inserted] = window[win_index[token]].reshape(-1, x.shape[1]).to(x.dtype)
+        return op(x2, weight, new_seg, new_lo, new_hi, silu)[rows]
+
+    return fork_conv_window
+
+
+def gated_delta_with_snapshot(op: Callable) -> Callable:
+    """The `gated_delta_snapshot` companion built on a plain gated delta variant `op` (the level-major contract:
+    the segments of a call contiguous and in stream order, unused rows last)."""
+
+    def gated_delta_snapshot(q, k, v, g, beta, seg_start, seg_len, initial_state, initial_index, snapshot_chunk,
+                             scale, use_qk_l2norm):
+        snap = snapshot_chunk >= 0
+        before = torch.where(snap, torch.minimum(snapshot_chunk * GDN_CHUNK, seg_len), seg_len)
+        rest = seg_len - before
+        # call 1: each segment as [before its snapshot][the rest, from zero: dropped]
+        starts1 = torch.stack([seg_start, seg_start + before], 1).flatten()
+        lens1 = torch.stack([before, rest], 1).flatten()
+        index1 = torch.stack([initial_index, torch.full_like(initial_index, -1)], 1).flatten()
+        o, final1 = op(q, k, v, g, beta, starts1, lens1, initial_state, index1, scale, use_qk_l2norm)
+        at_snapshot = final1[0::2]  # the state after `before` tokens: the snapshot, or the final state
+        snapshot = torch.where(snap[:, None, None, None], at_snapshot, torch.zeros_like(at_snapshot))
+        tails = torch.nonzero(rest > 0).flatten()
+        if tails.numel() == 0:
+            return o, at_snapshot, snapshot
+        # call 2: the rests again, gathered into a short stream, from their snapshots
+        spans = torch.stack([seg_start[tails] + before[tails], rest[tails]], 1).tolist()
+        rows = torch.cat([torch.arange(a, a + n, device=q.device) for a, n in spans])
+        tail_len = rest[tails]
+        tail_start = tail_len.cumsum(0) - tail_len
+        index2 = torch.arange(tails.numel(), device=q.device)
+        o2, final2 = op(q[rows], k[rows], v[rows], g[rows], beta[rows], tail_start, tail_len, at_snapshot[tails],
+                        index2, scale, use_qk_l2norm)
+        o = o.clone()
+        o[rows] = o2
+        final = at_snapshot.clone()
+        final[tails] = final2
+        return o, final, snapshot
+
+    return gated_delta_snapshot
+
+
+__all__ = ["attention_with_prefix", "conv_with_window", "gated_delta_with_snapshot"]

@@ -1,0 +1,299 @@
+"""Fork attention as a batch-invariant Triton kernel: every output row has the same bits whatever else the round holds.
+
+Why: batch-invariant mode (`kernels.batch_invariant`) promises that a request's answers do not depend on the other
+requests of its round, nor on where in the stream its rows land. The fast kernel (triton.py) does not keep that
+promise: its key blocks are cut at absolute stream positions (`[min trunk_lo, ...)` and `[min seg_lo, ...)` of the
+whole query block, so a key's column in its tile, and which keys share a tile, depend on the block's other rows),
+and whether a key block takes the unmasked or the masked code path depends on which rows share the query block. Both
+change the order of a row's floating-point sums.
+
+The order of a row's sums here (online softmax, FlashAttention-2 style, fp32 accumulation):
+
+- a question row: FIRST its state's keys in tiles of BLOCK_N that start at its `trunk_lo` (`trunk_lo`,
+  `trunk_lo + BLOCK_N`, ...; the last tile masked at `trunk_hi`), THEN its own segment's keys in tiles that start at
+  its `seg_lo` (causal mask: keys <= the row's token);
+- a state row: only its own segment's tiles from `seg_lo`;
+- a row that sees only itself (a pad, a state's first token, a one-token state: `seg_lo == t`, no state): one key,
+  scored in whichever column of a tile it falls; with a single unmasked score per row the column changes nothing
+  (m = s, p = exp2(0), l = p, acc = p * v_t: each a single rounding, zeros added exactly), so its output
+  p * v_t / p is the same wherever it lies (v_t itself where exp2(0) is exactly 1).
+
+So for every row that sees more than itself, the sequence of key tiles it takes part in, and each key's column inside
+its tile, depend only on the row's own segment and state, never on absolute positions nor on the other rows of its
+query block.
+
+How a program shares tiles anyway: a program owns an absolute block of query rows (BLOCK_M // GROUP tokens x the
+GROUP query heads of one KV head: GQA packed into rows, as in triton.py) and walks *ranges*: first each distinct state
+(`trunk_lo`) among its rows, in increasing order, then each distinct own segment (`seg_lo`), in increasing order,
+then one range holding all its rows that see only themselves (from the first of them). The next range is the
+smallest start above the current one among the block's rows (a reduction of metadata, never of data), so rows of one
+state need not be contiguous (Jev's template interleaves questions of two states). Each range is visited in tiles
+from its start; the rows of the range are *active*, every other row is masked out of every tile. All rows of the
+block that fork from one state share its tiles: a block of many short questions of one state scans the state once.
+
+A row masked out of a tile keeps its accumulators bit for bit, without relying on exp2(0) == 1: its rescale factor
+is *selected* to be 1.0 (rows active in the range whose keys in the tile are all in the future, or rows of other
+ranges); its probabilities are exp2(-inf - m) = +0 (m starts at -1e30, finite: no NaN), so acc * 1 + 0 * v = acc
+and l * 1 + 0 = l exactly, whatever finite values the tile's other keys hold. The extra (no-op) tiles a row goes
+through depend on its block; the tiles where it sees a key do not, and they run the same code: there is ONE tile
+code path (no unmasked fast path whose choice would depend on the block; a masked and an unmasked path may compile to
+different instruction sequences, e.g. with or without FMA contraction) and one call site for all phases' tiles.
+
+Per-row independence: each row's scores come from `tl.dot` (a row of the product depends only on that row of q and on
+the tile of keys), and every reduction (`tl.max`, `tl.sum`) runs along the key axis of one row. Nothing is reduced
+across rows but metadata.
+
+What is fixed: the tiles (BLOCK_M, BLOCK_N, warps, stages) per (head dim, dtype), `default_config` below, never
+autotuned; fp32 inputs use IEEE fp32 dots (`input_precision="ieee"`), 16-bit inputs tensor-core dots with fp32
+accumulation; `T` is not specialised by the JIT (`do_not_specialize`), so a stream of 16k tokens and one of 17 run
+the same binary. The launch grid is (cdiv(T, BLOCK_M // GROUP), Hkv): shapes only, no host sync, replayable in a
+CUDA graph with any round of the same shape.
+
+Assumed of the metadata (true of every round `build_round` lays out): `seg_lo[t] <= t` and the tokens with one
+`seg_lo` are one segment (a segment is named by its start); a state is named by its `trunk_lo` and lies outside the
+own segment (`trunk_hi <= seg_lo` where non-empty: its keys are not counted twice); `trunk_hi <= trunk_lo` means no
+state. The k / v rows a tile loads for other rows (other states of the block, later tokens of the same segment) must
+be finite (0 * inf would be NaN): true of a model's keys and values.
+
+The invariance covers: the same request (its q / k / v rows identical) laid out at any offset, with any other requests
+before / after / between its segments, alone in a short stream or in a long one, with the same tile config, dtype and
+head shape and strides, on the same device and Triton build (q / k / v of one alignment class, as torch's own
+allocations are: the JIT specialises pointers on 16-byte alignment, which changes how tiles are loaded, not how they
+are summed). A -0.0 may come out as +0.0 (masked keys contribute 0 * v, whose sign depends on v); `torch.equal`
+treats them as equal.
+
+Expected cost vs triton.py (same tiles; NOT timed: written without a GPU). Key tiles visited, counted in Triton's
+interpreter with the bf16 tiles (128 rows = 32 tokens x GQA 4, 64 keys) on bench_fork_attention_invariant.py's
+streams, per KV head (invariant / triton.py): 2,000-token state + 64 x 40 questions 3,747 / 3,665 (1.02x); 64
+RACE-sized requests 4,752 / 4,496 (1.06x); 2,000-token state + 256 x 8 questions 3,363 / 3,137 (1.07x); 40 RACE-sized
+requests padded to 30,720 tokens 3,330 / 3,170 (1.05x).
+- state rows: the same causal scan from the segment's start, but every tile is masked (triton.py skips the mask left
+  of the diagonal: ~90% of its tiles on the long-state stream): a few more ALU operations per tile element.
+- question rows: each state's tiles are shared by the block's rows of that state, as in triton.py; the own part costs
+  one run of tiles per distinct segment in the block (triton.py: one run for all): a block of S short questions pays
+  ~S own tiles instead of 1-2, small next to the state's tiles. A block holding questions of several requests scans
+  each of their states once (triton.py scans the union range, other requests' states between them included).
+- per range: a few block-wide metadata reductions (cross-warp) and the inner loop's pipeline prologue: noticeable only
+  for blocks of many very short segments.
+- registers (ptxas -v, sm_90a, triton 3.6): bf16 dim 256 at 128 x 64 x 8 warps x 2 stages spills 64 bytes a thread
+  (triton.py: none); 128 x 32 x 8 x 3 spills none (bench_fork_attention_invariant.py --sweep times both). Dim 128 and
+  fp32 tiles: none or a few bytes.
+So expect ~1.0x-1.3x triton.py's time.
+
+Runs on CPU tensors under TRITON_INTERPRET=1 (read by `triton.jit` when this module is imported), which is how the CPU
+tests check it (tests/test_fork_attention_invariant.py); the GPU checks are tests/gpu/
+test_fork_attention_invariant_gpu.py.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton import LOG2E, Config
+
+__all__ = ["Config", "default_config", "fork_attention", "query_blocks"]
+
+
+def default_config(head_dim: int, dtype: torch.dtype) -> Config:
+    """Fixed tiles per (head dim, dtype): those of triton.py's `default_config` (checked there with ptxas for spills
+    on sm_90), repeated here so that re-tuning the fast kernel never silently changes this one's sums. The bits of a
+    row depend on BLOCK_N (where tiles are cut) and on the compiled code, so a change here changes every answer of
+    batch-invariant mode (still invariant, but not equal to before)."""
+    if dtype == torch.float32:
+        if head_dim <= 64:
+            return Config(32, 32, 4, 1)
+        if head_dim <= 128:
+            return Config(32, 16, 4, 1)
+        return Config(16, 16, 4, 1)
+    if head_dim <= 64:
+        return Config(128, 64, 4, 3)
+    if head_dim <= 128:
+        return Config(128, 64, 8, 3)
+    return Config(128, 64, 8, 2)
+
+
+@triton.jit
+def _tile(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d, offs_dv, start, hi, active, row_lo,
+          row_hi, qk_scale, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+          EVEN_D: tl.constexpr, PRECISION: tl.constexpr):
+    """One tile of keys [start, start + BLOCK_N), loaded where < hi. An active row sees the keys in its
+    [row_lo, row_hi); inactive rows see none. A row that sees no key of the tile keeps acc, l and m exactly (alpha
+    selected as 1.0, p = +0)."""
+    keys = start + offs_n
+    in_range = keys < hi
+    k_ptrs = k_base + keys[:, None] * stride_kt + offs_d[None, :]
+    v_ptrs = v_base + keys[:, None] * stride_vt + offs_dv[None, :]
+    k_mask = in_range[:, None]
+    v_mask = in_range[:, None]
+    if not EVEN_D:
+        k_mask = k_mask & (offs_d[None, :] < HEAD_DIM)
+        v_mask = v_mask & (offs_dv[None, :] < HEAD_DIM_V)
+    k = tl.load(k_ptrs, mask=k_mask, other=0.0)
+    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # log2 units: exp2 below
+    # lo <= s < hi as one unsigned compare: (s - lo) wraps past hi - lo when s < lo
+    seen = (keys[None, :] - row_lo[:, None]).to(tl.uint32, bitcast=True) < (row_hi - row_lo).to(tl.uint32,
+                                                                                               bitcast=True)[:, None]
+    qk = tl.where(active[:, None] & seen, qk, float("-inf"))
+    touched = active & (start < row_hi) & (start + BLOCK_N > row_lo)  # the row sees a key of this tile
+    m_new = tl.maximum(m_i, tl.max(qk, 1))  # untouched rows: max(m, -inf) = m
+    p = tl.math.exp2(qk - m_new[:, None])  # m_new finite: masked entries are exactly +0
+    alpha = tl.where(touched, tl.math.exp2(m_i - m_new), 1.0)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_ptrs, mask=v_mask, other=0.0)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.jit(do_not_specialize=["T"])
+def _fork_attention_invariant_kernel(q_ptr, k_ptr, v_ptr, o_ptr, seg_lo_ptr, trunk_lo_ptr, trunk_hi_ptr, stats_ptr,
+                                     T, qk_scale, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                                     stride_ot, stride_oh, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                                     HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr,
+                                     STATS: tl.constexpr):
+    TOKENS: tl.constexpr = BLOCK_M // GROUP  # tokens per query block; rows past TOKENS * GROUP idle
+    EVEN_D: tl.constexpr = (BLOCK_D == HEAD_DIM) and (BLOCK_DV == HEAD_DIM_V)
+    BIG: tl.constexpr = (1 << 31) - 1  # past any stream index: "no range"
+    # Heaviest blocks first (the questions at the end of the stream see whole states), as in triton.py
+    n_blocks = tl.num_programs(0)
+    pid_m = n_blocks - 1 - tl.program_id(0)
+    kvh = tl.program_id(1)
+    rows = tl.arange(0, BLOCK_M)
+    tok = pid_m * TOKENS + rows // GROUP
+    head = kvh * GROUP + rows % GROUP
+    valid = (rows < TOKENS * GROUP) & (tok < T)
+    # int32 from here on (a stream is far below 2**31 tokens)
+    seg_lo = tl.load(seg_lo_ptr + tok, mask=valid, other=0).to(tl.int32)
+    trunk_lo = tl.load(trunk_lo_ptr + tok, mask=valid, other=0).to(tl.int32)
+    trunk_hi = tl.load(trunk_hi_ptr + tok, mask=valid, other=0).to(tl.int32)
+    has_trunk = trunk_hi > trunk_lo
+    single = valid & (seg_lo == tok) & (trunk_hi <= trunk_lo)  # sees only itself (a pad, a state's first token)
+    walk = valid & ((seg_lo != tok) | has_trunk)  # every other real row
+    # Each row's range id in each phase (BIG: no part in that phase); a range's tiles start at its id.
+    # phase 0: the row's state [trunk_lo, trunk_hi); phase 1: its own keys [seg_lo, t]; phase 2: the rows that see
+    # only themselves, all in one range from the first of them (one key a row: its column in the tile changes
+    # nothing, p * v_t / p whatever the column), so a block of pads costs one tile, not one per pad
+    id_a = tl.where(walk & has_trunk, trunk_lo, BIG)
+    id_b = tl.where(walk, seg_lo, BIG)
+    first_c = tl.min(tl.where(single, tok, BIG), 0)
+    id_c = tl.where(single, first_c, BIG)
+
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q_ptrs = q_ptr + tok.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
+    if EVEN_D:
+        q = tl.load(q_ptrs, mask=valid[:, None], other=0.0)
+    else:
+        q = tl.load(q_ptrs, mask=valid[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    k_base = k_ptr + kvh.to(tl.int64) * stride_kh
+    v_base = v_ptr + kvh.to(tl.int64) * stride_vh
+
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    n_tiles = 0
+    # One loop over the ranges of all phases, in order (so that every tile runs the same code); `cur` is the
+    # current range's id, the next one the smallest id above it in the phase, else the next phase's first
+    first_a = tl.min(id_a, 0)
+    first_b = tl.min(id_b, 0)
+    phase = tl.where(first_a < BIG, 0, tl.where(first_b < BIG, 1, 2))
+    cur = tl.where(first_a < BIG, first_a, tl.where(first_b < BIG, first_b, first_c))
+    while cur < BIG:
+        row_id = tl.where(phase == 0, id_a, tl.where(phase == 1, id_b, id_c))
+        row_lo = tl.where(phase == 2, tok, row_id)
+        row_hi = tl.where(phase == 0, trunk_hi, tok + 1)
+        active = row_id == cur
+        hi = tl.max(tl.where(active, row_hi, 0), 0)
+        for start in range(cur, hi, BLOCK_N):
+            acc, l_i, m_i = _tile(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d, offs_dv,
+                                  start, hi, active, row_lo, row_hi, qk_scale, BLOCK_N, HEAD_DIM, HEAD_DIM_V,
+                                  EVEN_D, PRECISION)
+            if STATS:
+                n_tiles += 1
+        nxt = tl.min(tl.where(row_id > cur, row_id, BIG), 0)
+        to_b = (nxt == BIG) & (phase == 0) & (first_b < BIG)
+        to_c = (nxt == BIG) & (phase <= 1) & (to_b == 0)
+        cur = tl.where(to_b, first_b, tl.where(to_c, first_c, nxt))
+        phase = tl.where(to_b, 1, tl.where(to_c, 2, phase))
+
+    l_i = tl.where(l_i > 0, l_i, 1.0)  # idle rows only: every real row sees at least itself
+    out = acc / l_i[:, None]
+    o_ptrs = o_ptr + tok.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + offs_dv[None, :]
+    if EVEN_D:
+        tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=valid[:, None])
+    else:
+        tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=valid[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
+    if STATS:
+        tl.store(stats_ptr + kvh * n_blocks + pid_m, n_tiles)
+
+
+def _pow2_dim(d: int) -> int:
+    return max(16, triton.next_power_of_2(d))  # tl.dot needs >= 16 along every dim; padded dims are masked
+
+
+def _tiles(config: Config | None, head_dim: int, dtype: torch.dtype, group: int) -> Config:
+    cfg = config or default_config(head_dim, dtype)
+    if cfg.block_m < group:
+        cfg = Config(triton.next_power_of_2(group), cfg.block_n, cfg.num_warps, cfg.num_stages)
+    return cfg
+
+
+def fork_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_lo: torch.Tensor, trunk_lo: torch.Tensor,
+                   trunk_hi: torch.Tensor, scale: float, *, config: Config | None = None,
+                   out: torch.Tensor | None = None, stats: torch.Tensor | None = None) -> torch.Tensor:
+    """Same contract as `reference.fork_attention` ([T, Hq, D] / [T, Hkv, D] / [T, Hkv, Dv] in, [T, Hq, Dv] out in
+    q's dtype; scores, softmax and sums in fp32), batch-invariant (module docstring). CUDA tensors, or CPU tensors
+    under TRITON_INTERPRET=1.
+
+    config: tiles (default: `default_config`; rows are invariant only among calls with the same tiles). out: an
+    output buffer to write into (every element is written). stats: int32 [Hkv * query_blocks(...)] (index kv_head *
+    n_query_blocks + block) to receive the number of key tiles each program visited (tests, benchmarks; None
+    compiles the counting out).
+    """
+    T, Hq, D = q.shape
+    Hkv, Dv = k.shape[1], v.shape[2]
+    if k.shape != (T, Hkv, D) or v.shape[:2] != (T, Hkv) or Hq % Hkv:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: expected [T, Hq, D], "
+                         f"[T, Hkv, D], [T, Hkv, Dv] with Hq a multiple of Hkv")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    for name, m in (("seg_lo", seg_lo), ("trunk_lo", trunk_lo), ("trunk_hi", trunk_hi)):
+        if m.shape != (T,) or m.dtype != torch.int64:
+            raise ValueError(f"{name} must be int64 [{T}], got {m.dtype} {tuple(m.shape)}")
+    group = Hq // Hkv
+    cfg = _tiles(config, D, q.dtype, group)
+    if out is None:
+        out = torch.empty(T, Hq, Dv, dtype=q.dtype, device=q.device)
+    elif out.shape != (T, Hq, Dv) or out.dtype != q.dtype or out.device != q.device:
+        raise ValueError(f"out must be {q.dtype} {(T, Hq, Dv)} on {q.device}")
+    if T == 0:
+        return out
+    # the kernel addresses the head dim with stride 1
+    q, k, v = (x if x.stride(2) == 1 else x.contiguous() for x in (q, k, v))
+    if out.stride(2) != 1:
+        raise ValueError("out must have a contiguous last dim")
+    if T * max(k.stride(0), v.stride(0)) >= 2 ** 31:  # key offsets are int32 in the kernel
+        raise ValueError(f"a stream of {T} tokens with key rows of {max(k.stride(0), v.stride(0))} elements "
+                         "overflows the kernel's int32 key offsets")
+    seg_lo, trunk_lo, trunk_hi = seg_lo.contiguous(), trunk_lo.contiguous(), trunk_hi.contiguous()
+    grid = (triton.cdiv(T, cfg.block_m // group), Hkv)
+    if stats is not None and (stats.shape != (grid[0] * grid[1],) or stats.dtype != torch.int32):
+        raise ValueError(f"stats must be int32 [{grid[0] * grid[1]}]")
+    _fork_attention_invariant_kernel[grid](
+        q, k, v, out, seg_lo, trunk_lo, trunk_hi, stats if stats is not None else seg_lo, T, float(scale) * LOG2E,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+        GROUP=group, HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=_pow2_dim(D),
+        BLOCK_DV=_pow2_dim(Dv), PRECISION="ieee" if q.dtype == torch.float32 else "tf32", STATS=stats is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out
+
+
+def query_blocks(tokens: int, heads_q: int, heads_kv: int, head_dim: int, dtype: torch.dtype,
+                 config: Config | None = None) -> int:
+    """Programs per KV head for a stream of `tokens` (`stats` holds this times Hkv)."""
+    group = heads_q // heads_kv
+    return triton.cdiv(tokens, _tiles(config, head_dim, dtype, group).block_m // group)

@@ -42,7 +42,7 @@ kernels|models|invariant)
     elif [ "$part" = invariant ]; then
         files="test_linear_gpu test_fork_attention_invariant_gpu test_batch_invariant_gpu"
     else
-        files="test_engine_gpu test_graphs_gpu"
+        files="test_engine_gpu test_graphs_gpu test_checkpoints_gpu"
     fi
     for name in $files; do
         timeout 280 python3 -m pytest -q -x -p no:logging "tests/gpu/$name.py" > "$OUT/$name.log" 2>&1

@@ -166,3 +166,42 @@ class ScoreRecorder:
 
     def close(self) -> None:
         self.engine.answers = self._answers
+
+
+def run_in_triton_interpreter(test_file: str, select: str, min_passed: int) -> None:
+    """Runs the checks of `test_file` selected by `-k select` in a child pytest with TRITON_INTERPRET=1, and fails
+    unless at least `min_passed` of them ran and passed with none skipped.
+
+    Why a child: in triton 3.x `triton.jit` reads TRITON_INTERPRET when it decorates a kernel, i.e. when the kernel's
+    module is imported; the rest of the suite may have imported it already, and setting the variable later changes
+    nothing."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import pytest
+
+    pytest.importorskip("triton")
+    path = Path(test_file).resolve()
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(path), "-k", select]
+    child = subprocess.run(command, cwd=path.parents[1], env=env, capture_output=True, text=True, timeout=1200,
+                           check=False)
+    report = child.stdout[-20000:] + child.stderr[-4000:]
+    assert child.returncode == 0, report
+    passed = re.search(r"(\d+) passed", child.stdout)
+    assert passed and int(passed.group(1)) >= min_passed, report  # the checks ran, rather than being skipped
+    assert "skipped" not in child.stdout, report
+    print(child.stdout.strip().splitlines()[-1])
+
+
+def growing_conversation(seed: int, steps: int, words: int = 140, questions: int = 3) -> list[dict]:
+    """Requests of a growing state (an agent trajectory: each step appends a turn), several questions each step."""
+    rng = random.Random(seed)
+    state, out = "", []
+    for step in range(steps):
+        state += f"\n<turn {step}> " + _text(rng, words)
+        out.append({"state": state, "questions": {f"q{i}": random_question(rng) for i in range(questions)}})
+    return out

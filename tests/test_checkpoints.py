@@ -10,7 +10,6 @@ eviction; config errors; SWE-agent trajectories from ../shared (skipped without 
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +25,7 @@ from flide.ops.fork_attention.reference import fork_attention_naive
 from flide.ops.fork_conv import fork_conv_reference, fork_conv_window_reference
 from flide.ops.gated_delta import gated_delta_reference, gated_delta_snapshot_reference
 from flide.ops.registry import resumable, variants
-from flide.testing import _text, max_difference, random_question
+from flide.testing import growing_conversation, max_difference
 
 ATOL = 1e-5
 SWE_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "swe_agent_trajs"
@@ -179,14 +178,7 @@ def _engine(model, tok, checkpoints: bool = True, **options):
     return flide.Engine(model, tok, cfg)
 
 
-def conversation(seed: int, steps: int, words: int = 140, questions: int = 3):
-    """Requests of a growing state (an agent trajectory: each step appends a turn), several questions each step."""
-    rng = random.Random(seed)
-    state, out = "", []
-    for step in range(steps):
-        state += f"\n<turn {step}> " + _text(rng, words)
-        out.append({"state": state, "questions": {f"q{i}": random_question(rng) for i in range(questions)}})
-    return out
+conversation = growing_conversation
 
 
 @pytest.fixture(scope="module", params=["qwen3_5_text", "llama"])

@@ -20,33 +20,19 @@ whose invariance only the GPU tests can see.
 from __future__ import annotations
 
 import os
-import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-ROOT = Path(__file__).resolve().parents[1]
 
 if not INTERPRETED:
+    from flide.testing import run_in_triton_interpreter
 
     def test_in_the_triton_interpreter():
         """Runs this file's `test_linear_*` checks in a child process with TRITON_INTERPRET=1."""
-        pytest.importorskip("triton")
-        env = {**os.environ, "TRITON_INTERPRET": "1"}
-        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__)),
-                   "-k", "test_linear_"]
-        child = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200, check=False)
-        report = child.stdout[-20000:] + child.stderr[-4000:]
-        assert child.returncode == 0, report
-        passed = re.search(r"(\d+) passed", child.stdout)
-        assert passed and int(passed.group(1)) >= 20, report  # the checks ran, rather than being skipped
-        assert "skipped" not in child.stdout, report
-        print(child.stdout.strip().splitlines()[-1])
+        run_in_triton_interpreter(__file__, "test_linear_", 20)
 
     def test_compiled_kernel_is_fixed():
         """Outside the interpreter the kernel is a plain JITFunction: no autotuner or heuristics in front of it

@@ -5,14 +5,12 @@ tokens) from the second step on; rounds without checkpoint work still replay the
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
 import flide
 from flide.models.tiny import tiny_model, tiny_tokenizer
-from flide.testing import _text, max_difference, random_question
+from flide.testing import growing_conversation, max_difference
 
 VARIANTS = {
     "auto": {},
@@ -20,13 +18,8 @@ VARIANTS = {
 }
 
 
-def conversation(seed: int, steps: int, words: int = 120, questions: int = 3):
-    rng = random.Random(seed)
-    state, out = "", []
-    for step in range(steps):
-        state += f"\n<turn {step}> " + _text(rng, words)
-        out.append({"state": state, "questions": {f"q{i}": random_question(rng) for i in range(questions)}})
-    return out
+def conversation(seed: int, steps: int, words: int = 120):
+    return growing_conversation(seed, steps, words)
 
 
 @pytest.mark.parametrize("kernels", list(VARIANTS))

@@ -4,7 +4,8 @@
                  REQUEST.json|-
     flide bench  CONFIG.yaml [--workloads ...] [--engines ...] [--out DIR] [--dry-run]
     flide serve  [--model PATH_OR_HUB_ID] [--config YAML] [--random-weights] [--tokenizer PATH] [--batch-invariant]
-                 [--host 127.0.0.1] [--port 8000] [--timeout S] [--max-queue N] [--log-format text|json] [--checkpoint-cache-gb GB]
+                 [--host 127.0.0.1] [--port 8000] [--timeout S] [--max-queue N] [--prepare-processes N]
+                 [--log-format text|json] [--checkpoint-cache-gb GB]
 
 REQUEST.json holds one System One request or a list of them ('-' reads standard input); the answers are printed as
 JSON. `serve` answers POST /v1/systemone over HTTP (see flide/serve). Without --model, an embedded tiny Qwen3.5 with
@@ -87,8 +88,8 @@ def cmd_serve(args) -> int:
 
     setup_logging(args.log_format, logging.DEBUG if args.verbose else logging.INFO)
     log = logging.getLogger("flide.serve")
-    overrides = {key: value for key, value in (("request_timeout_s", args.timeout), ("max_queue", args.max_queue))
-                 if value is not None}
+    overrides = {key: value for key, value in (("request_timeout_s", args.timeout), ("max_queue", args.max_queue),
+                                               ("prepare_processes", args.prepare_processes)) if value is not None}
     try:
         cfg = load_config(args.config)
         if overrides:
@@ -166,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
                                                      "(default: serve.request_timeout_s of the config, 60)")
     serve.add_argument("--max-queue", type=int, help="requests waiting for a round before 503s "
                                                      "(default: serve.max_queue of the config, 1024)")
+    serve.add_argument("--prepare-processes", type=int,
+                       help="worker processes that render and tokenize requests (0: threads only; default: "
+                            "serve.prepare_processes of the config, 0)")
     serve.add_argument("--checkpoint-cache-gb", type=float,
                        help="turn checkpoints of growing states on with this cache budget in GiB (0: off; default: "
                             "checkpoints.* of the config, off)")

@@ -79,6 +79,9 @@ class ServeConfig:
     max_body_bytes: int = 16777216  # a larger body is answered 413 before it is read
     max_json_depth: int = 64  # deeper nesting of arrays and objects is answered 422
     prepare_threads: int = 4  # threads that render and tokenize requests, each with its own tokenizer copy
+    # worker processes that render and tokenize instead (0: none, the threads do it; rendering holds the GIL, so
+    # threads share one core: processes scale with cores, flide/serve/workers.py)
+    prepare_processes: int = 0
     retry_after_s: int = 1  # the Retry-After header of 503 answers
 
 
@@ -130,6 +133,9 @@ _CHOICES = {
 }
 
 
+_MAY_BE_ZERO = {("serve", "prepare_processes")}
+
+
 def _build(cls, values: Any, where: str):
     if not isinstance(values, dict):
         raise ValueError(f"Config `{where}` must be a mapping, got {type(values).__name__}.")
@@ -154,7 +160,10 @@ def _build(cls, values: Any, where: str):
                 raise ValueError(f"Config `{key}` must be a positive number, got {value!r}.")
             value = float(value)
         elif isinstance(default, bool) or isinstance(default, int):
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            if (where, name) in _MAY_BE_ZERO:
+                if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                    raise ValueError(f"Config `{key}` must be a whole number >= 0, got {value!r}.")
+            elif not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"Config `{key}` must be a positive integer, got {value!r}.")
         elif isinstance(default, str):
             if isinstance(value, bool) and (where, name) == ("runtime", "graphs"):

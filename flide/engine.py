@@ -18,7 +18,7 @@ import torch
 from .config import FlideConfig, load_config
 from .graphs.buckets import exact_shape, plan_rounds
 from .loading import DTYPES
-from .requests import PreparedRequest, PromptTokenizer, RequestError, parse_request
+from .requests import PreparedRequest, PromptTokenizer, RequestError, tokenize_request
 from .round import Footprint, Round, build_round, footprint
 
 logger = logging.getLogger("flide.engine")
@@ -152,13 +152,12 @@ class Engine:
 
         `prompts`: the PromptTokenizer to use (a thread's own copy, `engine.prompts.copy_for_thread()`, when
         several threads prepare requests at once); default the engine's."""
-        state, questions = parse_request(request, self.decision_config, self.config.limits.max_questions)
-        try:
-            prepared = (prompts or self.prompts).prepare(state, questions)
-        except RequestError:
-            raise
-        except (ValueError, TypeError) as error:  # a template that cannot render this state
-            raise RequestError("state", f"the decision template cannot render it: {error}") from None
+        return self.finish_prepare(tokenize_request(request, prompts or self.prompts,
+                                                    self.config.limits.max_questions))
+
+    def finish_prepare(self, prepared: PreparedRequest) -> PreparedRequest:
+        """What `prepare` adds to a tokenized request (`flide.requests.tokenize_request`, maybe from a worker
+        process): the prompt length limit, each question's head rows, and its part of any round."""
         limit = self.config.limits.max_prompt_tokens
         for branch in prepared.branches:
             n = len(prepared.trunks[branch.trunk]) + len(branch.tokens)

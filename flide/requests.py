@@ -45,6 +45,9 @@ class RequestError(ValueError):
         super().__init__(f"{field}: {message}")
         self.field, self.message, self.status = field, message, status
 
+    def __reduce__(self):  # rebuilt from its fields: it crosses process boundaries (prepare workers)
+        return (type(self), (self.field, self.message, self.status))
+
 
 @dataclass
 class Branch:
@@ -323,3 +326,15 @@ class PromptTokenizer:
         branch_tokens = tail[keep[len(head):]]
         after_last_mark = ids[keep][int(marks[-1]):]
         return Branch(trunk_index, branch_tokens, (marks - 1).astype(np.int64), list(group), after_last_mark)
+
+
+def tokenize_request(request: Any, prompts: "PromptTokenizer", max_questions: int) -> PreparedRequest:
+    """Validates, renders and tokenizes one request (the part of `Engine.prepare` that needs no model: it runs in
+    prepare worker processes too); RequestError names the offending field."""
+    state, questions = parse_request(request, prompts.config, max_questions)
+    try:
+        return prompts.prepare(state, questions)
+    except RequestError:
+        raise
+    except (ValueError, TypeError) as error:  # a template that cannot render this state
+        raise RequestError("state", f"the decision template cannot render it: {error}") from None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import json
 import os
 import socket
@@ -30,6 +31,7 @@ import flide
 from flide.config import ServeConfig
 from flide.models.tiny import tiny_model, tiny_tokenizer
 from flide.serve import create_app
+from flide.testing import max_difference
 from flide.serve.body import TOP_LEVEL_KEYS, ApiError, check_value
 from flide.testing import SUPPORT_TICKET as GOOD
 
@@ -579,3 +581,20 @@ def test_cli_serve_with_the_embedded_model(engine):
     lines = [json.loads(line) for line in stderr.splitlines() if line.startswith("{")]
     [logged] = [line for line in lines if line.get("request_id") == "cli-test-1"]
     assert logged["status"] == 200 and logged["questions"] == 3 and logged["input_tokens"] > 0
+
+
+# ---- worker processes ----
+def test_prepare_processes_give_the_same_answers_and_errors(engine, serial):
+    """serve.prepare_processes: requests rendered and tokenized in spawned workers answer as in process, from many
+    threads at once, and a bad request is still a 422 naming its field (RequestError crosses the process boundary)."""
+    settings = dataclasses.replace(engine.config.serve, prepare_processes=2, prepare_threads=2)
+    with TestClient(create_app(engine, NAME, settings)) as client:
+        with ThreadPoolExecutor(6) as pool:
+            responses = list(pool.map(lambda r: client.post("/v1/systemone", json=r), REQUESTS * 3))
+        for response, expected in zip(responses, serial * 3):
+            assert response.status_code == 200, response.text
+            assert max_difference(response.json()["answers"], expected) <= 1e-6  # rounds shared with others
+        bad = client.post("/v1/systemone", json={"state": "x", "questions": {"q": {"type": "maybe"}}})
+        assert bad.status_code == 422 and bad.json()["detail"][0]["loc"] == ["body", "questions", "q", "type"]
+        scheduler = client.app.state.scheduler
+        assert scheduler.workers is not None and scheduler.workers.processes == 2

@@ -66,20 +66,27 @@ class Scheduler:
         self._local = threading.local()
         self._copies: queue.SimpleQueue = queue.SimpleQueue()
         self.pool: ThreadPoolExecutor | None = None
+        self.workers = None  # a ProcessPreparer with serve.prepare_processes > 0
 
     # ---- life ----
     def start(self) -> None:
         """Copies the prompt tokenizer for each prepare thread (here, once: a large vocabulary takes a while to
         copy), then starts the pool and the model thread."""
         threads = self.settings.prepare_threads
+        processes = self.settings.prepare_processes
+        if processes:  # the threads only wait on the worker processes: one per process keeps them all busy
+            from .workers import ProcessPreparer
+
+            self.workers = ProcessPreparer(self.engine, processes)
+            threads = max(threads, processes)
         for _ in range(threads):
             self._copies.put(self.engine.prompts.copy_for_thread())
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="flide-prepare", initializer=self._take_copy)
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="flide-model", daemon=True)
         self._thread.start()
-        logger.info("scheduler: model thread started; %d prepare threads; queue bound %d; timeout %.1f s", threads,
-                    self.settings.max_queue, self.settings.request_timeout_s)
+        logger.info("scheduler: model thread started; %d prepare threads, %d prepare processes; queue bound %d; "
+                    "timeout %.1f s", threads, processes, self.settings.max_queue, self.settings.request_timeout_s)
 
     def stop(self, timeout: float = 30.0) -> None:
         """Finishes the running round, answers what still waits `Overloaded`, and stops the threads."""
@@ -96,6 +103,8 @@ class Scheduler:
                     ticket.future.set_exception(Overloaded("the server is shutting down."))
         if self.pool is not None:
             self.pool.shutdown(wait=False, cancel_futures=True)
+        if self.workers is not None:
+            self.workers.close()
 
     @property
     def alive(self) -> bool:
@@ -137,7 +146,10 @@ class Scheduler:
         self._local.prompts = self._copies.get_nowait()
 
     def prepare(self, request) -> PreparedRequest:
-        """`engine.prepare` with this thread's own prompt tokenizer (call it from a pool thread)."""
+        """`engine.prepare` with this thread's own prompt tokenizer (call it from a pool thread), or in a worker
+        process when there are some."""
+        if self.workers is not None:
+            return self.workers.prepare(request)
         prompts = getattr(self._local, "prompts", None)
         if prompts is None:  # a thread outside the pool: give it a copy of its own too
             prompts = self._local.prompts = self.engine.prompts.copy_for_thread()

@@ -327,16 +327,13 @@ def run(config: BenchConfig, workloads: list[str] | None = None, engines: list[s
     """The fidelity grid: per model, the reference once, then every engine on every workload -> result rows."""
     import torch
 
-    from .runner import ROW_KEYS, TokenizerPool, build_engine, git_commit, hardware_name, prepare_model
+    from .runner import (ROW_KEYS, TokenizerPool, build_engine, git_commit, hardware_name, prepare_model, selection,
+                         torch_threads)
 
     log = log or (lambda message: print(message, file=sys.stderr, flush=True))
-    threads_before = torch.get_num_threads()
-    if config.torch_threads:
-        torch.set_num_threads(config.torch_threads)
-    try:
+    with torch_threads(config.torch_threads):
         commit = commit or git_commit()
-        workload_names = [w for w in config.workloads if workloads is None or w in workloads]
-        engine_names = [e for e in config.engine_names() if engines is None or e in engines]
+        workload_names, engine_names = selection(config, workloads, engines)
         rows: list[dict] = []
         for spec in config.models:
             model, tokenizer, model_name, built, facts = prepare_model(spec, config, workload_names)
@@ -386,8 +383,7 @@ def run(config: BenchConfig, workloads: list[str] | None = None, engines: list[s
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
         return rows
-    finally:
-        torch.set_num_threads(threads_before)
+
 
 
 # ---- picking final_norm_scale ----

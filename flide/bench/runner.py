@@ -44,6 +44,8 @@ Writes `<results_dir>/<name>.json` (a list of rows {workload, model, engine, met
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import argparse
 import copy
 import datetime
@@ -359,6 +361,26 @@ def build_engine(engine_name: str, model, tokenizer, config: BenchConfig, spec: 
         return None
 
 
+@contextmanager
+def torch_threads(count: int | None):
+    """torch's intra-op threads set to `count` (None: left as they are) for the block, then restored."""
+    import torch
+
+    before = torch.get_num_threads()
+    if count:
+        torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def selection(config: BenchConfig, workloads: list[str] | None, engines: list[str] | None) -> tuple[list, list]:
+    """The grid's workloads and engines (ablations included) that `--workloads` / `--engines` keep, in grid order."""
+    return ([w for w in config.workloads if workloads is None or w in workloads],
+            [e for e in config.engine_names() if engines is None or e in engines])
+
+
 def run(config: BenchConfig, workloads: list[str] | None = None, engines: list[str] | None = None,
         commit: str | None = None, log: Callable[[str], None] | None = None) -> list[dict]:
     """Runs the grid (optionally only some workloads / engines) and returns its rows."""
@@ -369,13 +391,9 @@ def run(config: BenchConfig, workloads: list[str] | None = None, engines: list[s
         from .fidelity import run as run_fidelity
 
         return run_fidelity(config, workloads, engines, commit=commit, log=log)
-    threads_before = torch.get_num_threads()
-    if config.torch_threads:
-        torch.set_num_threads(config.torch_threads)
-    try:
+    with torch_threads(config.torch_threads):
         commit = commit or git_commit()
-        workload_names = [w for w in config.workloads if workloads is None or w in workloads]
-        engine_names = [e for e in config.engine_names() if engines is None or e in engines]
+        workload_names, engine_names = selection(config, workloads, engines)
         rows: list[dict] = []
         for spec in config.models:
             model, tokenizer, model_name, built, facts = prepare_model(spec, config, workload_names)
@@ -431,8 +449,7 @@ def run(config: BenchConfig, workloads: list[str] | None = None, engines: list[s
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
         return rows
-    finally:
-        torch.set_num_threads(threads_before)
+
 
 
 # ---- results ----

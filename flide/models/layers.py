@@ -37,7 +37,7 @@ class _Swapped(nn.Module):
         super().__init__()
         for name in names:  # the same module / parameter objects: weights and state_dict keys are kept
             value = getattr(original, name)
-            if isinstance(value, nn.Parameter):
+            if value is None or isinstance(value, nn.Parameter):  # None: an absent optional parameter (a bias)
                 self.register_parameter(name, value)
             else:
                 self.add_module(name, value)
@@ -168,31 +168,16 @@ class FlideGatedDeltaNet(_Swapped):
         return self.out_proj(out)
 
 
-class FlideLinear(nn.Module):
+class FlideLinear(_Swapped):
     """An `nn.Linear` run through a registered `linear` op (batch-invariant mode: `blocked` on the CPU, `triton` on
     CUDA), holding the same weight and bias objects (state_dict keys unchanged). Any leading dims, as nn.Linear."""
 
+    SHARED = ("op",)
+
     def __init__(self, original: nn.Linear, linear_op: Callable):
-        super().__init__()
-        self.weight = original.weight
-        self.bias = original.bias
+        super().__init__(original, ("weight", "bias"))
         self.in_features, self.out_features = original.in_features, original.out_features
-        self.__dict__["original"] = original  # not a child: its parameters are ours already
-        self.__dict__["op"] = linear_op  # a registered custom op: shared by copies, never deep-copied
-
-    def __deepcopy__(self, memo):
-        import copy
-
-        clone = type(self).__new__(type(self))
-        memo[id(self)] = clone
-        op = self.__dict__.pop("op")
-        try:
-            for key, value in self.__dict__.items():
-                clone.__dict__[key] = copy.deepcopy(value, memo)
-        finally:
-            self.__dict__["op"] = op
-        clone.__dict__["op"] = op
-        return clone
+        self.op = linear_op
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]

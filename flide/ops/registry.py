@@ -144,9 +144,8 @@ def concrete(kernels, device: str = "cpu"):
                                  f"`kernels.{op}` or turn batch invariance off.")
             picked[op] = chosen = found
         if invariant and (op, chosen) in _REGISTRY and (op, chosen) not in _BATCH_INVARIANT:
-            valid = sorted(v for (name, v) in _BATCH_INVARIANT if name == op)
             raise ValueError(f"`kernels.{op}: {chosen}` is not batch-invariant, and `kernels.batch_invariant` is "
-                             f"true; batch-invariant variants of {op}: {', '.join(valid)}.")
+                             f"true; batch-invariant variants of {op}: {', '.join(batch_invariant_variants(op))}.")
     return dataclasses.replace(kernels, **picked)
 
 

@@ -74,14 +74,16 @@ class Scheduler:
         copy), then starts the pool and the model thread."""
         threads = self.settings.prepare_threads
         processes = self.settings.prepare_processes
-        if processes:  # the threads only wait on the worker processes: one per process keeps them all busy
-            from .workers import ProcessPreparer
+        if processes:  # the threads only wait on the worker processes (one per process keeps them all busy) and
+            from .workers import ProcessPreparer  # tokenize nothing themselves: no tokenizer copies
 
             self.workers = ProcessPreparer(self.engine, processes)
             threads = max(threads, processes)
-        for _ in range(threads):
-            self._copies.put(self.engine.prompts.copy_for_thread())
-        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="flide-prepare", initializer=self._take_copy)
+        else:
+            for _ in range(threads):
+                self._copies.put(self.engine.prompts.copy_for_thread())
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="flide-prepare",
+                                       initializer=None if processes else self._take_copy)
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="flide-model", daemon=True)
         self._thread.start()

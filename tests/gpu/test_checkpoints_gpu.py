@@ -18,10 +18,6 @@ VARIANTS = {
 }
 
 
-def conversation(seed: int, steps: int, words: int = 120):
-    return growing_conversation(seed, steps, words)
-
-
 @pytest.mark.parametrize("kernels", list(VARIANTS))
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_growing_conversations_resume_on_the_gpu(kernels, dtype):
@@ -32,7 +28,7 @@ def test_growing_conversations_resume_on_the_gpu(kernels, dtype):
     engine = flide.patch(model, tok, config={**config, "checkpoints": {"enabled": True, "min_state_tokens": 64}})
     fresh = flide.patch(plain, tok, config=config)
     assert engine.checkpoints is not None
-    talks = [conversation(seed, 4) for seed in (1, 2, 3)]
+    talks = [growing_conversation(seed, 4, words=120) for seed in (1, 2, 3)]
     worst = 0.0
     for step in range(4):
         requests = [talk[step] for talk in talks]
@@ -58,6 +54,6 @@ def test_graphs_replay_for_rounds_without_checkpoint_work():
     before = sum(b.replays for b in engine.runner.buckets.values())
     engine.decide(short)  # under min_state_tokens: nothing to save or resume, so the round replays
     assert sum(b.replays for b in engine.runner.buckets.values()) == before + 1
-    talk = conversation(5, 2, words=200)
+    talk = growing_conversation(5, 2, words=200)
     first, second = engine.decide(talk[0]), engine.decide(talk[1])
     assert engine.checkpoints.stats()["hits"] >= 1 and first and second

@@ -79,9 +79,6 @@ def fork_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg
 
 
 fork_attention_triton.register_fake(_fake)
-
-
-
 register("fork_attention", "triton", available=needs_cuda_triton)(fork_attention_triton)
 
 

@@ -142,15 +142,21 @@ def random_round_tensors(rng: random.Random, tokens: int, max_requests: int = 6,
 class ScoreRecorder:
     """Records the raw option scores (the head's logits, before the decision config's processors) of every question
     an engine answers, keyed by (the PreparedRequest object, question name): the batch-invariance checks compare
-    them bitwise across rounds. Wraps `engine.answers`; `close()` unwraps it."""
+    them bitwise across rounds. Wraps `engine.answers`; `close()` unwraps it.
+
+    The recorder keeps every request it saw alive: keys hold `id()`s, and a freed request's id is handed to the next
+    object Python allocates, which would file a later request's scores under an earlier one's key."""
 
     def __init__(self, engine):
         self.engine, self.scores = engine, {}
         self._answers = engine.answers
+        self._seen = {}
 
         def answers(round_, scores):
             for row, read in enumerate(round_.reads):
-                key = (id(round_._requests[read.request]), read.question.name)
+                request = round_._requests[read.request]
+                self._seen[id(request)] = request
+                key = (id(request), read.question.name)
                 self.scores.setdefault(key, []).append(scores[row, :read.options].clone())
             return self._answers(round_, scores)
 

@@ -21,7 +21,9 @@ included, runs on the runner's own thread; callers on any thread (the serve sche
 rounds to it and wait. It also serialises the GPU work of concurrent callers, which share the buffers.
 
 With `compile=False` the same buckets and buffers run eagerly (the flat forward over bucket-shaped rounds): the
-ablation "no CUDA graphs", and the path the CPU tests use to check the bucketed layout.
+ablation "no CUDA graphs", and the path the CPU tests use to check the bucketed layout. On the CPU `compile=True`
+runs the same compile (Inductor's CPU code, no graphs to record): the CPU tests use it to catch graph breaks,
+recompiles between buckets and wrong fake kernels before a GPU sees them.
 """
 
 from __future__ import annotations
@@ -62,8 +64,8 @@ class GraphRunner:
         self.compile = compile
         self.compiler = compiler
         self.progress = progress
-        if compile and self.device.type != "cuda":
-            raise ValueError(f"CUDA graphs need a CUDA device; the model is on {self.device}.")
+        if compile and compiler == "cudagraphs" and self.device.type != "cuda":
+            raise ValueError(f"The cudagraphs compiler needs a CUDA device; the model is on {self.device}.")
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flide-graphs")
         self.buckets: dict[int, Bucket] = {}
         self._forward: Callable | None = None

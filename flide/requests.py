@@ -12,7 +12,8 @@ prompts into a shared trunk and a branch per question, tokenized so that the sta
   question type before the state give one per type). Each distinct trunk is tokenized once, each tail once.
 
 `runtime.tokenization: full` tokenizes every prompt whole instead; the tests check the two agree token for token
-with `prepare_inputs` on random and real requests.
+with `prepare_inputs` on random and real requests. `auto` (the default) splits only for tokenizers where the cut is
+proven and probed exact (flide/split_check.py), and tokenizes whole otherwise.
 """
 
 from __future__ import annotations
@@ -193,12 +194,16 @@ class PromptTokenizer:
 
     PROBE = "\u2460"  # an instruction unlike any real one from its first character on
 
-    def __init__(self, tokenizer, decision_config, mode: str = "split"):
+    def __init__(self, tokenizer, decision_config, mode: str = "auto", resolved: bool = False):
+        """`mode`: `runtime.tokenization` (auto, split or full); `auto` and `split` are checked against this tokenizer
+        (flide/split_check.py) unless `resolved` says the mode comes from a PromptTokenizer that checked it."""
         self.tokenizer = getattr(tokenizer, "tokenizer", tokenizer)
         self.config = decision_config
-        self.mode = mode
+        self.mode = "split" if mode == "auto" else mode  # until resolved below: the probes tokenize in two parts
         tok = self.tokenizer
-        if MARK not in tok.get_vocab():  # as prepare_inputs does: sentinels are special, requests can't write them
+        # as prepare_inputs does: sentinels are special, requests can't write them. (Looked up among the added tokens:
+        # `get_vocab()` builds the whole vocabulary, ~0.5 s for Qwen's, for every thread's copy.)
+        if MARK not in tok.added_tokens_encoder and MARK not in tok.get_vocab():
             tok.add_tokens([AddedToken(token, special=True, normalized=False) for token in (MARK, SPLIT)])
         self.mark_id, self.split_id = tok.convert_tokens_to_ids([MARK, SPLIT])
         self.template_variables = _get_template_variables(decision_config.chat_template or DECISION_PROMPT)
@@ -211,12 +216,16 @@ class PromptTokenizer:
             self.control_re = _get_control_token_patterns(tok._get_control_tokens(self.chat_template))[0]
             self.markers_re = _get_control_token_patterns(tuple(tok.added_tokens_encoder))[1]
         self.newline_ids = tok.encode("\n", add_special_tokens=False)
+        if not resolved:
+            from .split_check import resolve_tokenization
+
+            self.mode = resolve_tokenization(self, mode)
 
     def copy_for_thread(self) -> "PromptTokenizer":
         """An independent copy (its own tokenizer) for a tokenizing thread."""
         import copy
 
-        return PromptTokenizer(copy.deepcopy(self.tokenizer), self.config, self.mode)
+        return PromptTokenizer(copy.deepcopy(self.tokenizer), self.config, self.mode, resolved=True)
 
     # ---- rendering (transformers' prepare_inputs, text only) ----
     def render(self, state: Any, group: list[Question]) -> str:

@@ -35,7 +35,7 @@ class PlainBaseline:
         self.model = model.eval()
         self.decision_config = decision_config
         self.max_questions = max_questions
-        self.prompts = PromptTokenizer(tokenizer, decision_config, "split")
+        self.prompts = PromptTokenizer(tokenizer, decision_config)
         self.lock = threading.Lock()  # held while tokenizing: threads that share this baseline take turns there
 
     def for_thread(self, tokenizer=None) -> PlainBaseline:
@@ -45,7 +45,7 @@ class PlainBaseline:
         clone.__dict__.update(self.__dict__)
         clone.__dict__.pop("_label_ids", None)
         clone.prompts = (self.prompts.copy_for_thread() if tokenizer is None
-                         else PromptTokenizer(tokenizer, self.decision_config, "split"))
+                         else PromptTokenizer(tokenizer, self.decision_config, self.prompts.mode, resolved=True))
         clone.lock = threading.Lock()
         return clone
 

@@ -91,7 +91,7 @@ class FlideEngine:
 
         clone = object.__new__(FlideEngine)
         clone.name, clone.engine, clone.lock, clone.batched = self.name, self.engine, threading.Lock(), True
-        clone.prompts = PromptTokenizer(tokenizer, self.engine.decision_config, self.prompts.mode)
+        clone.prompts = PromptTokenizer(tokenizer, self.engine.decision_config, self.prompts.mode, resolved=True)
         return clone
 
 
@@ -106,7 +106,7 @@ class PipelineEngine:
         from ..requests import PromptTokenizer
 
         self.pipe = pipeline("decision", model=model, tokenizer=tokenizer)
-        self.counter = PromptTokenizer(tokenizer, self.pipe.decision_config, "split")  # prompt tokens per request
+        self.counter = PromptTokenizer(tokenizer, self.pipe.decision_config)  # prompt tokens per request
         self.lock = threading.Lock()
 
     def decide(self, requests: list) -> list[dict]:

@@ -272,7 +272,7 @@ def describe(requests: list[dict], tokenizer) -> list[tuple[str, float, str]]:
     from ..requests import PromptTokenizer, parse_request
 
     config = DecisionConfig()
-    prompts = PromptTokenizer(tokenizer, config, "split")
+    prompts = PromptTokenizer(tokenizer, config)
     states, questions = [], []
     for request in requests:
         state, parsed = parse_request(request, config, 64)

@@ -29,34 +29,61 @@ _WORDS = ("the a an of to and in is was for on that with as it by at be this are
           "true false yes no maybe score choice decision kind user assistant system think").split()
 
 
-@functools.lru_cache(maxsize=1)
-def _tokenizer_json() -> str:
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tk = Tokenizer(models.BPE())
-    tk.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
-    tk.decoder = decoders.ByteLevel()
+def _corpus() -> list[str]:
     corpus = []
-    for i, word in enumerate(_WORDS):
+    for word in _WORDS:
         corpus += [word, word.capitalize(), f" {word}", f" {word.capitalize()}."]
     corpus += ["Yes", "No", " Yes", " No", "Answer Yes or No only.", "Answer with the letter of the option that fits "
                "best (A to D) only.", "\n\n", "\n", ": ", ". "] * 20
-    trainer = trainers.BpeTrainer(vocab_size=700, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    return corpus
+
+
+@functools.lru_cache(maxsize=None)
+def _tokenizer_json(kind: str) -> str:
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    corpus = _corpus()
+    if kind == "byte_level":  # Qwen's
+        tk = Tokenizer(models.BPE())
+        tk.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+        tk.decoder = decoders.ByteLevel()
+        alphabet = pre_tokenizers.ByteLevel.alphabet()
+    elif kind == "gpt2":  # byte-level with GPT-2's own regex, where "\n " can be one pre-token
+        tk = Tokenizer(models.BPE())
+        tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        tk.decoder = decoders.ByteLevel()
+        alphabet = pre_tokenizers.ByteLevel.alphabet()
+        corpus += ["\n  indented", "\n    return x", "end.\n  next"] * 20
+    elif kind == "sentencepiece":  # Llama 2 / Gemma style: "\u2581" for spaces, no pre-tokenizer, merges over newlines
+        tk = Tokenizer(models.BPE(byte_fallback=True))
+        tk.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+        tk.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                        decoders.Strip(" ", 1, 0)])
+        alphabet = [chr(c) for c in range(32, 127)] + ["\n", "\u2581"]
+        corpus += list("ABCDEFGHIJKLMNOPQRSTUVWXYZ") * 30
+        corpus += ["end.\nNext line\nThe", "\nThe", ".\n\nThe", "\n  indented"] * 20
+        special += [f"<0x{b:02X}>" for b in range(256)]
+    else:
+        raise ValueError(f"Unknown tiny tokenizer kind {kind!r}; kinds: byte_level, gpt2, sentencepiece.")
+    trainer = trainers.BpeTrainer(vocab_size=700 if kind != "sentencepiece" else 1000, special_tokens=special,
+                                  initial_alphabet=alphabet, show_progress=False)
     tk.train_from_iterator(corpus, trainer=trainer)
     return tk.to_str()
 
 
-def tiny_tokenizer():
-    """A small byte-level BPE tokenizer (about 700 tokens) in Qwen's chat format; labels A-Z, Yes, No are single
-    tokens."""
+def tiny_tokenizer(kind: str = "byte_level"):
+    """A small BPE tokenizer (700-1,000 tokens) in Qwen's chat format; labels A-Z, Yes, No are single tokens.
+    `kind`: byte_level (Qwen's pre-tokenizer: the default, split tokenization is exact), gpt2 (byte-level with GPT-2's
+    regex) or sentencepiece (Llama 2 style); the last two are the tests' tokenizers where a safe cut may change
+    tokens (flide/split_check.py)."""
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
-    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(_tokenizer_json()), eos_token="<|im_end|>",
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(_tokenizer_json(kind)), eos_token="<|im_end|>",
                                   pad_token="<|endoftext|>")
     tok.chat_template = CHAT_TEMPLATE
     return tok

@@ -29,7 +29,7 @@ _worker: tuple[PromptTokenizer, int] | None = None  # this worker process's prom
 
 def _start(tokenizer, decision_config, mode: str, max_questions: int) -> None:
     global _worker
-    _worker = (PromptTokenizer(tokenizer, decision_config, mode), max_questions)
+    _worker = (PromptTokenizer(tokenizer, decision_config, mode, resolved=True), max_questions)
 
 
 def _tokenize(request: Any) -> PreparedRequest:

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import flide
-from flide.checkpoints import Checkpoint, CheckpointCache, prefix_hashes
+from flide.checkpoints import Checkpoint, CheckpointCache, Segments, prefix_hashes
 from flide.config import KernelConfig, load_config
 from flide.models.tiny import tiny_model, tiny_tokenizer
 from flide.ops.fork_attention import fork_attention_prefix_reference, fork_attention_reference
@@ -169,6 +169,32 @@ def test_cache_lru_eviction_and_longest_prefix():
     assert cache.stats()["hits"] == 3 and cache.stats()["misses"] == 1
 
 
+def test_cache_counts_shared_segments_once():
+    """A checkpoint that extends another holds the other's key segments (the same tensors): the cache counts them
+    once, and evicting either entry frees only what the other does not hold."""
+    tokens = np.arange(256, dtype=np.int64)
+    hashes = prefix_hashes(tokens)
+    a, a2 = torch.zeros(64, 4), torch.zeros(64, 4)
+    first = Checkpoint(tokens[:64].copy(), [(Segments((a,)), Segments((a,)))])
+    longer = Checkpoint(tokens[:128].copy(), [(Segments((a, a2)), Segments((a, a2)))])
+    cache = CheckpointCache(budget_bytes=10**6)
+    cache.put(first, hashes[0])
+    cache.put(longer, hashes[1])
+    tensor_bytes = 64 * 4 * 4
+    assert cache.bytes == first.tokens.nbytes + longer.tokens.nbytes + 2 * tensor_bytes
+    assert cache.bytes < first.nbytes + longer.nbytes
+    # room for an unrelated entry once `first`, the least recently used, is gone: evicting it frees only its tokens
+    # (its segment lives on in `longer`), which is just enough
+    other = Checkpoint(tokens[:64] + 1000, [(Segments((torch.zeros(64, 4),)), Segments((torch.zeros(64, 4),)))])
+    cache.budget_bytes = cache.bytes - first.tokens.nbytes + other.nbytes
+    assert cache.put(other, prefix_hashes(other.tokens)[0])
+    assert cache.stats()["evictions"] == 1 and not cache.contains(tokens, hashes, 64)
+    assert cache.contains(tokens, hashes, 128)
+    assert cache.bytes == longer.tokens.nbytes + 2 * tensor_bytes + other.nbytes == cache.budget_bytes
+    cache.clear()
+    assert cache.bytes == 0
+
+
 # ---- engine ----
 
 def _engine(model, tok, checkpoints: bool = True, **options):
@@ -209,6 +235,23 @@ def test_growing_state_resumes_exactly(models):
             state_computed = usage.computed_tokens - sum(len(b.tokens) for b in prepared.branches)
             assert state_computed <= len(prepared.trunks) * (grown + 64 + 63)
     assert stats["stores"] >= len(steps)
+
+
+def test_a_chain_of_checkpoints_stores_its_history_once():
+    """An agent's checkpoints, step after step, share the keys of the history they extend: the cache holds each
+    token's keys once (plus each entry's token ids), not once per step."""
+    model, tok = tiny_model("llama"), tiny_tokenizer()  # attention layers only: every tensor is a key segment
+    engine = _engine(model, tok)
+    for request in conversation(5, 4):
+        engine.decide(request)
+    entries = list(engine.checkpoints._entries.values())
+    assert len(entries) >= 3
+    longest = max(entries, key=lambda e: e.length)
+    assert all(len(k) == len(entries) for k, _ in longest.layers)  # one segment per step of the chain
+    config = model.config
+    key_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 4  # K and V, fp32
+    assert engine.checkpoints.bytes == sum(e.tokens.nbytes for e in entries) + longest.length * key_bytes
+    assert engine.checkpoints.bytes < sum(e.nbytes for e in entries) / 2
 
 
 def test_resumed_answers_equal_the_pipeline(models):

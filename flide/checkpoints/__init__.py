@@ -6,7 +6,7 @@ work (what resumes, what saves, the metadata the mixers read). Configured by `ch
 the engine owns one cache (`Engine.checkpoints`).
 """
 
-from .cache import Checkpoint, CheckpointCache, prefix_hashes
+from .cache import Checkpoint, CheckpointCache, Segments, prefix_hashes
 from .plan import LayerCheckpoint, RoundCheckpoints
 
-__all__ = ["Checkpoint", "CheckpointCache", "LayerCheckpoint", "RoundCheckpoints", "prefix_hashes"]
+__all__ = ["Checkpoint", "CheckpointCache", "LayerCheckpoint", "RoundCheckpoints", "Segments", "prefix_hashes"]

@@ -4,8 +4,9 @@ Keys are (m, hash of tokens[:m]) with m a multiple of 64: hashes are chained blo
 every block-aligned prefix of a new state is hashed in one pass over its tokens, however many lengths are saved.
 A hash only narrows the search: an entry is used only when its stored tokens equal the prefix (a collision then
 misses, it never resumes from the wrong tokens). Least recently used entries go first when the byte budget is
-exceeded; an entry larger than the whole budget is not kept. All methods take one lock (prepare threads and the
-model thread may share the cache).
+exceeded; an entry larger than the whole budget is not kept. Bytes count each tensor once however many entries
+share it (`Segments`): evicting an entry frees only what no other entry holds. All methods take one lock (prepare
+threads and the model thread may share the cache).
 """
 
 from __future__ import annotations
@@ -32,22 +33,46 @@ def prefix_hashes(tokens: np.ndarray) -> list[bytes]:
     return out
 
 
+class Segments(tuple):
+    """A tensor kept as row segments: the attention keys (or values) of a checkpoint that extends an earlier one hold
+    the earlier one's segments (the same tensors) plus their own new rows, so an agent's chain of checkpoints stores
+    its history's keys once, not once per step."""
+
+    def cat(self) -> torch.Tensor:
+        return self[0] if len(self) == 1 else torch.cat(self)
+
+
 @dataclass
 class Checkpoint:
     """The state of a prompt prefix of `length` tokens: per decoder layer, attention (keys [m, Hkv, D], values
-    [m, Hkv, Dv]) in the model's dtype, or Gated DeltaNet (recurrent state [Hv, K, V] float32, conv window: the last
-    W-1 conv inputs before m, [W-1, D])."""
+    [m, Hkv, Dv] as `Segments`) in the model's dtype, or Gated DeltaNet (recurrent state [Hv, K, V] float32, conv
+    window: the last W-1 conv inputs before m, [W-1, D])."""
 
     tokens: np.ndarray  # [m] int64, verified on every lookup
-    layers: list[tuple[torch.Tensor, torch.Tensor]]
-    nbytes: int = field(init=False)
+    layers: list[tuple[torch.Tensor | Segments, torch.Tensor | Segments]]
+    nbytes: int = field(init=False)  # every tensor it holds, shared or not
 
     def __post_init__(self):
-        self.nbytes = int(self.tokens.nbytes) + sum(t.numel() * t.element_size() for pair in self.layers for t in pair)
+        self.nbytes = int(self.tokens.nbytes) + sum(_nbytes(t) for t in self.tensors())
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor it holds, once each (segments flattened)."""
+        out, seen = [], set()
+        for pair in self.layers:
+            for part in pair:
+                for t in (part if isinstance(part, Segments) else (part,)):
+                    if id(t) not in seen:
+                        seen.add(id(t))
+                        out.append(t)
+        return out
 
     @property
     def length(self) -> int:
         return len(self.tokens)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 class CheckpointCache:
@@ -57,6 +82,7 @@ class CheckpointCache:
         self.budget_bytes = int(budget_bytes)
         self._entries: OrderedDict[tuple[int, bytes], Checkpoint] = OrderedDict()
         self._lengths: Counter[int] = Counter()  # saved lengths: a lookup tries these, longest first
+        self._held: dict[int, list] = {}  # id(tensor) -> [entries holding it, its bytes] (ids: the entries keep it alive)
         self._lock = threading.Lock()
         self.bytes = 0
         self.hits = self.misses = self.stores = self.evictions = self.rejected = self.collisions = 0
@@ -104,24 +130,40 @@ class CheckpointCache:
             old = self._entries.pop(key, None)
             if old is not None:
                 self._forget(key, old)
-            while self._entries and self.bytes + checkpoint.nbytes > self.budget_bytes:
+            while self._entries and self.bytes + self._new_bytes(checkpoint) > self.budget_bytes:
                 oldest_key, oldest = self._entries.popitem(last=False)
                 self._forget(oldest_key, oldest)
                 self.evictions += 1
             self._entries[key] = checkpoint
             self._lengths[key[0]] += 1
-            self.bytes += checkpoint.nbytes
+            self.bytes += int(checkpoint.tokens.nbytes)
+            for t in checkpoint.tensors():
+                held = self._held.setdefault(id(t), [0, _nbytes(t)])
+                if not held[0]:
+                    self.bytes += held[1]
+                held[0] += 1
             self.stores += 1
             return True
+
+    def _new_bytes(self, checkpoint: Checkpoint) -> int:
+        """What storing `checkpoint` adds: its tokens and the tensors no stored entry holds yet."""
+        return int(checkpoint.tokens.nbytes) + sum(_nbytes(t) for t in checkpoint.tensors() if id(t) not in self._held)
 
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
             self._lengths.clear()
+            self._held.clear()
             self.bytes = 0
 
     def _forget(self, key: tuple[int, bytes], entry: Checkpoint) -> None:
-        self.bytes -= entry.nbytes
+        self.bytes -= int(entry.tokens.nbytes)
+        for t in entry.tensors():
+            held = self._held[id(t)]
+            held[0] -= 1
+            if not held[0]:
+                self.bytes -= held[1]
+                del self._held[id(t)]
         self._lengths[key[0]] -= 1
         if not self._lengths[key[0]]:
             del self._lengths[key[0]]

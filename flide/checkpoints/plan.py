@@ -21,7 +21,7 @@ from ..config import GDN_CHUNK, CheckpointConfig
 from ..requests import PreparedRequest
 from ..round import RequestLayout, Round
 from . import cache as cache_module
-from .cache import Checkpoint, CheckpointCache
+from .cache import Checkpoint, CheckpointCache, Segments
 
 
 @dataclass
@@ -144,19 +144,19 @@ class LayerCheckpoint:
     def prefix(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(keys [P, Hkv, D], values [P, Hkv, Dv]) of every resumed checkpoint, in prefix-row order."""
         pairs = [e.layers[self.index] for e in self.work.resumed]
-        return torch.cat([k for k, _ in pairs]), torch.cat([v for _, v in pairs])
+        return (torch.cat([part for k, _ in pairs for part in k]), torch.cat([part for _, v in pairs for part in v]))
 
     def save_attention(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Keys and values [T, Hkv, D] of the stream -> each save's keys before its m (a resumed state's
-        checkpoint keys first)."""
+        """Keys and values [T, Hkv, D] of the stream -> each save's keys before its m: a resumed state's checkpoint
+        segments (shared, not copied), then its own new rows."""
         work = self.work
         for n, w in enumerate(work.saves):
             start, length = int(work.state_start[w.row]), w.save_at - w.skip
-            ks, vs = k[start: start + length], v[start: start + length]
+            ks, vs = (k[start: start + length].clone(),), (v[start: start + length].clone(),)
             if w.resume is not None:
                 ck, cv = w.resume.layers[self.index]
-                ks, vs = torch.cat([ck, ks]), torch.cat([cv, vs])
-            work._saved[n].append((ks.clone(), vs.clone()))
+                ks, vs = tuple(ck) + ks, tuple(cv) + vs
+            work._saved[n].append((Segments(ks), Segments(vs)))
 
     # Gated DeltaNet
     def window(self) -> torch.Tensor:

@@ -50,7 +50,7 @@ def _fork_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_lo: t
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
     T = q.shape[0]
-    pad = (-T) % BLOCK
+    pad = size_class(T) - T
     if pad:  # pad rows see only themselves (seg_lo = t), so they never turn a block partial for real rows
         extra = torch.arange(T, T + pad, device=q.device)
         seg_lo = torch.cat([seg_lo, extra])
@@ -65,9 +65,24 @@ def _fork_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_lo: t
 
     mask = BlockMask.from_kv_blocks(*block_tables(seg_lo, trunk_lo, trunk_hi), BLOCK_SIZE=BLOCK, mask_mod=mask_mod,
                                     seq_lengths=(T + pad, T + pad))
-    out = flex_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                         block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    q, k, v = (x.transpose(0, 1)[None] for x in (q, k, v))
+    if q.device.type == "cpu":  # Inductor's CPU flex template reads a 4-d layout, which these views lack
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    out = flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     return out[0].transpose(0, 1)[:T].contiguous()
+
+
+def size_class(tokens: int) -> int:
+    """The stream length the op runs at: `tokens` rounded up to a multiple of a quarter of its power of two (and of
+    BLOCK). The op is compiled per length; eager rounds (checkpoint rounds, oversized requests, `runtime.graphs:
+    off`) come in every length, and without classes each new one would compile anew (seconds each). Four classes per
+    octave bound the compiles at ~4 per doubling of the stream; the pad rows see only themselves, so they cost a
+    diagonal block each, and the block tables grow by at most 25% per side. Power-of-two buckets are classes already,
+    so captured graphs pad nothing."""
+    if tokens <= BLOCK:
+        return BLOCK
+    step = max(BLOCK, (1 << (tokens.bit_length() - 1)) // 4)
+    return -(-tokens // step) * step
 
 
 @functools.cache

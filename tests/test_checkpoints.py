@@ -440,6 +440,23 @@ def test_extended_stream_companions_equal_the_reference_ones():
             torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
 
 
+def test_flex_attention_resumes_through_its_extended_stream():
+    """The flex variant's resume companion (flex's own function, compiled by Inductor's CPU flex template: ~30 s)."""
+    from flide.ops.fork_attention import flex
+    from flide.ops.resume import attention_with_prefix
+
+    g = torch.Generator().manual_seed(6)
+    m, n, questions = 128, 150, [7, 2, 40]
+    full, cut = _fork_stream(g, m, n, questions)
+    T = len(full[0])
+    q, k, v = torch.randn(T, 4, 16, generator=g), torch.randn(T, 2, 16, generator=g), torch.randn(T, 2, 16, generator=g)
+    Tc = T - m
+    pre = (torch.zeros(Tc, dtype=torch.long), torch.full((Tc,), m, dtype=torch.long))
+    want = fork_attention_prefix_reference(q[m:], k[m:], v[m:], *cut, k[:m], v[:m], *pre, 0.25)
+    got = attention_with_prefix(flex.fork_attention)(q[m:], k[m:], v[m:], *cut, k[:m], v[:m], *pre, 0.25)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 def test_engine_resumes_exactly_through_the_extended_stream_companions(monkeypatch):
     """The engine with the plain-variant companions (as flex/Triton/fla get them) around the reference ops: several
     growing conversations interleaved in shared rounds, some states resumed and some not, equal a fresh engine."""

@@ -22,7 +22,7 @@ if [ "$part" = stage ]; then
     mkdir -p shared/models shared/data
     cp -r ../shared/models/qwen3_5 shared/models/
     for d in race quality multirc swe_agent_trajs; do cp -r ../shared/data/$d shared/data/; done
-    [ -d .whl ] || bash ../shared/gpu/wheels.sh
+    [ -d .whl ] && ls .whl | grep -q uvloop || EXTRA="uvloop==0.23.0 httptools==0.9.0" bash ../shared/gpu/wheels.sh
     du -sh shared .whl
     exit 0
 fi

@@ -1,15 +1,18 @@
-"""Whether a tokenizer may tokenize prompts in two parts (`runtime.tokenization: split`) without changing a token.
+r"""Whether a tokenizer may tokenize prompts in two parts (`runtime.tokenization: split`) without changing a token.
 
 Split tokenization encodes a prompt's trunk and its tail separately, cut at a *safe boundary* (right after a
 newline whose following whitespace holds no other line break; `requests.safe_cut`). That is exact when no token can
-cross such a cut, which holds by construction for byte-level BPE with a GPT-style split regex (Qwen, Llama 3, GPT):
-every regex alternative that covers a newline ends at it or continues only through more line breaks. SentencePiece
-tokenizers (a Metaspace pre-tokenizer, or a normalizer that prepends "▁") carry no such rule: whether a merge joins
-a newline to what follows depends on their vocabulary.
+cross such a cut, which holds by construction for byte-level BPE with the Qwen / Llama 3 split regex: every regex
+alternative that covers a newline ends at it or continues only through more line breaks (GPT-2's own regex does not:
+`\s+(?!\S)` keeps "\n\n" whole at a text's end). SentencePiece-style tokenizers (one word per text, "▁" for spaces)
+hold it when no piece of their vocabulary continues past a newline (as in Llama 2 and Mistral 7B, where a newline is
+its byte token <0x0A>; their real files are not available offline, `tiny_tokenizer("llama2")` stands in), and not
+otherwise (vocabularies with pieces like "\nThe").
 
 So `runtime.tokenization: auto` (the default) splits only where both hold:
-- structure: a fast tokenizer whose pre-tokenizer includes ByteLevel and whose normalizer at most applies a Unicode
-  normal form (a newline is a starter character: no normal form composes across it);
+- structure: a fast tokenizer, either byte-level (its normalizer at most a Unicode normal form: a newline is a
+  starter character, no normal form composes across it) or SentencePiece style (BPE or Unigram, no pre-tokenizer
+  but Metaspace, normalizers Prepend / Replace of spaces / normal forms) with no piece continuing past a newline;
 - probes: on texts rich in line breaks, indentation, tabs, CR-LF, non-ASCII text, control tokens of the template
   written by the user, and on rendered decision prompts, `encode(text) == encode(text[:c]) + encode_tail(text[c:])`
   at every safe cut c.
@@ -51,22 +54,37 @@ def _structure_problem(tokenizer) -> str | None:
         return f"{type(tokenizer).__name__} is not a fast (tokenizers) tokenizer, so its pre-tokenizer is unknown"
     # the components' own JSON (the whole tokenizer's would serialise the vocabulary: ~1 s for Qwen's)
     spec = {name: json.loads(getattr(backend, name).__getstate__()) if getattr(backend, name) is not None else None
-            for name in ("pre_tokenizer", "normalizer")}
+            for name in ("pre_tokenizer", "normalizer", "model")}
 
-    def types(node) -> list[str]:
+    def nodes(node) -> list[dict]:
         if not node:
             return []
         if node.get("type") == "Sequence":
             inner = node.get("pretokenizers") or node.get("normalizers") or []
-            return [t for child in inner for t in types(child)]
-        return [node.get("type", "?")]
+            return [n for child in inner for n in nodes(child)]
+        return [node]
 
-    pre = types(spec.get("pre_tokenizer"))
-    if "ByteLevel" not in pre:
-        return f"its pre-tokenizer is {'+'.join(pre) or 'none'}, not byte-level BPE"
-    normalizers = set(types(spec.get("normalizer"))) - _NORMAL_FORMS
-    if normalizers:
-        return f"its normalizer {'+'.join(sorted(normalizers))} may act across a line break"
+    pre = [n.get("type", "?") for n in nodes(spec["pre_tokenizer"])]
+    normalizers = nodes(spec["normalizer"])
+    if "ByteLevel" in pre:  # byte-level BPE: the split regex decides (the probes check it)
+        other = sorted({n.get("type", "?") for n in normalizers} - _NORMAL_FORMS)
+        return f"its normalizer {'+'.join(other)} may act across a line break" if other else None
+    # SentencePiece style: the text is one word ("\u2581" for spaces, prepended once at the start). A cut right
+    # after a newline is exact when no piece holds a newline followed by anything but newlines: no merge (BPE) and
+    # no piece on the best path (Unigram) can then cross the cut, and a tail is encoded after a newline that is
+    # dropped again (transformers' `_encode_chat_piece`), so the prepended "\u2581" falls on that newline
+    model = (spec["model"] or {}).get("type")
+    if model not in ("BPE", "Unigram") or any(t not in ("Metaspace",) for t in pre):
+        return f"its pre-tokenizer is {'+'.join(pre) or 'none'} with a {model} model, not byte-level BPE"
+    for n in normalizers:
+        kind = n.get("type")
+        pattern = (n.get("pattern") or {}).get("String")
+        if kind not in ("Prepend", "Replace", *_NORMAL_FORMS) or (kind == "Replace" and (pattern is None
+                                                                                         or "\n" in pattern)):
+            return f"its normalizer {kind} may act across a line break"
+    crossing = next((t for t in tokenizer.get_vocab() if "\n" in t.rstrip("\n")), None)
+    if crossing is not None:
+        return f"its vocabulary has pieces that continue past a newline ({crossing!r})"
     return None
 
 

@@ -1,12 +1,13 @@
 """Split tokenization only where it is exact (flide/split_check.py): `runtime.tokenization: auto` splits prompts for
-byte-level BPE with Qwen's split regex and tokenizes them whole for tokenizers where a safe cut can change tokens
-(GPT-2's regex, SentencePiece style), and answers equal `pipeline("decision")` either way; `split` refuses a
-tokenizer whose probes change a token."""
+byte-level BPE with Qwen's split regex and for SentencePiece vocabularies whose newline is a byte token (Llama 2),
+and tokenizes them whole where a safe cut can change tokens (GPT-2's regex, SentencePiece pieces across newlines);
+answers equal `pipeline("decision")` either way; `split` refuses a tokenizer whose probes change a token."""
 
 from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 from transformers import pipeline
 from transformers.decision import DecisionConfig
@@ -14,12 +15,13 @@ from transformers.decision import DecisionConfig
 import flide
 from flide.config import load_config
 from flide.models.tiny import tiny_model, tiny_tokenizer
-from flide.requests import PromptTokenizer, safe_cut
+from flide.requests import PromptTokenizer, parse_request, safe_cut
 from flide.split_check import PROBE_TEXTS, resolve_tokenization
 from flide.testing import max_difference, random_request
 
 
-@pytest.mark.parametrize("kind,mode", [("byte_level", "split"), ("gpt2", "full"), ("sentencepiece", "full")])
+@pytest.mark.parametrize("kind,mode", [("byte_level", "split"), ("gpt2", "full"), ("sentencepiece", "full"),
+                                       ("llama2", "split")])
 def test_auto_splits_only_where_the_cut_is_exact(kind, mode):
     assert PromptTokenizer(tiny_tokenizer(kind), DecisionConfig()).mode == mode
 
@@ -54,8 +56,8 @@ def test_tokenization_accepts_auto_and_rejects_others():
         load_config({"runtime": {"tokenization": "maybe"}})
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "sentencepiece"])
-def test_answers_equal_the_pipeline_with_tokenizers_split_would_break(kind):
+@pytest.mark.parametrize("kind,mode", [("gpt2", "full"), ("sentencepiece", "full"), ("llama2", "split")])
+def test_answers_equal_the_pipeline_with_every_kind_of_tokenizer(kind, mode):
     tok = tiny_tokenizer(kind)
     model = tiny_model("llama", vocab_size=len(tok))
     rng = random.Random(17)
@@ -66,6 +68,25 @@ def test_answers_equal_the_pipeline_with_tokenizers_split_would_break(kind):
     decide = pipeline("decision", model=model, tokenizer=tok)
     expected = [decide(r) for r in requests]
     engine = flide.patch(model, tok)
-    assert engine.prompts.mode == "full"
+    assert engine.prompts.mode == mode
     for want, got in zip(expected, engine.decide(requests)):
         assert max_difference(want, got) < 1e-5
+
+
+def test_split_llama2_tokens_equal_whole_prompts():
+    """The SentencePiece case split tokenization keeps: every request's prompts, split into trunk + tails, carry the
+    tokens of the prompts tokenized whole, and the state is shared."""
+    tok = tiny_tokenizer("llama2")
+    split, full = PromptTokenizer(tok, DecisionConfig()), PromptTokenizer(tok, DecisionConfig(), "full")
+    assert split.mode == "split"
+    rng = random.Random(23)
+    shared = 0
+    for _ in range(30):
+        request = random_request(rng, max_questions=6, max_words=120)
+        state, questions = parse_request(request, DecisionConfig(), 64)
+        a, b = split.prepare(state, questions), full.prepare(state, questions)
+        for ba, bb in zip(a.branches, b.branches):
+            assert np.concatenate([a.trunks[ba.trunk], ba.tokens]).tolist() == bb.tokens.tolist()
+            assert ba.reads.tolist() == bb.reads.tolist()
+        shared += len(a.trunks) < len(a.branches)
+    assert shared >= 5

@@ -58,18 +58,22 @@ def _tokenizer_json(kind: str) -> str:
         tk.decoder = decoders.ByteLevel()
         alphabet = pre_tokenizers.ByteLevel.alphabet()
         corpus += ["\n  indented", "\n    return x", "end.\n  next"] * 20
-    elif kind == "sentencepiece":  # Llama 2 / Gemma style: "\u2581" for spaces, no pre-tokenizer, merges over newlines
+    elif kind in ("sentencepiece", "llama2"):  # "\u2581" for spaces, no pre-tokenizer, byte fallback
         tk = Tokenizer(models.BPE(byte_fallback=True))
         tk.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
         tk.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
                                         decoders.Strip(" ", 1, 0)])
-        alphabet = [chr(c) for c in range(32, 127)] + ["\n", "\u2581"]
+        alphabet = [chr(c) for c in range(32, 127)] + ["\u2581"]
         corpus += list("ABCDEFGHIJKLMNOPQRSTUVWXYZ") * 30
-        corpus += ["end.\nNext line\nThe", "\nThe", ".\n\nThe", "\n  indented"] * 20
+        if kind == "sentencepiece":  # merges over newlines ("d.\n", "\nThe"), as some SentencePiece vocabularies have
+            alphabet.append("\n")
+            corpus += ["end.\nNext line\nThe", "\nThe", ".\n\nThe", "\n  indented"] * 20
+        else:  # Llama 2's: no piece holds a newline, which is always its byte token <0x0A>
+            corpus = [line.replace("\n", " ") for line in corpus]
         special += [f"<0x{b:02X}>" for b in range(256)]
     else:
-        raise ValueError(f"Unknown tiny tokenizer kind {kind!r}; kinds: byte_level, gpt2, sentencepiece.")
-    trainer = trainers.BpeTrainer(vocab_size=700 if kind != "sentencepiece" else 1000, special_tokens=special,
+        raise ValueError(f"Unknown tiny tokenizer kind {kind!r}; kinds: byte_level, gpt2, sentencepiece, llama2.")
+    trainer = trainers.BpeTrainer(vocab_size=1000 if kind in ("sentencepiece", "llama2") else 700, special_tokens=special,
                                   initial_alphabet=alphabet, show_progress=False)
     tk.train_from_iterator(corpus, trainer=trainer)
     return tk.to_str()
@@ -77,9 +81,10 @@ def _tokenizer_json(kind: str) -> str:
 
 def tiny_tokenizer(kind: str = "byte_level"):
     """A small BPE tokenizer (700-1,000 tokens) in Qwen's chat format; labels A-Z, Yes, No are single tokens.
-    `kind`: byte_level (Qwen's pre-tokenizer: the default, split tokenization is exact), gpt2 (byte-level with GPT-2's
-    regex) or sentencepiece (Llama 2 style); the last two are the tests' tokenizers where a safe cut may change
-    tokens (flide/split_check.py)."""
+    `kind`: byte_level (Qwen's pre-tokenizer: the default), gpt2 (byte-level with GPT-2's regex), sentencepiece
+    (SentencePiece style with pieces that cross newlines) or llama2 (SentencePiece style, newlines only as their byte
+    token). Split tokenization is exact for byte_level and llama2; gpt2 and sentencepiece are the tests' tokenizers
+    where a safe cut changes tokens (flide/split_check.py)."""
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 

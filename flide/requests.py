@@ -189,8 +189,26 @@ def safe_cut(text: str, limit: int) -> int:
     return 0
 
 
+def piece_cuts(text: str, every: int) -> list[int]:
+    """Safe cuts (`safe_cut`) at least `every` characters apart, splitting `text` into pieces of about that size
+    (none when it is shorter than two pieces). A stretch without a safe cut makes a longer piece."""
+    cuts: list[int] = []
+    last, n = 0, len(text)
+    while n - last >= 2 * every:
+        newline = text.find("\n", last + every - 1)
+        while newline >= 0 and _newline_follows(text, newline + 1):
+            newline = text.find("\n", newline + 1)
+        if newline < 0 or n - (newline + 1) < every // 2:
+            break
+        cuts.append(newline + 1)
+        last = newline + 1
+    return cuts
+
+
 class PromptTokenizer:
     """Renders and tokenizes decision prompts exactly as `transformers.decision.prepare_inputs` does, in two parts."""
+
+    PIECE_CHARS = 2048  # a long trunk is encoded in pieces of about this size, in parallel (`encode_trunk`)
 
     PROBE = "\u2460"  # an instruction unlike any real one from its first character on
 
@@ -263,6 +281,48 @@ class PromptTokenizer:
                 ids += _encode_chat_piece(self.tokenizer, piece, i % 2 == 1, self.newline_ids)
         return ids
 
+    def encode_trunk(self, text: str) -> list[int]:
+        """`encode(text)` for a prompt's trunk (its state), a long one cut at safe boundaries into pieces of about
+        `PIECE_CHARS` that the Rust tokenizer encodes in parallel (one batch call, without the GIL): exact for the
+        same reason as the trunk / tail split (each cut is a safe boundary of the whole text)."""
+        cuts = piece_cuts(text, self.PIECE_CHARS) if self.mode == "split" else []
+        if not cuts:
+            return self.encode(text)
+        bounds = [0, *cuts, len(text)]
+        pieces = [text[a:b] for a, b in zip(bounds, bounds[1:])]
+        ids = self._encode_many([(pieces[0], False)] + [(piece, True) for piece in pieces[1:]])
+        return [token for part in ids for token in part]
+
+    def encode_tails(self, texts: list[str]) -> list[list[int]]:
+        """`[encode_tail(t) for t in texts]` in one batch call for the texts without marked control tokens."""
+        return self._encode_many([(text, True) for text in texts])
+
+    def _encode_many(self, items: list[tuple[str, bool]]) -> list[list[int]]:
+        """Each (text, is_tail) as `encode_tail(text)` (is_tail) or `encode(text)`. Texts holding a marked control
+        token (sanitized user text) take the one-by-one path; the others go to the tokenizer in one batch, which
+        runs them in parallel: a tail as transformers' `_encode_chat_piece` encodes it (after a newline that is
+        then dropped, so SentencePiece adds no prefix space), falling back to a plain encode where the newline's
+        tokens do not lead."""
+        out: list[list[int] | None] = [None] * len(items)
+        batch, where = [], []
+        for i, (text, tail) in enumerate(items):
+            if not text:
+                out[i] = []
+            elif self.sanitize and self.markers_re.search(text):
+                out[i] = self.encode_tail(text) if tail else self.encode(text)
+            else:
+                batch.append("\n" + text if tail else text)
+                where.append(i)
+        if batch:
+            encoded = self.tokenizer(batch, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+            newline = self.newline_ids
+            for i, ids in zip(where, encoded):
+                if items[i][1]:
+                    ids = ids[len(newline):] if ids[:len(newline)] == newline else self.tokenizer.encode(
+                        items[i][0], add_special_tokens=False)
+                out[i] = list(ids)
+        return out
+
     def _trunk_prefixes(self, state: Any, groups: list[list[Question]], texts: list[str]) -> list[str]:
         """Per prompt, a prefix it shares with every prompt of the same question type(s) in this request: their
         common prefix, or, for a type asked once, the common prefix with the same prompt rendered with a probe
@@ -299,18 +359,18 @@ class PromptTokenizer:
         trunks: list[np.ndarray] = []
         branches: list[Branch] = []
         prompt_tokens = 0
-        for group, text, prefix in zip(groups, texts, prefixes):
-            if self.mode == "full":
-                ids = self.encode(text)
-                trunk_text = ""
-            else:
-                trunk_text = text[:safe_cut(text, len(prefix))]
+        trunk_texts = [text[:safe_cut(text, len(prefix))] if self.mode != "full" else "" for text, prefix in
+                       zip(texts, prefixes)]
+        # every tail of the request in one batch (the tokenizer runs a batch in parallel); full: whole prompts
+        tails = (self._encode_many([(text, False) for text in texts]) if self.mode == "full" else
+                 self.encode_tails([text[len(trunk):] for text, trunk in zip(texts, trunk_texts)]))
+        for group, trunk_text, tail in zip(groups, trunk_texts, tails):
             if trunk_text not in trunk_ids:
                 trunk_ids[trunk_text] = len(trunks)
-                trunks.append(np.asarray(self.encode(trunk_text) if trunk_text else [], dtype=np.int64))
+                trunks.append(np.asarray(self.encode_trunk(trunk_text) if trunk_text else [], dtype=np.int64))
             trunk_index = trunk_ids[trunk_text]
             head = trunks[trunk_index]
-            tail = np.asarray(ids if self.mode == "full" else self.encode_tail(text[len(trunk_text):]), dtype=np.int64)
+            tail = np.asarray(tail, dtype=np.int64)
             branch = self._branch(trunk_index, head, tail, group)
             prompt_tokens += len(branch.tokens) + len(trunks[trunk_index])
             branches.append(branch)

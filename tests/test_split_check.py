@@ -15,7 +15,7 @@ from transformers.decision import DecisionConfig
 import flide
 from flide.config import load_config
 from flide.models.tiny import tiny_model, tiny_tokenizer
-from flide.requests import PromptTokenizer, parse_request, safe_cut
+from flide.requests import PromptTokenizer, _newline_follows, parse_request, piece_cuts, safe_cut
 from flide.split_check import PROBE_TEXTS, resolve_tokenization
 from flide.testing import max_difference, random_request
 
@@ -90,3 +90,37 @@ def test_split_llama2_tokens_equal_whole_prompts():
             assert ba.reads.tolist() == bb.reads.tolist()
         shared += len(a.trunks) < len(a.branches)
     assert shared >= 5
+
+
+def _long_text(rng: random.Random, chars: int) -> str:
+    """Text with every kind of line break, indentation and user-written control tokens."""
+    parts = []
+    while sum(map(len, parts)) < chars:
+        parts.append(rng.choice(["word ", "Word. ", "\n", "\n\n", "  ", "\n  indented ", "\t", "\r\n", "café ",
+                                 "東京 ", "<|im_start|>", "<|im_end|>\n", "42 ", "\n \n", "x" * rng.randint(1, 40)]))
+    return "".join(parts)
+
+
+def test_piece_cuts_are_safe_and_spaced():
+    rng = random.Random(3)
+    for _ in range(50):
+        text = _long_text(rng, rng.randint(10, 6000))
+        cuts = piece_cuts(text, 256)
+        assert cuts == sorted(cuts) and all(b - a >= 256 for a, b in zip([0, *cuts], cuts))
+        assert all(text[c - 1] == "\n" and not _newline_follows(text, c) for c in cuts)
+        assert not cuts or len(text) - cuts[-1] >= 128
+
+
+@pytest.mark.parametrize("kind", ["byte_level", "llama2"])
+def test_a_trunk_encoded_in_parallel_pieces_has_the_tokens_of_the_whole(kind, monkeypatch):
+    prompts = PromptTokenizer(tiny_tokenizer(kind), DecisionConfig())
+    monkeypatch.setattr(prompts, "PIECE_CHARS", 64)  # many pieces
+    rng = random.Random(5)
+    for _ in range(40):
+        state = _long_text(rng, rng.randint(100, 3000))
+        question = {"q": {"type": "noul", "instructions": "Is it so?"}}
+        text = prompts.render(*parse_request({"state": state, "questions": question}, DecisionConfig(), 64))
+        assert len(piece_cuts(text, 64)) >= 1
+        assert prompts.encode_trunk(text) == prompts.encode(text)
+        tails = [text[c:] for c in piece_cuts(text, 64)[:5]]
+        assert prompts.encode_tails(tails) == [prompts.encode_tail(t) for t in tails]

@@ -241,3 +241,23 @@ def test_import_is_lazy():
     done = _python("import sys, flide; assert 'torch' not in sys.modules, 'torch'; "
                    "assert 'transformers' not in sys.modules, 'transformers'")
     assert done.returncode == 0, done.stderr
+
+
+def test_decision_prompt_renders_as_transformers_renders_it():
+    """Flide renders transformers' DECISION_PROMPT outside jinja's sandbox (requests._decision_prompt): the same
+    text for every kind of question and state."""
+    import random
+
+    from transformers.decision import DECISION_PROMPT, DecisionConfig
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    from flide.requests import _decision_prompt, parse_request
+    from flide.testing import random_request
+
+    sandboxed, fast = _compile_jinja_template(DECISION_PROMPT), _decision_prompt()
+    assert fast.environment is not sandboxed.environment
+    rng = random.Random(2)
+    for _ in range(300):
+        state, questions = parse_request(random_request(rng, max_questions=8, max_words=40), DecisionConfig(), 64)
+        for question in questions:
+            assert fast.render(state=state, question=question) == sandboxed.render(state=state, question=question)

@@ -38,6 +38,8 @@ from transformers.utils.chat_template_utils import (
     mark_control_tokens,
 )
 
+from .piece_cache import PieceCache
+
 
 class RequestError(ValueError):
     """A request the engine cannot answer. `field` names the offending field (dotted path) and `status` is the HTTP
@@ -190,6 +192,13 @@ def safe_cut(text: str, limit: int) -> int:
     return 0
 
 
+_EMPTY = np.zeros(0, dtype=np.int64)
+
+
+def _join(parts: list[np.ndarray]) -> np.ndarray:
+    return parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else _EMPTY
+
+
 @functools.lru_cache(maxsize=1)
 def _decision_prompt():
     """transformers' DECISION_PROMPT compiled as `prepare_inputs` compiles it (same jinja options, filters and
@@ -228,13 +237,18 @@ class PromptTokenizer:
     """Renders and tokenizes decision prompts exactly as `transformers.decision.prepare_inputs` does, in two parts."""
 
     PIECE_CHARS = 2048  # a long trunk is encoded in pieces of about this size, in parallel (`encode_trunk`)
+    PIECE_CACHE_CHARS = 1 << 23  # the piece cache's bound: 8M characters, ~2M tokens held (16 MB of ids)
 
     PROBE = "\u2460"  # an instruction unlike any real one from its first character on
 
-    def __init__(self, tokenizer, decision_config, mode: str = "auto", resolved: bool = False):
+    def __init__(self, tokenizer, decision_config, mode: str = "auto", resolved: bool = False,
+                 piece_cache: PieceCache | None = None):
         """`mode`: `runtime.tokenization` (auto, split or full); `auto` and `split` are checked against this tokenizer
-        (flide/split_check.py) unless `resolved` says the mode comes from a PromptTokenizer that checked it."""
+        (flide/split_check.py) unless `resolved` says the mode comes from a PromptTokenizer that checked it.
+        `piece_cache`: the tokens of prompt pieces seen before (flide/piece_cache.py), shared by a tokenizer's
+        thread copies; a new one by default."""
         self.tokenizer = getattr(tokenizer, "tokenizer", tokenizer)
+        self.piece_cache = piece_cache if piece_cache is not None else PieceCache(self.PIECE_CACHE_CHARS)
         self.config = decision_config
         self.mode = "split" if mode == "auto" else mode  # until resolved below: the probes tokenize in two parts
         tok = self.tokenizer
@@ -262,7 +276,8 @@ class PromptTokenizer:
         """An independent copy (its own tokenizer) for a tokenizing thread."""
         import copy
 
-        return PromptTokenizer(copy.deepcopy(self.tokenizer), self.config, self.mode, resolved=True)
+        return PromptTokenizer(copy.deepcopy(self.tokenizer), self.config, self.mode, resolved=True,
+                               piece_cache=self.piece_cache)
 
     # ---- rendering (transformers' prepare_inputs, text only) ----
     def render(self, state: Any, group: list[Question]) -> str:
@@ -300,35 +315,46 @@ class PromptTokenizer:
                 ids += _encode_chat_piece(self.tokenizer, piece, i % 2 == 1, self.newline_ids)
         return ids
 
-    def encode_trunk(self, text: str) -> list[int]:
-        """`encode(text)` for a prompt's trunk (its state), a long one cut at safe boundaries into pieces of about
-        `PIECE_CHARS` that the Rust tokenizer encodes in parallel (one batch call, without the GIL): exact for the
-        same reason as the trunk / tail split (each cut is a safe boundary of the whole text)."""
+    def encode_trunk(self, text: str) -> np.ndarray:
+        """`encode(text)` for a prompt's trunk (its state). A long one is cut at safe boundaries into pieces of about
+        `PIECE_CHARS` (exact for the same reason as the trunk / tail split: each cut is a safe boundary of the whole
+        text): pieces seen before come from the piece cache (an agent's history, step after step), the others are
+        encoded in one batch call, which the Rust tokenizer runs in parallel without the GIL."""
         cuts = piece_cuts(text, self.PIECE_CHARS) if self.mode == "split" else []
-        if not cuts:
-            return self.encode(text)
         bounds = [0, *cuts, len(text)]
-        pieces = [text[a:b] for a, b in zip(bounds, bounds[1:])]
-        ids = self._encode_many([(pieces[0], False)] + [(piece, True) for piece in pieces[1:]])
-        return [token for part in ids for token in part]
+        items = [(text[a:b], i > 0) for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]
+        return _join(self._encode_many(items))
 
-    def encode_tails(self, texts: list[str]) -> list[list[int]]:
-        """`[encode_tail(t) for t in texts]` in one batch call for the texts without marked control tokens."""
-        return self._encode_many([(text, True) for text in texts])
+    def encode_tails(self, texts: list[str]) -> list[np.ndarray]:
+        """`[encode_tail(t) for t in texts]`, each tail cut at every safe boundary (its lines): lines seen before (the
+        template's closing lines, shared options) come from the piece cache, the rest go in one batch call."""
+        items, spans = [], []
+        for text in texts:
+            bounds = [0, *piece_cuts(text, 1), len(text)] if text else [0, 0]
+            spans.append((len(items), len(items) + len(bounds) - 1))
+            items += [(text[a:b], True) for a, b in zip(bounds, bounds[1:])]
+        parts = self._encode_many(items)
+        return [_join(parts[a:b]) for a, b in spans]
 
-    def _encode_many(self, items: list[tuple[str, bool]]) -> list[list[int]]:
-        """Each (text, is_tail) as `encode_tail(text)` (is_tail) or `encode(text)`. Texts holding a marked control
-        token (sanitized user text) take the one-by-one path; the others go to the tokenizer in one batch, which
-        runs them in parallel: a tail as transformers' `_encode_chat_piece` encodes it (after a newline that is
-        then dropped, so SentencePiece adds no prefix space), falling back to a plain encode where the newline's
-        tokens do not lead."""
-        out: list[list[int] | None] = [None] * len(items)
+    def _encode_many(self, items: list[tuple[str, bool]]) -> list[np.ndarray]:
+        """Each (text, is_tail) as `encode_tail(text)` (is_tail) or `encode(text)`, as int64 arrays. In split mode
+        pieces come from the piece cache when they can (and go into it). Texts holding a marked control token
+        (sanitized user text) take the one-by-one path; the others go to the tokenizer in one batch, which runs them
+        in parallel: a tail as transformers' `_encode_chat_piece` encodes it (after a newline that is then dropped,
+        so SentencePiece adds no prefix space), falling back to a plain encode where the newline's tokens do not
+        lead."""
+        cache = self.piece_cache if self.mode == "split" else None
+        out: list[np.ndarray | None] = [None] * len(items)
         batch, where = [], []
         for i, (text, tail) in enumerate(items):
             if not text:
-                out[i] = []
+                out[i] = _EMPTY
+            elif cache is not None and (ids := cache.get(text, tail)) is not None:
+                out[i] = ids
             elif self.sanitize and self.markers_re.search(text):
-                out[i] = self.encode_tail(text) if tail else self.encode(text)
+                out[i] = np.asarray(self.encode_tail(text) if tail else self.encode(text), dtype=np.int64)
+                if cache is not None:
+                    cache.put(text, tail, out[i])
             else:
                 batch.append("\n" + text if tail else text)
                 where.append(i)
@@ -336,10 +362,13 @@ class PromptTokenizer:
             encoded = self.tokenizer(batch, add_special_tokens=False, return_attention_mask=False)["input_ids"]
             newline = self.newline_ids
             for i, ids in zip(where, encoded):
-                if items[i][1]:
+                text, tail = items[i]
+                if tail:
                     ids = ids[len(newline):] if ids[:len(newline)] == newline else self.tokenizer.encode(
-                        items[i][0], add_special_tokens=False)
-                out[i] = list(ids)
+                        text, add_special_tokens=False)
+                out[i] = np.asarray(ids, dtype=np.int64)
+                if cache is not None:
+                    cache.put(text, tail, out[i])
         return out
 
     def _trunk_prefixes(self, state: Any, groups: list[list[Question]], texts: list[str]) -> list[str]:
@@ -386,10 +415,9 @@ class PromptTokenizer:
         for group, trunk_text, tail in zip(groups, trunk_texts, tails):
             if trunk_text not in trunk_ids:
                 trunk_ids[trunk_text] = len(trunks)
-                trunks.append(np.asarray(self.encode_trunk(trunk_text) if trunk_text else [], dtype=np.int64))
+                trunks.append(self.encode_trunk(trunk_text) if trunk_text else _EMPTY)
             trunk_index = trunk_ids[trunk_text]
             head = trunks[trunk_index]
-            tail = np.asarray(tail, dtype=np.int64)
             branch = self._branch(trunk_index, head, tail, group)
             prompt_tokens += len(branch.tokens) + len(trunks[trunk_index])
             branches.append(branch)

@@ -1,0 +1,65 @@
+"""The piece cache (flide/piece_cache.py): prompt pieces seen before are not encoded again, and a prompt's tokens are
+the same with the cache as without it; an agent's growing history is encoded only where it is new."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+from transformers.decision import DecisionConfig
+
+from flide.models.tiny import tiny_tokenizer
+from flide.piece_cache import PieceCache
+from flide.requests import PromptTokenizer, parse_request
+from flide.testing import growing_conversation, random_request
+
+
+def test_lru_by_characters():
+    cache = PieceCache(max_chars=10)
+    cache.put("abcd", True, np.arange(2))
+    cache.put("efgh", False, np.arange(3))
+    assert cache.get("abcd", True) is not None  # now the most recent
+    assert cache.get("abcd", False) is None  # another key: the same text at a prompt's start
+    cache.put("ijkl", True, np.arange(1))  # 12 characters: the least recent ("efgh") goes
+    assert cache.get("efgh", False) is None and cache.get("ijkl", True) is not None
+    assert cache.chars == 8 and len(cache) == 2
+    cache.put("x" * 11, True, np.arange(1))  # larger than the whole cache: not kept
+    assert len(cache) == 2
+    ids = cache.get("abcd", True)
+    assert not ids.flags.writeable  # shared by every request that holds the piece
+
+
+def test_tokens_with_and_without_the_cache_are_equal():
+    tok, config = tiny_tokenizer(), DecisionConfig()
+    cached = PromptTokenizer(tok, config)
+    fresh = lambda: PromptTokenizer(tok, config, piece_cache=PieceCache(0))  # noqa: E731 (nothing kept)
+    rng = random.Random(12)
+    for _ in range(40):
+        state, questions = parse_request(random_request(rng, max_questions=6, max_words=200), config, 64)
+        a, b = cached.prepare(state, questions), fresh().prepare(state, questions)
+        assert [t.tolist() for t in a.trunks] == [t.tolist() for t in b.trunks]
+        assert [x.tokens.tolist() for x in a.branches] == [x.tokens.tolist() for x in b.branches]
+        assert [x.reads.tolist() for x in a.branches] == [x.reads.tolist() for x in b.branches]
+    assert cached.piece_cache.hits > 0
+
+
+def test_a_growing_history_is_encoded_only_where_it_is_new(monkeypatch):
+    tok, config = tiny_tokenizer(), DecisionConfig()
+    prompts = PromptTokenizer(tok, config)
+    monkeypatch.setattr(prompts, "PIECE_CHARS", 256)
+    encoded: list[int] = []
+    real = prompts.tokenizer.__class__.__call__
+
+    def counting(self, texts, *args, **kwargs):
+        encoded.append(sum(len(t) for t in texts))
+        return real(self, texts, *args, **kwargs)
+
+    monkeypatch.setattr(prompts.tokenizer.__class__, "__call__", counting)
+    steps = growing_conversation(6, 8, questions=2)
+    history = [len(str(step["state"])) for step in steps]
+    for i, step in enumerate(steps):
+        encoded.clear()
+        prompts.prepare(*parse_request(step, config, 64))
+        if i:  # the earlier history came from the cache: what was encoded is about the new part
+            assert sum(encoded) < (history[i] - history[i - 1]) + 2 * 256 + 2000, (i, sum(encoded), history[i])
+    assert history[-1] > 4 * (history[1] - history[0])

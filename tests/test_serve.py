@@ -533,13 +533,15 @@ def test_metrics_are_prometheus_text(client):
                        ("flide_round_requests", "histogram"), ("flide_round_tokens", "histogram"),
                        ("flide_round_seconds", "histogram"), ("flide_queue_depth", "gauge"),
                        ("flide_tokens_computed", "counter"), ("flide_input_tokens", "counter"),
-                       ("flide_rounds", "counter"), ("flide_prepare_seconds", "histogram")]:
+                       ("flide_rounds", "counter"), ("flide_prepare_seconds", "histogram"),
+                       ("flide_piece_cache_hits", "counter"), ("flide_piece_cache_chars", "gauge")]:
         assert families[name].type == kind, name
     samples = metric_samples(response.text)
     assert samples[("flide_requests_total", frozenset({("status", "200")}))] >= 1
     assert samples[("flide_requests_total", frozenset({("status", "422")}))] >= 1
     assert samples[("flide_tokens_computed_total", frozenset())] >= samples[("flide_round_tokens_sum", frozenset())]
     assert samples[("flide_rounds_total", frozenset())] == samples[("flide_round_requests_count", frozenset())]
+    assert samples[("flide_piece_cache_misses_total", frozenset())] > 0  # GOOD's pieces were encoded once
 
 
 # ---- the command line ----

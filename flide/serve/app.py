@@ -58,6 +58,7 @@ def create_app(engine, model_name: str | None = None, settings: ServeConfig | No
     metrics = scheduler.metrics
     if getattr(engine, "checkpoints", None) is not None:
         metrics.watch_checkpoints(engine.checkpoints)
+    metrics.watch_piece_cache(engine.prompts.piece_cache)  # shared by the prepare threads (not worker processes)
     created = int(time.time())
 
     @asynccontextmanager

@@ -50,6 +50,12 @@ class Metrics:
             self._checkpoints = _CheckpointCollector(cache)
             self.registry.register(self._checkpoints)
 
+    def watch_piece_cache(self, cache) -> None:
+        """Exports a `flide.piece_cache.PieceCache`'s hits, misses and size (read at each scrape); once per registry."""
+        if getattr(self, "_pieces", None) is None:
+            self._pieces = _PieceCacheCollector(cache)
+            self.registry.register(self._pieces)
+
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
@@ -77,3 +83,24 @@ class _CheckpointCollector:
         yield GaugeMetricFamily("flide_checkpoint_entries", "Checkpoints in the cache.", value=stats["entries"])
         yield GaugeMetricFamily("flide_checkpoint_budget_bytes", "The checkpoint cache's budget.",
                                 value=stats["budget_bytes"])
+
+
+class _PieceCacheCollector:
+    """The prompt piece cache's counters (flide/piece_cache.py), read from it at each scrape."""
+
+    def __init__(self, cache) -> None:
+        self.cache = cache
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        cache = self.cache
+        yield CounterMetricFamily("flide_piece_cache_hits", "Prompt pieces whose tokens came from the piece cache.",
+                                  value=cache.hits)
+        yield CounterMetricFamily("flide_piece_cache_misses", "Prompt pieces encoded by the tokenizer.",
+                                  value=cache.misses)
+        yield GaugeMetricFamily("flide_piece_cache_chars", "Characters of the pieces the cache holds.",
+                                value=cache.chars)

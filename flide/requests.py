@@ -377,6 +377,11 @@ class PromptTokenizer:
         instruction. Per type, because templates print what depends on the type before the state (Jev), while the
         instructions and options come after it.
 
+        A type asked once first tries the other prompts of the request: when its longest common prefix with one of
+        them holds at least as many characters as the state, the template printed the state before anything that
+        depends on the type (DECISION_PROMPT does), and that prefix serves without a probe. An agent guard asking
+        three questions of three types of a long history then renders it three times, not six.
+
         Any common prefix cut at a safe boundary is exact (`prepare`); this one is at least as long as the
         question-independent part of the prompt, without rendering probes when a type is asked twice or more
         (rendering is most of the host's cost: one probe instead of two, or none, saves a third of RACE's)."""
@@ -384,8 +389,15 @@ class PromptTokenizer:
         for index, group in enumerate(groups):
             kinds.setdefault(json.dumps([q.type for q in group]), []).append(index)
         prefixes = [""] * len(groups)
+        state_chars = len(state) if isinstance(state, str) else len(json.dumps(state, ensure_ascii=False))
         for members in kinds.values():
             pool = [texts[i] for i in members]
+            if len(pool) == 1 and len(texts) > 1:
+                mine = pool[0]
+                length = max(common_prefix_length(mine, other) for i, other in enumerate(texts) if i != members[0])
+                if length >= state_chars:
+                    prefixes[members[0]] = mine[:length]
+                    continue
             if len(pool) == 1:
                 group = groups[members[0]]
                 probed = [Question(q.name, q.type, self.PROBE, q.options, q.labels, q.descriptions)

@@ -261,3 +261,20 @@ def test_decision_prompt_renders_as_transformers_renders_it():
         state, questions = parse_request(random_request(rng, max_questions=8, max_words=40), DecisionConfig(), 64)
         for question in questions:
             assert fast.render(state=state, question=question) == sandboxed.render(state=state, question=question)
+
+
+def test_types_asked_once_share_the_state_without_probe_renders():
+    """An agent guard's three questions of three types: three renders of the (long) state, one shared trunk."""
+    from transformers.decision import DecisionConfig
+
+    from flide.requests import PromptTokenizer, parse_request
+    from flide.workloads import AGENT_QUESTIONS
+
+    prompts = PromptTokenizer(tiny_tokenizer(), DecisionConfig())
+    renders = []
+    real = prompts.render
+    prompts.render = lambda state, group: renders.append(group) or real(state, group)
+    prepared = prompts.prepare(*parse_request({"state": "A long history. " * 200, "questions": AGENT_QUESTIONS},
+                                              DecisionConfig(), 64))
+    assert len(renders) == len(AGENT_QUESTIONS) == 3 and len({q.type for g in renders for q in g}) == 3
+    assert len(prepared.trunks) == 1

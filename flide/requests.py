@@ -22,10 +22,10 @@ import functools
 import json
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
+from itertools import pairwise
 from typing import Any
 
 import numpy as np
-
 from transformers.decision import DECISION_PROMPT, Question
 from transformers.decision.template_utils import MARK, SPLIT
 from transformers.tokenization_utils_base import AddedToken
@@ -322,7 +322,7 @@ class PromptTokenizer:
         encoded in one batch call, which the Rust tokenizer runs in parallel without the GIL."""
         cuts = piece_cuts(text, self.PIECE_CHARS) if self.mode == "split" else []
         bounds = [0, *cuts, len(text)]
-        items = [(text[a:b], i > 0) for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]
+        items = [(text[a:b], i > 0) for i, (a, b) in enumerate(pairwise(bounds))]
         return _join(self._encode_many(items))
 
     def encode_tails(self, texts: list[str]) -> list[np.ndarray]:
@@ -332,7 +332,7 @@ class PromptTokenizer:
         for text in texts:
             bounds = [0, *piece_cuts(text, 1), len(text)] if text else [0, 0]
             spans.append((len(items), len(items) + len(bounds) - 1))
-            items += [(text[a:b], True) for a, b in zip(bounds, bounds[1:])]
+            items += [(text[a:b], True) for a, b in pairwise(bounds)]
         parts = self._encode_many(items)
         return [_join(parts[a:b]) for a, b in spans]
 

@@ -410,19 +410,27 @@ def test_cli_serve_has_the_checkpoint_flag(capsys):
 
 # ---- companions built on the plain variants (flide/ops/resume.py: what flex, Triton and fla resume with) ----
 
+def _resumed_attention(companion, seed: int, n: int, questions: list[int], dim: int, scale: float):
+    """(companion's output, the reference companion's) for a state of n tokens resumed at m = 128, its questions."""
+    g = torch.Generator().manual_seed(seed)
+    m = 128
+    full, cut = _fork_stream(g, m, n, questions)
+    T = len(full[0])
+    q, k, v = (torch.randn(T, h, dim, generator=g) for h in (4, 2, 2))
+    pre = (torch.zeros(T - m, dtype=torch.long), torch.full((T - m,), m, dtype=torch.long))
+    args = (q[m:], k[m:], v[m:], *cut, k[:m], v[:m], *pre, scale)
+    return companion(*args), fork_attention_prefix_reference(*args)
+
+
 def test_extended_stream_companions_equal_the_reference_ones():
     from flide.ops.resume import attention_with_prefix, conv_with_window, gated_delta_with_snapshot
 
+    got, want = _resumed_attention(attention_with_prefix(fork_attention_reference), 5, 130, [5, 1, 3], 8, 0.3)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
     g = torch.Generator().manual_seed(5)
     m, n, questions, W = 128, 130, [5, 1, 3], 4
     full, cut = _fork_stream(g, m, n, questions)
-    T = len(full[0])
-    q, k, v = torch.randn(T, 4, 8, generator=g), torch.randn(T, 2, 8, generator=g), torch.randn(T, 2, 8, generator=g)
-    Tc = T - m
-    pre = (torch.zeros(Tc, dtype=torch.long), torch.full((Tc,), m, dtype=torch.long))
-    want = fork_attention_prefix_reference(q[m:], k[m:], v[m:], *cut, k[:m], v[:m], *pre, 0.3)
-    got = attention_with_prefix(fork_attention_reference)(q[m:], k[m:], v[m:], *cut, k[:m], v[:m], *pre, 0.3)
-    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    T, Tc = len(full[0]), len(full[0]) - m
     x, weight = torch.randn(T, 6, generator=g), torch.randn(6, W, generator=g)
     window, win_index = x[m - (W - 1): m][None], torch.zeros(Tc, dtype=torch.long)
     want = fork_conv_window_reference(x[m:], weight, *cut, window, win_index, True)
@@ -445,15 +453,7 @@ def test_flex_attention_resumes_through_its_extended_stream():
     from flide.ops.fork_attention import flex
     from flide.ops.resume import attention_with_prefix
 
-    g = torch.Generator().manual_seed(6)
-    m, n, questions = 128, 150, [7, 2, 40]
-    full, cut = _fork_stream(g, m, n, questions)
-    T = len(full[0])
-    q, k, v = torch.randn(T, 4, 16, generator=g), torch.randn(T, 2, 16, generator=g), torch.randn(T, 2, 16, generator=g)
-    Tc = T - m
-    pre = (torch.zeros(Tc, dtype=torch.long), torch.full((Tc,), m, dtype=torch.long))
-    want = fork_attention_prefix_reference(q[m:], k[m:], v[m:], *cut, k[:m], v[:m], *pre, 0.25)
-    got = attention_with_prefix(flex.fork_attention)(q[m:], k[m:], v[m:], *cut, k[:m], v[:m], *pre, 0.25)
+    got, want = _resumed_attention(attention_with_prefix(flex.fork_attention), 6, 150, [7, 2, 40], 16, 0.25)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 

@@ -38,7 +38,7 @@ def _corpus() -> list[str]:
     return corpus
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _tokenizer_json(kind: str) -> str:
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 

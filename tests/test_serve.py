@@ -599,4 +599,14 @@ def test_prepare_processes_give_the_same_answers_and_errors(engine, serial):
         bad = client.post("/v1/systemone", json={"state": "x", "questions": {"q": {"type": "maybe"}}})
         assert bad.status_code == 422 and bad.json()["detail"][0]["loc"] == ["body", "questions", "q", "type"]
         scheduler = client.app.state.scheduler
-        assert scheduler.workers is not None and scheduler.workers.processes == 2
+        workers = scheduler.workers
+        assert workers is not None and workers.processes == 2 and workers.pending == [0, 0]
+        # the same state goes to the same worker (its piece cache holds that state's tokens) while load is even
+        history = {"state": "A long history. " * 100, "questions": {}}
+        first = workers.pick(history)
+        for _ in range(5):
+            workers.pending[first] = 0  # as if the last one was done
+            assert workers.pick(history) == first
+        # a busy preferred worker is passed over
+        workers.pending[first] = 3
+        assert workers.pick(history) != first

@@ -18,7 +18,10 @@ machine has 16); its gain there is unmeasured, so it is off by default.
 
 from __future__ import annotations
 
+import json
 import multiprocessing
+import threading
+import zlib
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
@@ -38,24 +41,52 @@ def _tokenize(request: Any) -> PreparedRequest:
 
 
 class ProcessPreparer:
-    """A pool of worker processes that render and tokenize requests for an engine."""
+    """Worker processes that render and tokenize requests for an engine, one queue each.
+
+    A request goes to the worker its state's opening characters pick (a stable hash), unless that worker has more
+    requests pending than the least busy one plus one: the steps of one agent or conversation, which send the same
+    history again and again, then meet the same worker's piece cache (flide/piece_cache.py), where that history is
+    already tokenized; unrelated requests still spread over all workers."""
+
+    AFFINITY_CHARS = 512  # how much of a state's opening picks its worker
 
     def __init__(self, engine, processes: int):
         self.engine, self.processes = engine, processes
         prompts = engine.prompts
-        self.pool = ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn"),
-                                        initializer=_start,
-                                        initargs=(prompts.tokenizer, prompts.config, prompts.mode,
-                                                  engine.config.limits.max_questions))
+        context = multiprocessing.get_context("spawn")
+        args = (prompts.tokenizer, prompts.config, prompts.mode, engine.config.limits.max_questions)
+        self.pools = [ProcessPoolExecutor(1, mp_context=context, initializer=_start, initargs=args)
+                      for _ in range(processes)]
+        self.pending = [0] * processes
+        self._lock = threading.Lock()
         # start every worker now (spawning imports transformers: seconds), not on the first requests
-        list(self.pool.map(_ping, range(processes)))
+        for future in [pool.submit(_ping, 0) for pool in self.pools]:
+            future.result()
+
+    def pick(self, request: Any) -> int:
+        """The worker for `request` (see the class docstring); counts it as pending there."""
+        state = request.get("state") if isinstance(request, dict) else None
+        opening = state if isinstance(state, str) else json.dumps(state, sort_keys=True, default=str)
+        preferred = zlib.crc32(opening[:self.AFFINITY_CHARS].encode("utf-8", "surrogatepass")) % self.processes
+        with self._lock:
+            least = min(range(self.processes), key=self.pending.__getitem__)
+            worker = preferred if self.pending[preferred] <= self.pending[least] + 1 else least
+            self.pending[worker] += 1
+        return worker
 
     def prepare(self, request: Any) -> PreparedRequest:
         """`engine.prepare(request)`, rendered and tokenized in a worker (call from a thread: it waits)."""
-        return self.engine.finish_prepare(self.pool.submit(_tokenize, request).result())
+        worker = self.pick(request)
+        try:
+            prepared = self.pools[worker].submit(_tokenize, request).result()
+        finally:
+            with self._lock:
+                self.pending[worker] -= 1
+        return self.engine.finish_prepare(prepared)
 
     def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        for pool in self.pools:
+            pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _ping(_: int) -> bool:

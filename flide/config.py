@@ -69,6 +69,9 @@ class RuntimeConfig:
     # what compiles the graphs: inductor (torch.compile mode="reduce-overhead": fused kernels, minutes to compile) or
     # cudagraphs (torch.compile backend="cudagraphs": the eager kernels captured as they are, seconds to start)
     compiler: str = "inductor"
+    # the prompt piece cache (flide/piece_cache.py): tokens of state and template pieces seen before, so a history
+    # sent again (agents, conversations) is not tokenized again; its bound in characters (~2 bytes of ids each), 0: off
+    piece_cache_chars: int = 1 << 23
 
 
 @dataclass(frozen=True)
@@ -134,7 +137,7 @@ _CHOICES = {
 }
 
 
-_MAY_BE_ZERO = {("serve", "prepare_processes")}
+_MAY_BE_ZERO = {("serve", "prepare_processes"), ("runtime", "piece_cache_chars")}
 
 
 def _build(cls, values: Any, where: str):

@@ -18,6 +18,7 @@ import torch
 from .config import FlideConfig, load_config
 from .graphs.buckets import exact_shape, plan_rounds
 from .loading import DTYPES
+from .piece_cache import PieceCache
 from .requests import PreparedRequest, PromptTokenizer, RequestError, tokenize_request
 from .round import Footprint, Round, build_round, footprint
 
@@ -72,7 +73,8 @@ class Engine:
         # the variants `auto` picks on the model's device: what runs, and what the graph runner checks
         self.kernels = concrete(self.config.kernels, next(model.parameters()).device)
         self.flat = adapt(model, tokenizer, self.kernels)
-        self.prompts = PromptTokenizer(tokenizer, decision_config, runtime.tokenization)
+        self.prompts = PromptTokenizer(tokenizer, decision_config, runtime.tokenization,
+                                       piece_cache=PieceCache(runtime.piece_cache_chars))
         tok = self.prompts.tokenizer
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
         # Options per readout row: the most labels any question type can use

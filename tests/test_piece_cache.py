@@ -63,3 +63,19 @@ def test_a_growing_history_is_encoded_only_where_it_is_new(monkeypatch):
         if i:  # the earlier history came from the cache: what was encoded is about the new part
             assert sum(encoded) < (history[i] - history[i - 1]) + 2 * 256 + 2000, (i, sum(encoded), history[i])
     assert history[-1] > 4 * (history[1] - history[0])
+
+
+def test_the_engine_takes_its_bound_from_the_config():
+    import pytest
+
+    import flide
+    from flide.config import load_config
+    from flide.models.tiny import tiny_model
+
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    off = flide.patch(model, tok, config={"runtime": {"piece_cache_chars": 0}})
+    off.decide({"state": "Some state.\nMore.", "questions": {"q": {"type": "noul", "instructions": "Yes?"}}})
+    assert off.prompts.piece_cache.max_chars == 0 and len(off.prompts.piece_cache) == 0
+    assert flide.patch(model, tok).prompts.piece_cache.max_chars == 1 << 23
+    with pytest.raises(ValueError, match="runtime.piece_cache_chars"):
+        load_config({"runtime": {"piece_cache_chars": -1}})

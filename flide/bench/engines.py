@@ -91,7 +91,8 @@ class FlideEngine:
 
         clone = object.__new__(FlideEngine)
         clone.name, clone.engine, clone.lock, clone.batched = self.name, self.engine, threading.Lock(), True
-        clone.prompts = PromptTokenizer(tokenizer, self.engine.decision_config, self.prompts.mode, resolved=True)
+        clone.prompts = PromptTokenizer(tokenizer, self.engine.decision_config, self.prompts.mode, resolved=True,
+                                        piece_cache=self.prompts.piece_cache)
         return clone
 
 

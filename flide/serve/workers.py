@@ -25,14 +25,16 @@ import zlib
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
+from ..piece_cache import PieceCache
 from ..requests import PreparedRequest, PromptTokenizer, tokenize_request
 
 _worker: tuple[PromptTokenizer, int] | None = None  # this worker process's prompt tokenizer and question limit
 
 
-def _start(tokenizer, decision_config, mode: str, max_questions: int) -> None:
+def _start(tokenizer, decision_config, mode: str, max_questions: int, piece_cache_chars: int) -> None:
     global _worker
-    _worker = (PromptTokenizer(tokenizer, decision_config, mode, resolved=True), max_questions)
+    _worker = (PromptTokenizer(tokenizer, decision_config, mode, resolved=True,
+                               piece_cache=PieceCache(piece_cache_chars)), max_questions)
 
 
 def _tokenize(request: Any) -> PreparedRequest:
@@ -54,7 +56,8 @@ class ProcessPreparer:
         self.engine, self.processes = engine, processes
         prompts = engine.prompts
         context = multiprocessing.get_context("spawn")
-        args = (prompts.tokenizer, prompts.config, prompts.mode, engine.config.limits.max_questions)
+        args = (prompts.tokenizer, prompts.config, prompts.mode, engine.config.limits.max_questions,
+                prompts.piece_cache.max_chars)
         self.pools = [ProcessPoolExecutor(1, mp_context=context, initializer=_start, initargs=args)
                       for _ in range(processes)]
         self.pending = [0] * processes

@@ -155,11 +155,17 @@ def _jsonable(value) -> bool:
 
 
 def common_prefix_length(a: str, b: str) -> int:
-    """Length of the longest common prefix, by binary search over C-level slice compares."""
-    lo, hi = 0, min(len(a), len(b))
+    """Length of the longest common prefix: equal blocks skipped by C-level compares of 4k-character slices, then a
+    binary search inside the first block that differs (a binary search over the whole strings copied ~17 slices of
+    up to their full length: 0.35 ms for a 100k-character agent history, 4x what this costs)."""
+    block, n = 4096, min(len(a), len(b))
+    start = 0
+    while start + block <= n and a[start:start + block] == b[start:start + block]:
+        start += block
+    lo, hi = start, min(start + block, n)
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
+        if a[start:mid] == b[start:mid]:
             lo = mid
         else:
             hi = mid - 1

@@ -278,3 +278,16 @@ def test_types_asked_once_share_the_state_without_probe_renders():
                                               DecisionConfig(), 64))
     assert len(renders) == len(AGENT_QUESTIONS) == 3 and len({q.type for g in renders for q in g}) == 3
     assert len(prepared.trunks) == 1
+
+
+def test_common_prefix_length_equals_the_character_by_character_one():
+    import os
+    import random
+
+    from flide.requests import common_prefix_length
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        a = "".join(rng.choice("ab\n") for _ in range(rng.randint(0, 50))) * rng.randint(1, 400)
+        b = a[:rng.randint(0, len(a))] + rng.choice(["", "x", "zz" + a])
+        assert common_prefix_length(a, b) == common_prefix_length(b, a) == len(os.path.commonprefix([a, b]))

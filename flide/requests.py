@@ -201,6 +201,16 @@ def safe_cut(text: str, limit: int) -> int:
 _EMPTY = np.zeros(0, dtype=np.int64)
 
 
+class _Trunk:
+    """A trunk's token ids while its request is prepared: without sentinels (`kept`), and where its marks fall."""
+
+    def __init__(self, ids: np.ndarray, mark_id: int, split_id: int):
+        keep = (ids != mark_id) & (ids != split_id)
+        self.ids, self.kept = ids, ids[keep]
+        self.kept_count = len(self.kept)
+        self.marks = np.cumsum(keep)[ids == mark_id] if (ids == mark_id).any() else _EMPTY  # kept tokens before each
+
+
 def _join(parts: list[np.ndarray]) -> np.ndarray:
     return parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else _EMPTY
 
@@ -444,32 +454,34 @@ class PromptTokenizer:
         for group, trunk_text, tail in zip(groups, trunk_texts, tails):
             if trunk_text not in trunk_ids:
                 trunk_ids[trunk_text] = len(trunks)
-                trunks.append(self.encode_trunk(trunk_text) if trunk_text else _EMPTY)
+                trunks.append(_Trunk(self.encode_trunk(trunk_text) if trunk_text else _EMPTY, self.mark_id,
+                                     self.split_id))
             trunk_index = trunk_ids[trunk_text]
-            head = trunks[trunk_index]
-            branch = self._branch(trunk_index, head, tail, group)
-            prompt_tokens += len(branch.tokens) + len(trunks[trunk_index])
+            branch = self._branch(trunk_index, trunks[trunk_index], tail, group)
+            prompt_tokens += len(branch.tokens) + len(trunks[trunk_index].ids)
             branches.append(branch)
-        # Sentinels are dropped from trunks after every branch has counted its marks
-        trunks = [t[(t != self.mark_id) & (t != self.split_id)] for t in trunks]
+        # trunks without their sentinels (each branch has counted its marks)
+        trunks = [t.kept for t in trunks]
         return PreparedRequest(trunks, branches, list(questions), prompt_tokens)
 
-    def _branch(self, trunk_index: int, head: np.ndarray, tail: np.ndarray, group: list[Question]) -> Branch:
+    def _branch(self, trunk_index: int, head: _Trunk, tail: np.ndarray, group: list[Question]) -> Branch:
         """Drops the sentinels (as transformers' read_marks does) and places the reads: the token before each mark,
-        or the last token of a prompt without marks."""
-        ids = np.concatenate([head, tail])
-        keep = (ids != self.mark_id) & (ids != self.split_id)
-        kept_before = np.cumsum(keep)
-        marks = kept_before[ids == self.mark_id]
+        or the last token of a prompt without marks. Marks are counted over trunk + tail without joining them (the
+        trunk's part is counted once per trunk: an agent's history is long, its questions' tails short)."""
+        keep = (tail != self.mark_id) & (tail != self.split_id)
+        tail_marks = head.kept_count + np.cumsum(keep)[tail == self.mark_id]
+        marks = np.concatenate([head.marks, tail_marks]) if len(head.marks) else tail_marks
         if len(marks) == 0:
-            marks = np.asarray([int(keep.sum())])
+            marks = np.asarray([head.kept_count + int(keep.sum())])
         if len(marks) != len(group):
             raise RequestError("questions", f"the decision template placed {len(marks)} marks for {len(group)} "
                                             f"question(s).", 400)
         if (marks < 1).any():
             raise RequestError("questions", "the decision template reads before the first token.", 400)
-        branch_tokens = tail[keep[len(head):]]
-        after_last_mark = ids[keep][int(marks[-1]):]
+        branch_tokens = tail[keep]
+        last = int(marks[-1])
+        after_last_mark = (branch_tokens[last - head.kept_count:] if last >= head.kept_count
+                           else np.concatenate([head.kept[last:], branch_tokens]))
         return Branch(trunk_index, branch_tokens, (marks - 1).astype(np.int64), list(group), after_last_mark)
 
 

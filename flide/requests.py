@@ -443,7 +443,7 @@ class PromptTokenizer:
         texts = [self.render(state, group) for group in groups]
         prefixes = self._trunk_prefixes(state, groups, texts) if self.mode != "full" else [""] * len(groups)
         trunk_ids: dict[str, int] = {}
-        trunks: list[np.ndarray] = []
+        trunks: list[_Trunk] = []
         branches: list[Branch] = []
         prompt_tokens = 0
         trunk_texts = [text[:safe_cut(text, len(prefix))] if self.mode != "full" else "" for text, prefix in

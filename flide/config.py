@@ -61,7 +61,8 @@ class RuntimeConfig:
     device: str = "auto"  # auto: cuda when available, else cpu
     dtype: str = "auto"  # auto: the model's own dtype; or float32, bfloat16, float16
     # split: each state is tokenized once and each question's tail once; full: each prompt whole (slow, the oracle);
-    # auto: split where the tokenizer is byte-level BPE and probes confirm it exact, else full (flide/split_check.py)
+    # auto: split where the tokenizer's structure proves the cut exact (byte-level BPE with Qwen's regex,
+    # SentencePiece without pieces across newlines) and probes confirm it, else full (flide/split_check.py)
     tokenization: str = "auto"
     # auto: one CUDA graph per bucket (torch.compile reduce-overhead) when on CUDA and every kernel variant can be
     # captured, else eager rounds of their own size; on: graphs or an error saying why not; off: eager (the ablation)

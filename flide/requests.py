@@ -38,6 +38,7 @@ from transformers.utils.chat_template_utils import (
     mark_control_tokens,
 )
 
+from .config import RuntimeConfig
 from .piece_cache import PieceCache
 
 
@@ -253,7 +254,6 @@ class PromptTokenizer:
     """Renders and tokenizes decision prompts exactly as `transformers.decision.prepare_inputs` does, in two parts."""
 
     PIECE_CHARS = 2048  # a long trunk is encoded in pieces of about this size, in parallel (`encode_trunk`)
-    PIECE_CACHE_CHARS = 1 << 23  # the piece cache's bound: 8M characters, ~2M tokens held (16 MB of ids)
 
     PROBE = "\u2460"  # an instruction unlike any real one from its first character on
 
@@ -262,9 +262,9 @@ class PromptTokenizer:
         """`mode`: `runtime.tokenization` (auto, split or full); `auto` and `split` are checked against this tokenizer
         (flide/split_check.py) unless `resolved` says the mode comes from a PromptTokenizer that checked it.
         `piece_cache`: the tokens of prompt pieces seen before (flide/piece_cache.py), shared by a tokenizer's
-        thread copies; a new one by default."""
+        thread copies; by default a new one of `runtime.piece_cache_chars`' default bound."""
         self.tokenizer = getattr(tokenizer, "tokenizer", tokenizer)
-        self.piece_cache = piece_cache if piece_cache is not None else PieceCache(self.PIECE_CACHE_CHARS)
+        self.piece_cache = piece_cache if piece_cache is not None else PieceCache(RuntimeConfig.piece_cache_chars)
         self.config = decision_config
         self.mode = "split" if mode == "auto" else mode  # until resolved below: the probes tokenize in two parts
         tok = self.tokenizer

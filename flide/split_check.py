@@ -52,9 +52,10 @@ def _structure_problem(tokenizer) -> str | None:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         return f"{type(tokenizer).__name__} is not a fast (tokenizers) tokenizer, so its pre-tokenizer is unknown"
-    # the components' own JSON (the whole tokenizer's would serialise the vocabulary: ~1 s for Qwen's)
+    # the components' own JSON (the whole tokenizer's, or the model's, would serialise the vocabulary: ~0.6-1 s for
+    # Qwen's); the model is named by its class
     spec = {name: json.loads(getattr(backend, name).__getstate__()) if getattr(backend, name) is not None else None
-            for name in ("pre_tokenizer", "normalizer", "model")}
+            for name in ("pre_tokenizer", "normalizer")}
 
     def nodes(node) -> list[dict]:
         if not node:
@@ -73,7 +74,7 @@ def _structure_problem(tokenizer) -> str | None:
     # after a newline is exact when no piece holds a newline followed by anything but newlines: no merge (BPE) and
     # no piece on the best path (Unigram) can then cross the cut, and a tail is encoded after a newline that is
     # dropped again (transformers' `_encode_chat_piece`), so the prepended "\u2581" falls on that newline
-    model = (spec["model"] or {}).get("type")
+    model = type(backend.model).__name__
     if model not in ("BPE", "Unigram") or any(t not in ("Metaspace",) for t in pre):
         return f"its pre-tokenizer is {'+'.join(pre) or 'none'} with a {model} model, not byte-level BPE"
     for n in normalizers:

@@ -385,7 +385,6 @@ def run(config: BenchConfig, workloads: list[str] | None = None, engines: list[s
         return rows
 
 
-
 # ---- picking final_norm_scale ----
 def top_probability_table(config: BenchConfig, scales: list[float], requests: int = 4,
                           log: Callable[[str], None] | None = None) -> list[tuple[str, float, str, float, float]]:

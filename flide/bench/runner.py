@@ -44,8 +44,6 @@ Writes `<results_dir>/<name>.json` (a list of rows {workload, model, engine, met
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import argparse
 import copy
 import datetime
@@ -60,6 +58,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -449,7 +448,6 @@ def run(config: BenchConfig, workloads: list[str] | None = None, engines: list[s
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
         return rows
-
 
 
 # ---- results ----

@@ -38,9 +38,6 @@ class Segments(tuple):
     the earlier one's segments (the same tensors) plus their own new rows, so an agent's chain of checkpoints stores
     its history's keys once, not once per step."""
 
-    def cat(self) -> torch.Tensor:
-        return self[0] if len(self) == 1 else torch.cat(self)
-
 
 @dataclass
 class Checkpoint:

@@ -17,8 +17,11 @@ bucket shares one kernel set whose sizes are arguments. The graphs stay one per 
 when it is recorded.
 
 cudagraph trees keep their graphs per thread (thread-local tree managers), so every compiled call, the capture
-included, runs on the runner's own thread; callers on any thread (the serve scheduler, benchmark submitters) hand
-rounds to it and wait. It also serialises the GPU work of concurrent callers, which share the buffers.
+included, runs on ONE graph thread per process, shared by all runners; callers on any thread (the serve scheduler,
+benchmark submitters) hand rounds to it and wait. It also serialises the GPU work of concurrent callers, which
+share the buffers. One thread, not one per runner: cudagraph trees set up their thread-local state in the thread
+that first imports them, and any other thread but autograd's finds it missing (an AssertionError in
+`cudagraph_trees.get_obj`, seen on the H200 when a second engine captured in the same process).
 
 With `compile=False` the same buckets and buffers run eagerly (the flat forward over bucket-shaped rounds): the
 ablation "no CUDA graphs", and the path the CPU tests use to check the bucketed layout. On the CPU `compile=True`
@@ -29,6 +32,7 @@ recompiles between buckets and wrong fake kernels before a GPU sees them.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -42,6 +46,18 @@ from ..round import Round, RoundTensors, Shape, build_round, packed_size
 from .buckets import bucket_shape
 
 log = logging.getLogger("flide.graphs")
+
+_GRAPH_THREAD: ThreadPoolExecutor | None = None
+_GRAPH_THREAD_LOCK = threading.Lock()
+
+
+def graph_thread() -> ThreadPoolExecutor:
+    """The process's one thread for compiled, captured calls (see the module's docstring)."""
+    global _GRAPH_THREAD
+    with _GRAPH_THREAD_LOCK:
+        if _GRAPH_THREAD is None:
+            _GRAPH_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flide-graphs")
+        return _GRAPH_THREAD
 
 
 @dataclass
@@ -66,7 +82,7 @@ class GraphRunner:
         self.progress = progress
         if compile and compiler == "cudagraphs" and self.device.type != "cuda":
             raise ValueError(f"The cudagraphs compiler needs a CUDA device; the model is on {self.device}.")
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flide-graphs")
+        self._thread = graph_thread()
         self.buckets: dict[int, Bucket] = {}
         self._forward: Callable | None = None
         self.capture_seconds = 0.0
@@ -187,4 +203,7 @@ class GraphRunner:
             return scores.float().cpu()  # copies out before the next replay overwrites the graph's output
 
     def close(self) -> None:
-        self._thread.shutdown(wait=True)
+        """Drops the buckets' buffers (the graphs stay with cudagraph trees until the process ends); the shared
+        graph thread lives on for other runners."""
+        self.buckets.clear()
+        self._forward = None

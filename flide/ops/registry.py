@@ -96,9 +96,9 @@ def resolve(op: str, variant: str) -> Callable:
 AUTO = {
     "fork_attention": {"cuda": ("flex", "reference")},
     "gated_delta": {"cuda": ("fla", "reference")},
-    # the Triton conv passed only the CPU interpreter so far: it becomes auto's choice once its GPU tests pass
-    # (tests/gpu/test_fork_conv_gpu.py); `kernels.fork_conv: triton` picks it now
-    "fork_conv": {"cuda": ("reference",)},
+    # the Triton conv: one launch for the whole stream (the reference gathers windows in several ops); its GPU
+    # tests (tests/gpu/test_fork_conv_gpu.py, 32 cases vs the reference) pass on the H200 (2026-11-30)
+    "fork_conv": {"cuda": ("triton", "reference")},
     "readout": {},
     "linear": {},  # `torch`: the model's own nn.Linear modules stay (no swap)
 }

@@ -47,16 +47,10 @@ def block_tables(seg_lo: torch.Tensor, trunk_lo: torch.Tensor, trunk_hi: torch.T
 
 def _fork_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_lo: torch.Tensor, trunk_lo: torch.Tensor,
                     trunk_hi: torch.Tensor, scale: float) -> torch.Tensor:
+    """The compiled part: block tables, BlockMask and the flex kernel, on a stream padded to its size class."""
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
     T = q.shape[0]
-    pad = size_class(T) - T
-    if pad:  # pad rows see only themselves (seg_lo = t), so they never turn a block partial for real rows
-        extra = torch.arange(T, T + pad, device=q.device)
-        seg_lo = torch.cat([seg_lo, extra])
-        trunk_lo = torch.cat([trunk_lo, torch.zeros_like(extra)])
-        trunk_hi = torch.cat([trunk_hi, torch.zeros_like(extra)])
-        q, k, v = (torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v))
 
     def mask_mod(b, h, q_idx, kv_idx):
         own = (kv_idx >= seg_lo[q_idx]) & (kv_idx <= q_idx)
@@ -64,12 +58,12 @@ def _fork_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_lo: t
         return own | state
 
     mask = BlockMask.from_kv_blocks(*block_tables(seg_lo, trunk_lo, trunk_hi), BLOCK_SIZE=BLOCK, mask_mod=mask_mod,
-                                    seq_lengths=(T + pad, T + pad))
+                                    seq_lengths=(T, T))
     q, k, v = (x.transpose(0, 1)[None] for x in (q, k, v))
     if q.device.type == "cpu":  # Inductor's CPU flex template reads a 4-d layout, which these views lack
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     out = flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
-    return out[0].transpose(0, 1)[:T].contiguous()
+    return out[0].transpose(0, 1)
 
 
 def size_class(tokens: int) -> int:
@@ -99,5 +93,17 @@ def _compiled():
 
 def fork_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_lo: torch.Tensor, trunk_lo: torch.Tensor,
                    trunk_hi: torch.Tensor, scale: float) -> torch.Tensor:
-    """Same contract as `reference.fork_attention` ([T, H, D] in, [T, Hq, Dv] out), on CUDA tensors."""
-    return _compiled()(q, k, v, seg_lo, trunk_lo, trunk_hi, scale)
+    """Same contract as `reference.fork_attention` ([T, H, D] in, [T, Hq, Dv] out), on CUDA (or CPU) tensors."""
+    T = q.shape[0]
+    pad = size_class(T) - T
+    if pad:
+        # Padded eagerly, outside the compiled part: its inputs stay plain buffers (padding traced inside made the
+        # mask's captured tensors computed buffers, which Inductor's CUDA flex lowering refused on the H200). Pad
+        # rows see only themselves (seg_lo = t), so they never turn a block partial for real rows.
+        extra = torch.arange(T, T + pad, device=q.device, dtype=seg_lo.dtype)
+        seg_lo = torch.cat([seg_lo, extra])
+        trunk_lo = torch.cat([trunk_lo, torch.zeros_like(extra)])
+        trunk_hi = torch.cat([trunk_hi, torch.zeros_like(extra)])
+        q, k, v = (torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v))
+    out = _compiled()(q, k, v, seg_lo, trunk_lo, trunk_hi, scale)
+    return out[:T].contiguous() if pad else out.contiguous()

@@ -70,8 +70,8 @@ kernels|models|invariant)
         echo "$name rc=$? $(tail -1 "$OUT/$name.log")" | tee -a "$OUT/summary.txt"
     done ;;
 profile)
-    timeout 540 python3 benchmarks/profile_round.py --config-json shared/models/qwen3_5/configs/qwen3.5-0.8b.json \
-        --tokenizer shared/models/qwen3_5 --data shared/data --eager --repeats 20 --profile-runs 3 \
+    timeout ${BUDGET_S:-540} python3 benchmarks/profile_round.py --config-json shared/models/qwen3_5/configs/qwen3.5-0.8b.json \
+        --tokenizer shared/models/qwen3_5 --data shared/data ${PROFILE_ARGS:---eager} --repeats 20 --profile-runs 3 \
         --out "$OUT/profile_0_8b.json" 2>&1 | grep -v DEBUG | tr '\r' '\n' | grep -v '^\s*$' > "$OUT/profile.log"
     tail -20 "$OUT/profile.log" ;;
 ops)

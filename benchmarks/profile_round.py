@@ -114,7 +114,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--profile-runs", type=int, default=5)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--stall-dump", type=float, default=0,
+                        help="every S seconds, print every thread's Python stack (finds where a capture stalls)")
     args = parser.parse_args()
+    if args.stall_dump:
+        import faulthandler
+
+        faulthandler.dump_traceback_later(args.stall_dump, repeat=True)
 
     tokenizer = load_tokenizer(args.tokenizer)
     model = random_model(args.config_json, torch.bfloat16, "cuda")

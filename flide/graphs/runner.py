@@ -172,8 +172,11 @@ class GraphRunner:
         def forward(*tensors: torch.Tensor) -> torch.Tensor:
             return flat(RoundTensors(**dict(zip(names, tensors))))
 
-        if self.compiler == "cudagraphs":  # no Inductor: the eager kernels, captured by the same cudagraph trees
-            return torch.compile(forward, backend="cudagraphs", dynamic=True, fullgraph=True)
+        if self.compiler == "cudagraphs":
+            # No Inductor: the eager kernels, captured by cudagraph trees. Static sizes, one dynamo trace per bucket
+            # (cheap: nothing is compiled): with dynamic sizes the backend took the graph recorded for one bucket as
+            # the match for the next and copied a 512-row input into a 256-row slot (seen on the H200)
+            return torch.compile(forward, backend="cudagraphs", dynamic=False, fullgraph=True)
         return torch.compile(forward, mode="reduce-overhead", dynamic=True, fullgraph=True)
 
     # ---- rounds ----

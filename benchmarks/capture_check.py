@@ -39,10 +39,11 @@ def check(model_type: str, dtype: torch.dtype, tokens: int) -> bool:
     def round_tensors():
         requests = []
         while len(requests) < 4:
-            request = engine.prepare(random_request(rng, max_questions=4, max_words=20))
-            if sum(r.stream_tokens for r in requests) + request.stream_tokens > tokens // 2:
+            request = engine.prepare(random_request(rng, max_questions=4, max_words=12))
+            if requests and sum(r.stream_tokens for r in requests) + request.stream_tokens > tokens // 2:
                 break
-            requests.append(request)
+            if request.stream_tokens <= tokens:
+                requests.append(request)
         round_ = build_round(requests, shape, engine.pad_id)
         return round_, round_.tensors.to("cuda")
 
@@ -76,7 +77,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["qwen3_5_text", "llama"])
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
-    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--tokens", type=int, default=512)
     args = parser.parse_args()
     ok = True
     for model_type in args.models:

@@ -1,4 +1,4 @@
-"""The Triton variants (`fork_conv: triton`, `fork_attention: triton`) on the CPU, through Triton's interpreter,
+"""The Triton variants (`fork_conv: triton`, `fork_attention: triton`, the question call of `gated_delta: fla`) on the CPU, through Triton's interpreter,
 against the pure-torch references: tiny random rounds, odd lengths, partial tiles, GQA groups of 1-3, head dims
 that need padding, every output element written, and (attention) which key blocks each program visits.
 
@@ -26,7 +26,7 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 if not INTERPRETED:
     from flide.testing import run_in_triton_interpreter
 
-    @pytest.mark.parametrize("kernel", ["fork_conv", "fork_attention"])
+    @pytest.mark.parametrize("kernel", ["fork_conv", "fork_attention", "gated_delta_branches"])
     def test_in_the_triton_interpreter(kernel):
         """Runs this file's `test_<kernel>_*` checks in a child process with TRITON_INTERPRET=1."""
         run_in_triton_interpreter(__file__, f"test_{kernel}_", 5)
@@ -38,6 +38,8 @@ else:
     from flide.ops.fork_attention import triton as attn_triton
     from flide.ops.fork_conv import reference as conv_ref
     from flide.ops.fork_conv import triton as conv_triton
+    from flide.ops.gated_delta import branches as delta_branches
+    from flide.ops.gated_delta import reference as delta_ref
     from flide.testing import random_round_tensors
 
     def tiny_round(tokens: int, seed: int, max_state: int = 40, max_question: int = 12, max_questions: int = 6):
@@ -218,3 +220,61 @@ else:
             attn_triton.fork_attention(randn(8, 3, 16, seed=1), k, k, meta, meta, meta, 0.25)
         with pytest.raises(ValueError, match="trunk_hi"):
             attn_triton.fork_attention(q, k, k, meta, meta, meta[:4], 0.25)
+
+    # -----------------------------------------------------------------------------------------------------------------
+    # gated_delta: the question call of the fork (each branch from its state's final recurrent state, by index)
+    # -----------------------------------------------------------------------------------------------------------------
+
+    def test_gated_delta_branches_kernel_is_interpreted():
+        assert isinstance(delta_branches._branch_kernel, InterpretedFunction)
+
+    BRANCH_CASES = [  # tokens, (Hk, Hv, K, V), l2norm
+        (1, (1, 1, 16, 16), True),
+        (65, (2, 4, 16, 32), True),  # grouped value heads (2 per key head)
+        (150, (2, 2, 24, 40), True),  # K padded to 32, V over two tiles of 32 (the second partial)
+        (200, (1, 3, 16, 16), False),  # 3 value heads per key head, no l2norm
+    ]
+
+    @pytest.mark.parametrize("tokens,heads,l2norm", BRANCH_CASES,
+                             ids=[f"T{t}-Hk{h[0]}-Hv{h[1]}-K{h[2]}-V{h[3]}-{'l2' if n else 'nol2'}"
+                                  for t, h, n in BRANCH_CASES])
+    def test_gated_delta_branches_match_the_reference_fork(tokens, heads, l2norm):
+        """The question call on a random round's branch tables, from the states' final states of the reference's
+        state call: every question row equal to the reference's question call (fp32), written (NaN-poisoned)."""
+        Hk, Hv, K, V = heads
+        r = tiny_round(tokens, seed=tokens + Hv)
+        q, k = randn(tokens, Hk, K, seed=1), randn(tokens, Hk, K, seed=2)
+        v = randn(tokens, Hv, V, seed=3)
+        g = -torch.rand(tokens, Hv, generator=torch.Generator().manual_seed(4)) * 0.7
+        beta = torch.rand(tokens, Hv, generator=torch.Generator().manual_seed(5))
+        none = torch.full_like(r.state_start, -1)
+        empty = torch.zeros(0, Hv, K, V)
+        _, finals = delta_ref.gated_delta(q, k, v, g, beta, r.state_start, r.state_len, empty, none, 0.3, l2norm)
+        want, _ = delta_ref.gated_delta(q, k, v, g, beta, r.branch_start, r.branch_len, finals, r.branch_state, 0.3,
+                                        l2norm)
+        out = delta_branches.branches(q, k, v, g, beta, r.branch_start, r.branch_len, finals, r.branch_state, 0.3,
+                                      l2norm, out=poisoned(tokens, Hv, V, dtype=torch.float32))
+        rows = torch.zeros(tokens, dtype=torch.bool)
+        for start, length in zip(r.branch_start.tolist(), r.branch_len.tolist()):
+            rows[start:start + length] = True
+        assert rows.any()
+        # recurrent vs chunked sums in fp32: rounding relative to the outputs' size (without l2norm they grow)
+        scale = max(1.0, want[rows].abs().max().item())
+        torch.testing.assert_close(out[rows], want[rows], atol=2e-5 * scale, rtol=1e-5)
+
+    def test_gated_delta_branches_from_zero_and_empty_rows():
+        """Index -1 starts from a zero state (no state tensor at all: M = 0), and length-0 rows (the bucket's spare
+        capacity) write nothing."""
+        tokens, Hk, Hv, K, V = 40, 1, 2, 16, 16
+        q, k, v = randn(tokens, Hk, K, seed=6), randn(tokens, Hk, K, seed=7), randn(tokens, Hv, V, seed=8)
+        g = -torch.rand(tokens, Hv, generator=torch.Generator().manual_seed(9))
+        beta = torch.rand(tokens, Hv, generator=torch.Generator().manual_seed(10))
+        start, length = torch.tensor([3, 20, 40, 40]), torch.tensor([10, 20, 0, 0])
+        index = torch.full((4,), -1)
+        out = delta_branches.branches(q, k, v, g, beta, start, length, torch.zeros(0, Hv, K, V), index, 0.25, True,
+                                      out=poisoned(tokens, Hv, V, dtype=torch.float32))
+        want = delta_ref.gated_delta_naive(q, k, v, g, beta, start, length, torch.zeros(0, Hv, K, V), index, 0.25,
+                                           True)[0]
+        assert out[:3].isnan().all() and out[13:20].isnan().all()  # outside the segments: untouched
+        torch.testing.assert_close(out[3:13], want[3:13], atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(out[20:40], want[20:40], atol=2e-5, rtol=1e-5)

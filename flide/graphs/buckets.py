@@ -36,11 +36,25 @@ def exact_shape(need: Footprint, options: int) -> Shape:
     return Shape(tokens, max(need.states, 1), max(need.branches, 1), max(need.readout_rows, 1), options)
 
 
+# Rows of a bucket's tables per token, below the largest bucket: a state shorter than 32 tokens or a question
+# shorter than 4 is rare (a question is rendered inside its template), and a round of such needs takes a larger
+# bucket. Why cap them: the GDN state call writes each state row's float32 recurrent state (1 MiB a row per layer
+# on Qwen3.5-0.8B, seen as the bulk of a replay's time on the H200 with states = tokens), and every table row is
+# a program of some kernel's grid.
+TOKENS_PER_STATE = 32
+TOKENS_PER_BRANCH = 4
+
+
 def bucket_shape(tokens: int, caps: CapacityConfig, options: int) -> Shape:
-    """The capacities of bucket `tokens`: every segment has a token and reads rarely outnumber tokens, so no bucket
-    needs more rows than tokens (small buckets then carry small tables, their kernels launch small grids and the
-    last layer's MLP runs over few readout rows). A round that needs more takes a larger bucket."""
-    return Shape(tokens, min(caps.states, tokens), min(caps.branches, tokens), min(caps.readout_rows, tokens), options)
+    """The capacities of bucket `tokens`: the configured ones, capped by the bucket's size (every segment has a
+    token and reads rarely outnumber tokens; states and branches take more tokens, see TOKENS_PER_STATE), so small
+    buckets carry small tables, their kernels launch small grids and the last layer's MLP runs over few readout
+    rows. The largest bucket keeps the configured capacities up to its size: whatever fits them fits a bucket."""
+    largest = tokens >= caps.buckets[-1]
+    states = tokens if largest else max(1, tokens // TOKENS_PER_STATE)
+    branches = tokens if largest else max(1, tokens // TOKENS_PER_BRANCH)
+    return Shape(tokens, min(caps.states, states), min(caps.branches, branches), min(caps.readout_rows, tokens),
+                 options)
 
 
 def holds(shape: Shape, need: Footprint) -> bool:

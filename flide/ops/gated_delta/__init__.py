@@ -1,13 +1,14 @@
 """flide::gated_delta_* custom ops and the two-call fork built on them. Variants: `reference` (pure torch, any
-device), `fla` (fla-core's chunked Triton kernels with fixed-capacity chunk lists built on the GPU; CUDA)."""
+device), `fla` (fla-core's chunked Triton kernels with fixed-capacity chunk lists built on the GPU for the states,
+and our recurrent Triton kernel, `branches.py`, for the questions; CUDA)."""
 
 from __future__ import annotations
 
 import torch
 
 from ..registry import register, register_resumable
-from . import fla, reference
 from ..resume import gated_delta_with_snapshot
+from . import fla, reference
 
 
 @torch.library.custom_op("flide::gated_delta_reference", mutates_args=())
@@ -65,7 +66,28 @@ gated_delta_fla.register_fake(_fake)  # the same shapes as the reference
 # owns one sequence and head (to be confirmed bitwise on the GPU: tests/gpu/test_batch_invariant_gpu.py)
 register("gated_delta", "fla", available=fla.available, batch_invariant=True)(gated_delta_fla)
 # checkpoints: initial states through the plain op, snapshots as the final states of a split call (ops/resume.py)
-register_resumable("gated_delta", "fla")(gated_delta_with_snapshot(gated_delta_fla))
+gated_delta_fla_resumable = register_resumable("gated_delta", "fla")(gated_delta_with_snapshot(gated_delta_fla))
+
+
+@torch.library.custom_op("flide::gated_delta_branches_triton", mutates_args=(), device_types="cuda")
+def gated_delta_branches_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                                beta: torch.Tensor, seg_start: torch.Tensor, seg_len: torch.Tensor,
+                                initial_state: torch.Tensor, initial_index: torch.Tensor, scale: float,
+                                use_qk_l2norm: bool) -> torch.Tensor:
+    from . import branches  # imported on first use: `import flide` must not need triton
+
+    return branches.branches(q, k, v, g, beta, seg_start, seg_len, initial_state, initial_index, scale,
+                             use_qk_l2norm)
+
+
+@gated_delta_branches_triton.register_fake
+def _fake_branches(q, k, v, g, beta, seg_start, seg_len, initial_state, initial_index, scale, use_qk_l2norm):
+    return q.new_empty(v.shape)
+
+
+# The question call of a variant's fork, where a faster one than the variant itself exists: it returns only the
+# outputs (the questions' final states are never read) and reads each branch's initial state in place by index.
+BRANCH_KERNELS = {gated_delta_fla: gated_delta_branches_triton, gated_delta_fla_resumable: gated_delta_branches_triton}
 
 
 def fork(kernel, q, k, v, g, beta, state_start, state_len, branch_start, branch_len, branch_state, scale: float,
@@ -82,7 +104,13 @@ def fork(kernel, q, k, v, g, beta, state_start, state_len, branch_start, branch_
     no_initial = q.new_zeros(0, v.shape[1], k.shape[2], v.shape[2], dtype=torch.float32)
     none = torch.full_like(state_start, -1)
     o_states, finals = kernel(q, k, v, g, beta, state_start, state_len, no_initial, none, scale, use_qk_l2norm)
-    o_branches, _ = kernel(q, k, v, g, beta, branch_start, branch_len, finals, branch_state, scale, use_qk_l2norm)
+    branch_kernel = BRANCH_KERNELS.get(kernel)
+    if branch_kernel is not None:
+        o_branches = branch_kernel(q, k, v, g, beta, branch_start, branch_len, finals, branch_state, scale,
+                                   use_qk_l2norm)
+    else:
+        o_branches, _ = kernel(q, k, v, g, beta, branch_start, branch_len, finals, branch_state, scale,
+                               use_qk_l2norm)
     return combine(o_states, o_branches, state_start, state_len, branch_start, branch_len), finals
 
 
@@ -110,7 +138,12 @@ def fork_resumable(snapshot_kernel, q, k, v, g, beta, state_start, state_len, br
     """
     o_states, finals, snapshot = snapshot_kernel(q, k, v, g, beta, state_start, state_len, initial_state,
                                                  initial_index, snapshot_chunk, scale, use_qk_l2norm)
-    none = torch.full_like(branch_state, -1)
-    o_branches, _, _ = snapshot_kernel(q, k, v, g, beta, branch_start, branch_len, finals, branch_state, none, scale,
-                                       use_qk_l2norm)
+    branch_kernel = BRANCH_KERNELS.get(snapshot_kernel)
+    if branch_kernel is not None:
+        o_branches = branch_kernel(q, k, v, g, beta, branch_start, branch_len, finals, branch_state, scale,
+                                   use_qk_l2norm)
+    else:
+        none = torch.full_like(branch_state, -1)
+        o_branches, _, _ = snapshot_kernel(q, k, v, g, beta, branch_start, branch_len, finals, branch_state, none,
+                                           scale, use_qk_l2norm)
     return combine(o_states, o_branches, state_start, state_len, branch_start, branch_len), finals, snapshot

@@ -72,10 +72,14 @@ def gated_delta(q, k, v, g, beta, seg_start, seg_len, initial_state, initial_ind
     # N segments and the empty sequence that the spare chunk rows name
     cu_seqlens = torch.cat([seg_start[:1], seg_start[:1] + seg_len.cumsum(0), end])
     chunk_indices = chunk_table(cu_seqlens, T // GDN_CHUNK + N + 1)
-    h0 = q.new_zeros(N + 1, v.shape[1], k.shape[2], v.shape[2], dtype=torch.float32)
+    h0 = None  # no initial states (the fork's state call): fla starts every sequence from zero, nothing to fill
     if initial_state.shape[0] > 0:
-        gathered = initial_state[initial_index.clamp(min=0)].float()
-        h0[:N] = torch.where((initial_index >= 0)[:, None, None, None], gathered, torch.zeros_like(gathered))
+        # one gather from the states plus a zero row (index -1 and the trailing empty sequence read it)
+        source = torch.cat([initial_state.float(), initial_state.new_zeros((1, *initial_state.shape[1:]),
+                                                                           dtype=torch.float32)])
+        zero_row = torch.full_like(initial_index[:1], initial_state.shape[0])
+        rows = torch.cat([torch.where(initial_index >= 0, initial_index, zero_row), zero_row])
+        h0 = source[rows]
     o, final = chunk_rule(q[None], k[None], v[None], g[None].float(), beta[None].to(q.dtype), scale=scale,
                           initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm,
                           cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)

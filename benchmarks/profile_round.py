@@ -96,7 +96,7 @@ def profile(fn, runs: int) -> dict:
             continue
         by_family[family(event.key)] += us / runs
         top[event.key] += us / runs
-    heaviest = sorted(top.items(), key=lambda kv: -kv[1])[:12]
+    heaviest = sorted(top.items(), key=lambda kv: -kv[1])[:30]
     return {"gpu_ms_by_family": {k: round(v / 1e3, 4) for k, v in sorted(by_family.items(), key=lambda kv: -kv[1])},
             "gpu_ms_total": round(sum(by_family.values()) / 1e3, 4),
             "top_kernels_ms": [(k[:90], round(v / 1e3, 4)) for k, v in heaviest]}

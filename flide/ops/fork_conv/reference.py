@@ -72,8 +72,16 @@ def fork_conv(x: torch.Tensor, weight: torch.Tensor, seg_lo: torch.Tensor, trunk
 
 
 def _conv(windows: torch.Tensor, weight: torch.Tensor, silu: bool, dtype: torch.dtype) -> torch.Tensor:
-    """windows [T, W, D] -> [T, D]: the depthwise dot products, then SiLU."""
-    out = torch.einsum("twd,dw->td", windows, weight)
+    """windows [T, W, D] -> [T, D]: the depthwise dot products (float32 sums, tap by tap in order, rounded once to
+    the weight's dtype, where transformers' conv rounds), then SiLU.
+
+    Tap by tap, not an einsum: an einsum is a batched GEMM whose kernel BLAS picks by T, so a token's sum could
+    change bits with the stream's length (seen as fp32 bit changes in batch-invariant mode on the H200); elementwise
+    products and adds give each token the same bits in any stream."""
+    acc = windows[:, 0].float() * weight[:, 0].float()
+    for w in range(1, windows.shape[1]):
+        acc = acc + windows[:, w].float() * weight[:, w].float()
+    out = acc.to(weight.dtype)
     if silu:
         out = F.silu(out)
-    return out.to(dtype).contiguous()  # einsum hands back [T, D] transposed in memory; the fake impl says contiguous
+    return out.to(dtype).contiguous()

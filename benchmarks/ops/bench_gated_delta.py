@@ -41,12 +41,21 @@ from bench_fork_attention import measure_ceilings
 
 MODELS = {"0.8B": (16, 16, 128, 128), "9B": (16, 32, 128, 128)}  # key heads, value heads, K, V
 STREAMS = {"2000+64x40": (1, 2000, 64, 40), "64xRACE": (64, 300, 4, 45)}
+# One RACE-sized request in the tables of the smallest default bucket that holds it, spare rows included: a captured
+# round pays for its bucket's capacities, not its own (the first H200 profile found 30 ms there, 2026-11-30)
+BUCKETED = {"RACE@bucket": (1, 300, 4, 45)}
 CHUNK = 64
 
 
-def stream(requests: int, state: int, questions: int, question: int):
+def stream(requests: int, state: int, questions: int, question: int, bucketed: bool = False):
     preps = [synthetic_request(np.ones(state), [np.ones(question)] * questions) for _ in range(requests)]
     tokens = requests * (state + questions * question)
+    if bucketed:
+        from flide.config import CapacityConfig
+        from flide.graphs.buckets import bucket_for, bucket_shape
+
+        caps = CapacityConfig()
+        return build_round(preps, bucket_shape(bucket_for(tokens, caps), caps, 2), 0).tensors
     tokens = -(-tokens // CHUNK) * CHUNK
     return build_round(preps, Shape(tokens, requests, requests * questions, requests * questions, 2), 0).tensors
 
@@ -68,8 +77,8 @@ def main() -> None:
     flops_rate, bandwidth = measure_ceilings()
     rows = []
     for model, (hk, hv, k, v) in MODELS.items():
-        for name, spec in STREAMS.items():
-            r = stream(*spec).to("cuda")
+        for name, spec in [*STREAMS.items(), *BUCKETED.items()]:
+            r = stream(*spec, bucketed=name in BUCKETED).to("cuda")
             T = r.seg_lo.shape[0]
             g = torch.Generator(device="cuda").manual_seed(0)
             q, kk = (torch.randn(T, hk, k, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(2))

@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from flide.ops.gated_delta import fork
+from flide.ops.gated_delta import BRANCH_KERNELS, fork
 from flide.ops.registry import resolve
 from flide.round import Shape, build_round
 from flide.testing import synthetic_request
@@ -95,7 +95,8 @@ def main() -> None:
             scale = k ** -0.5
             fns = {  # partials: each binds this iteration's tensors
                 "fork": partial(fork, kernel, q, kk, vv, decay, beta, r.state_start, r.state_len, r.branch_start,
-                                r.branch_len, r.branch_state, scale, True),
+                                r.branch_len, r.branch_state, scale, True,
+                                branch_kernel=BRANCH_KERNELS.get(kernel)),
                 "unforked": partial(kernel, q, kk, vv, decay, beta, seg_start, seg_len, empty, none, scale, True),
             }
             states = int((r.state_len > 0).sum())

@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flide.ops.gated_delta import fork
+from flide.ops.gated_delta import BRANCH_KERNELS
+from flide.ops.gated_delta import fork as plain_fork
 from flide.ops.registry import resolve
 from flide.testing import random_round_tensors
 
@@ -36,6 +37,11 @@ def inputs(tokens: int, dtype, seed: int, hk: int = 4, hv: int = 8, d: int = 128
 
 def kernel(variant):
     return resolve("gated_delta", variant)
+
+
+def fork(delta, *args):
+    """The fork as the model layers run it: with the variant's question kernel where it has one (fla: ours)."""
+    return plain_fork(delta, *args, branch_kernel=BRANCH_KERNELS.get(delta))
 
 
 def run_fork(variant, x, r):

@@ -91,7 +91,7 @@ BRANCH_KERNELS = {gated_delta_fla: gated_delta_branches_triton, gated_delta_fla_
 
 
 def fork(kernel, q, k, v, g, beta, state_start, state_len, branch_start, branch_len, branch_state, scale: float,
-         use_qk_l2norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+         use_qk_l2norm: bool, branch_kernel=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Forked gated delta rule, in two calls of one varlen kernel.
 
     Call 1 runs every state from a zero state and keeps each one's final recurrent state (float32); call 2 runs every
@@ -99,12 +99,14 @@ def fork(kernel, q, k, v, g, beta, state_start, state_len, branch_start, branch_
     states in one span and all questions in the next, so each row's output is taken from the call that covers it
     (`combine`), and rows covered by neither (the tail padding) are zero.
 
+    `branch_kernel`: the question call's kernel when the variant has a faster one (`BRANCH_KERNELS[kernel]`; the
+    model layers look it up at patch time, outside traced code): it returns only the outputs.
+
     Returns: (o [T, Hv, V], state_final [NS, Hv, K, V] float32).
     """
     no_initial = q.new_zeros(0, v.shape[1], k.shape[2], v.shape[2], dtype=torch.float32)
     none = torch.full_like(state_start, -1)
     o_states, finals = kernel(q, k, v, g, beta, state_start, state_len, no_initial, none, scale, use_qk_l2norm)
-    branch_kernel = BRANCH_KERNELS.get(kernel)
     if branch_kernel is not None:
         o_branches = branch_kernel(q, k, v, g, beta, branch_start, branch_len, finals, branch_state, scale,
                                    use_qk_l2norm)

@@ -97,8 +97,11 @@ register("fork_attention", "triton_invariant", available=needs_cuda_triton,
          batch_invariant=True)(fork_attention_triton_invariant)
 
 # Checkpoints with the fast variants: the prefix keys go back into an extended stream that the plain kernel runs
-# (flide/ops/resume.py; rounds with checkpoint work run eagerly, so the host may look at the metadata)
-for _variant, _op in (("segments", fork_attention_segments), ("flex", fork_attention_flex),
+# (flide/ops/resume.py; rounds with checkpoint work run eagerly, so the host may look at the metadata). flex's
+# companion runs our Triton kernel: flex is compiled per stream length (size classes, seconds each on the H200), and
+# checkpoint rounds, whose extended streams grow with every agent step, would keep compiling; the Triton kernel
+# takes any length without a compile and computes the same attention (both are checked against the reference).
+for _variant, _op in (("segments", fork_attention_segments), ("flex", fork_attention_triton),
                       ("triton", fork_attention_triton),
                       ("triton_invariant", fork_attention_triton_invariant)):
     register_resumable("fork_attention", _variant)(attention_with_prefix(_op))

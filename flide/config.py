@@ -73,6 +73,9 @@ class RuntimeConfig:
     # the prompt piece cache (flide/piece_cache.py): tokens of state and template pieces seen before, so a history
     # sent again (agents, conversations) is not tokenized again; its bound in characters (~2 bytes of ids each), 0: off
     piece_cache_chars: int = 1 << 23
+    # parsed questions kept by their JSON (flide.requests.QuestionCache): routers and guards send the same questions
+    # with every state, and parsing one costs ~0.15 ms; 0: off
+    question_cache_entries: int = 4096
 
 
 @dataclass(frozen=True)
@@ -138,7 +141,8 @@ _CHOICES = {
 }
 
 
-_MAY_BE_ZERO = {("serve", "prepare_processes"), ("runtime", "piece_cache_chars")}
+_MAY_BE_ZERO = {("serve", "prepare_processes"), ("runtime", "piece_cache_chars"),
+                ("runtime", "question_cache_entries")}
 
 
 def _build(cls, values: Any, where: str):

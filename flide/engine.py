@@ -74,7 +74,8 @@ class Engine:
         self.kernels = concrete(self.config.kernels, next(model.parameters()).device)
         self.flat = adapt(model, tokenizer, self.kernels)
         self.prompts = PromptTokenizer(tokenizer, decision_config, runtime.tokenization,
-                                       piece_cache=PieceCache(runtime.piece_cache_chars))
+                                       piece_cache=PieceCache(runtime.piece_cache_chars),
+                                       question_cache_entries=runtime.question_cache_entries)
         tok = self.prompts.tokenizer
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
         # Options per readout row: the most labels any question type can use

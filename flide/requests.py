@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import json
+import threading
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from itertools import pairwise
@@ -95,8 +96,44 @@ class PreparedRequest:
         return RequestLayout(self)
 
 
-def parse_request(request: Any, decision_config, max_questions: int) -> tuple[Any, list[Question]]:
-    """Validates a System One request (dict or JSON) and parses its questions with transformers' `Question`.
+class QuestionCache:
+    """Parsed questions by their JSON text (key order kept: a choice's options are ordered), LRU, thread-safe.
+
+    Routers, judges and agent guards ask the same questions with every state; `Question.from_request` validates
+    each field through huggingface_hub's strict dataclasses, ~0.15 ms a question, which is most of parsing. Parsing
+    is a pure function of (name, question, decision config), and Flide never mutates a parsed Question, so a
+    request may share the object with earlier ones. Questions that are not JSON (in-process callers may pass any
+    object) are parsed every time."""
+
+    def __init__(self, entries: int = 4096):
+        from collections import OrderedDict
+
+        self.entries = entries
+        self._items: OrderedDict = OrderedDict()
+        self._lock = threading.Lock()
+
+    def parse(self, name: str, question: dict, decision_config) -> Question:
+        try:
+            key = (name, json.dumps(question, ensure_ascii=False))
+        except (TypeError, ValueError):
+            return Question.from_request(name, question, decision_config)
+        with self._lock:
+            parsed = self._items.get(key)
+            if parsed is not None:
+                self._items.move_to_end(key)
+                return parsed
+        parsed = Question.from_request(name, question, decision_config)  # raises for bad questions: not cached
+        with self._lock:
+            self._items[key] = parsed
+            if len(self._items) > self.entries:
+                self._items.popitem(last=False)
+        return parsed
+
+
+def parse_request(request: Any, decision_config, max_questions: int,
+                  cache: QuestionCache | None = None) -> tuple[Any, list[Question]]:
+    """Validates a System One request (dict or JSON) and parses its questions with transformers' `Question`
+    (through `cache` when given: one per PromptTokenizer, shared by its thread copies).
 
     Returns (state, questions in request order). Raises RequestError naming the offending field.
     """
@@ -139,7 +176,8 @@ def parse_request(request: Any, decision_config, max_questions: int) -> tuple[An
         if kind == "choice" and not isinstance(question.get("criteria"), dict):
             raise RequestError(f"{where}.criteria", "a choice question maps each option to a description or null.")
         try:
-            parsed.append(Question.from_request(name, question, decision_config))
+            parsed.append(cache.parse(name, question, decision_config) if cache is not None
+                          else Question.from_request(name, question, decision_config))
         except ValueError as error:
             field_name = f"{where}.criteria" if "options" in str(error) else where
             status = 400 if "labels" in str(error) else 422
@@ -258,7 +296,8 @@ class PromptTokenizer:
     PROBE = "\u2460"  # an instruction unlike any real one from its first character on
 
     def __init__(self, tokenizer, decision_config, mode: str = "auto", resolved: bool = False,
-                 piece_cache: PieceCache | None = None):
+                 piece_cache: PieceCache | None = None,
+                 question_cache_entries: int = RuntimeConfig.question_cache_entries):
         """`mode`: `runtime.tokenization` (auto, split or full); `auto` and `split` are checked against this tokenizer
         (flide/split_check.py) unless `resolved` says the mode comes from a PromptTokenizer that checked it.
         `piece_cache`: the tokens of prompt pieces seen before (flide/piece_cache.py), shared by a tokenizer's
@@ -266,6 +305,8 @@ class PromptTokenizer:
         self.tokenizer = getattr(tokenizer, "tokenizer", tokenizer)
         self.piece_cache = piece_cache if piece_cache is not None else PieceCache(RuntimeConfig.piece_cache_chars)
         self.config = decision_config
+        # shared by thread copies (copy_for_thread copies shallowly); None: off
+        self.question_cache = QuestionCache(question_cache_entries) if question_cache_entries > 0 else None
         self.mode = "split" if mode == "auto" else mode  # until resolved below: the probes tokenize in two parts
         tok = self.tokenizer
         # as prepare_inputs does: sentinels are special, requests can't write them. (Looked up among the added tokens:
@@ -488,7 +529,7 @@ class PromptTokenizer:
 def tokenize_request(request: Any, prompts: "PromptTokenizer", max_questions: int) -> PreparedRequest:
     """Validates, renders and tokenizes one request (the part of `Engine.prepare` that needs no model: it runs in
     prepare worker processes too); RequestError names the offending field."""
-    state, questions = parse_request(request, prompts.config, max_questions)
+    state, questions = parse_request(request, prompts.config, max_questions, prompts.question_cache)
     try:
         return prompts.prepare(state, questions)
     except RequestError:

@@ -291,3 +291,45 @@ def test_common_prefix_length_equals_the_character_by_character_one():
         a = "".join(rng.choice("ab\n") for _ in range(rng.randint(0, 50))) * rng.randint(1, 400)
         b = a[:rng.randint(0, len(a))] + rng.choice(["", "x", "zz" + a])
         assert common_prefix_length(a, b) == common_prefix_length(b, a) == len(os.path.commonprefix([a, b]))
+
+
+def test_question_cache_shares_parses_of_the_same_question_json_only():
+    """A question sent again (routers, agent guards) is parsed once; another key order of a choice's options is
+    another question (its options are ordered); a bad question raises every time and is never cached."""
+    from transformers.decision import DecisionConfig, Question
+
+    from flide.requests import QuestionCache, RequestError, parse_request
+
+    config = DecisionConfig()
+    cache = QuestionCache(entries=2)
+    ab = {"type": "choice", "instructions": "Which?", "criteria": {"A": None, "B": None}}
+    ba = {"type": "choice", "instructions": "Which?", "criteria": {"B": None, "A": None}}
+    first = parse_request({"state": "s", "questions": {"q": ab}}, config, 64, cache)[1][0]
+    again = parse_request({"state": "t", "questions": {"q": dict(ab)}}, config, 64, cache)[1][0]
+    assert again is first and first == Question.from_request("q", ab, config)
+    other = parse_request({"state": "s", "questions": {"q": ba}}, config, 64, cache)[1][0]
+    assert other is not first and other.options == ["B", "A"] and first.options == ["A", "B"]
+    renamed = parse_request({"state": "s", "questions": {"r": ab}}, config, 64, cache)[1][0]
+    assert renamed.name == "r"  # the name is part of the key
+    assert len(cache._items) == 2  # LRU bound
+    bad = {"type": "noul", "instructions": 5}
+    for _ in range(2):
+        with pytest.raises(RequestError):
+            parse_request({"state": "s", "questions": {"q": bad}}, config, 64, cache)
+    assert len(cache._items) == 2
+
+
+def test_question_cache_config():
+    """`runtime.question_cache_entries` sizes it; 0 turns it off; a negative value is refused naming the field."""
+    import flide
+    from flide.config import load_config
+    from flide.models.tiny import tiny_model, tiny_tokenizer
+
+    tok, model = tiny_tokenizer(), tiny_model("qwen3_5_text")
+    assert flide.patch(model, tok).prompts.question_cache.entries == 4096
+    off = flide.patch(model, tok, config={"runtime": {"question_cache_entries": 0}})
+    assert off.prompts.question_cache is None
+    request = {"state": "A calm note.", "questions": {"q": {"type": "noul", "instructions": "Is it calm?"}}}
+    assert off.decide(request).keys() == {"q"}
+    with pytest.raises(ValueError, match="runtime.question_cache_entries"):
+        load_config({"runtime": {"question_cache_entries": -1}})

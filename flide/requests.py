@@ -305,7 +305,7 @@ class PromptTokenizer:
         self.tokenizer = getattr(tokenizer, "tokenizer", tokenizer)
         self.piece_cache = piece_cache if piece_cache is not None else PieceCache(RuntimeConfig.piece_cache_chars)
         self.config = decision_config
-        # shared by thread copies (copy_for_thread copies shallowly); None: off
+        # shared by thread copies (copy_for_thread hands them this one); None: off
         self.question_cache = QuestionCache(question_cache_entries) if question_cache_entries > 0 else None
         self.mode = "split" if mode == "auto" else mode  # until resolved below: the probes tokenize in two parts
         tok = self.tokenizer
@@ -345,7 +345,10 @@ class PromptTokenizer:
                 self._backend_json = backend.to_str()
             tokenizer = copy.copy(self.tokenizer)
             tokenizer._tokenizer = Tokenizer.from_str(self._backend_json)
-        return PromptTokenizer(tokenizer, self.config, self.mode, resolved=True, piece_cache=self.piece_cache)
+        copied = PromptTokenizer(tokenizer, self.config, self.mode, resolved=True, piece_cache=self.piece_cache,
+                                 question_cache_entries=0)
+        copied.question_cache = self.question_cache  # shared, like the piece cache (or None: off)
+        return copied
 
     # ---- rendering (transformers' prepare_inputs, text only) ----
     def render(self, state: Any, group: list[Question]) -> str:

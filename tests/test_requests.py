@@ -333,3 +333,14 @@ def test_question_cache_config():
     assert off.decide(request).keys() == {"q"}
     with pytest.raises(ValueError, match="runtime.question_cache_entries"):
         load_config({"runtime": {"question_cache_entries": -1}})
+
+
+def test_thread_copies_share_the_question_cache_or_its_absence():
+    import flide
+    from flide.models.tiny import tiny_model, tiny_tokenizer
+
+    tok, model = tiny_tokenizer(), tiny_model("qwen3_5_text")
+    on = flide.patch(model, tok).prompts
+    assert on.copy_for_thread().question_cache is on.question_cache is not None
+    off = flide.patch(model, tok, config={"runtime": {"question_cache_entries": 0}}).prompts
+    assert off.copy_for_thread().question_cache is None

@@ -244,23 +244,38 @@ def test_import_is_lazy():
 
 
 def test_decision_prompt_renders_as_transformers_renders_it():
-    """Flide renders transformers' DECISION_PROMPT outside jinja's sandbox (requests._decision_prompt): the same
-    text for every kind of question and state."""
+    """Flide renders transformers' DECISION_PROMPT outside jinja's sandbox (requests._decision_prompt) and, where
+    state and texts are strings, in plain Python (requests._decision_prompt_text): the same text for every kind of
+    question and state; JSON states and descriptions go through jinja (its tojson escapes HTML)."""
     import random
 
     from transformers.decision import DECISION_PROMPT, DecisionConfig
     from transformers.utils.chat_template_utils import _compile_jinja_template
 
-    from flide.requests import _decision_prompt, parse_request
+    from flide.requests import _decision_prompt, _decision_prompt_port_ok, _decision_prompt_text, parse_request
+    from flide.requests import render_decision_prompt
     from flide.testing import random_request
 
     sandboxed, fast = _compile_jinja_template(DECISION_PROMPT), _decision_prompt()
     assert fast.environment is not sandboxed.environment
+    assert _decision_prompt_port_ok()
     rng = random.Random(2)
+    ported = jinja_only = 0
     for _ in range(300):
         state, questions = parse_request(random_request(rng, max_questions=8, max_words=40), DecisionConfig(), 64)
         for question in questions:
-            assert fast.render(state=state, question=question) == sandboxed.render(state=state, question=question)
+            want = sandboxed.render(state=state, question=question)
+            assert fast.render(state=state, question=question) == want
+            assert render_decision_prompt(state, question) == want
+            if _decision_prompt_text(state, question) is None:
+                jinja_only += 1
+            else:
+                ported += 1
+    assert ported > 500 and jinja_only > 20  # both paths ran
+    html = parse_request({"state": {"a": "<b>&'"}, "questions": {"q": {"type": "noul", "instructions": "Ok?"}}},
+                         DecisionConfig(), 64)
+    assert _decision_prompt_text(*html[0:1], html[1][0]) is None  # a JSON state: jinja's tojson renders it
+    assert render_decision_prompt(html[0], html[1][0]) == sandboxed.render(state=html[0], question=html[1][0])
 
 
 def test_types_asked_once_share_the_state_without_probe_renders():

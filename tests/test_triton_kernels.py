@@ -26,10 +26,10 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 if not INTERPRETED:
     from flide.testing import run_in_triton_interpreter
 
-    @pytest.mark.parametrize("kernel", ["fork_conv", "fork_attention", "gated_delta_branches"])
+    @pytest.mark.parametrize("kernel", ["fork_conv", "fork_attention", "gated_delta_branches", "gated_delta_l2norm"])
     def test_in_the_triton_interpreter(kernel):
         """Runs this file's `test_<kernel>_*` checks in a child process with TRITON_INTERPRET=1."""
-        run_in_triton_interpreter(__file__, f"test_{kernel}_", 5)
+        run_in_triton_interpreter(__file__, f"test_{kernel}_", 4)
 
 else:
     from triton.runtime.interpreter import InterpretedFunction
@@ -39,6 +39,7 @@ else:
     from flide.ops.fork_conv import reference as conv_ref
     from flide.ops.fork_conv import triton as conv_triton
     from flide.ops.gated_delta import branches as delta_branches
+    from flide.ops.gated_delta import l2norm as delta_l2norm
     from flide.ops.gated_delta import reference as delta_ref
     from flide.testing import random_round_tensors
 
@@ -278,3 +279,21 @@ else:
         assert out[:3].isnan().all() and out[13:20].isnan().all()  # outside the segments: untouched
         torch.testing.assert_close(out[3:13], want[3:13], atol=2e-5, rtol=1e-5)
         torch.testing.assert_close(out[20:40], want[20:40], atol=2e-5, rtol=1e-5)
+
+    # -----------------------------------------------------------------------------------------------------------------
+    # gated_delta: q/k normalisation before fla's state call (fixed launch configuration)
+    # -----------------------------------------------------------------------------------------------------------------
+
+    def test_gated_delta_l2norm_kernel_is_interpreted():
+        assert isinstance(delta_l2norm._l2norm_kernel, InterpretedFunction)
+
+    @pytest.mark.parametrize("shape", [(1, 1, 16), (37, 2, 24), (65, 3, 128)], ids=["1x1x16", "37x2x24", "65x3x128"])
+    def test_gated_delta_l2norm_matches_torch_and_keeps_each_rows_bits_in_any_stream(shape):
+        """x / sqrt(sum(x^2) + 1e-6) per row (partial row tiles, D padded to a power of two); a row's output has the
+        same bits inside a longer stream (other rows around it, another row count)."""
+        x = randn(*shape, seed=shape[0])
+        want = x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+        y = delta_l2norm.l2norm(x)
+        torch.testing.assert_close(y, want, atol=1e-6, rtol=1e-5)
+        longer = torch.cat([randn(5, *shape[1:], seed=99), x, randn(40, *shape[1:], seed=98)])
+        assert torch.equal(delta_l2norm.l2norm(longer)[5:5 + shape[0]], y)

@@ -155,3 +155,18 @@ def test_branch_kernel_matches_reference_at_qwen_shapes(dtype, heads):
     first = int(meta["branch_start"][0])
     assert torch.isfinite(o[first:]).all() and o[:first].isnan().all()  # question rows written, state rows not
     assert rel_err(o[first:], ref_o[first:]) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_l2norm_matches_torch_and_keeps_row_bits_in_any_stream(dtype):
+    """The q/k normalisation before fla's state call (flide/ops/gated_delta/l2norm.py): within rounding of torch,
+    and a token's rows have the same bits in a stream of 100 or of 9,000 tokens (fla's own, autotuned per stream
+    size class, need not)."""
+    from flide.ops.gated_delta.l2norm import l2norm
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(9000, 16, 128, device="cuda", generator=g).to(dtype)
+    y = l2norm(x)
+    want = (x.float() / torch.sqrt((x.float() ** 2).sum(-1, keepdim=True) + 1e-6)).to(dtype)
+    assert rel_err(y, want) < (1e-6 if dtype == torch.float32 else 1e-2)
+    assert torch.equal(l2norm(x[4000:4100]), y[4000:4100])

@@ -54,10 +54,10 @@ def _branch_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, start_pt
             b_g = tl.load(g_ptr + t * HV + i_h).to(tl.float32)
             b_beta = tl.load(beta_ptr + t * HV + i_h).to(tl.float32)
             if L2NORM:
-                # as fla's l2norm (which the state call runs): x / sqrt(sum(x^2) + 1e-6) in fp32, rounded to the
-                # input dtype (a no-op for fp32), so states and questions see keys normalised alike
-                b_q = (b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6)).to(q_ptr.dtype.element_ty).to(tl.float32)
-                b_k = (b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)).to(k_ptr.dtype.element_ty).to(tl.float32)
+                # the state call's formula (l2norm.py, as fla's): x * (1 / sqrt(sum(x^2) + 1e-6)) in fp32, rounded
+                # to the input dtype (a no-op for fp32), so states and questions see keys normalised alike
+                b_q = (b_q * (1 / tl.sqrt(tl.sum(b_q * b_q) + 1e-6))).to(q_ptr.dtype.element_ty).to(tl.float32)
+                b_k = (b_k * (1 / tl.sqrt(tl.sum(b_k * b_k) + 1e-6))).to(k_ptr.dtype.element_ty).to(tl.float32)
             h *= tl.exp(b_g)
             b_v = (b_v - tl.sum(h * b_k[:, None], 0)) * b_beta
             h += b_k[:, None] * b_v[None, :]

@@ -80,8 +80,12 @@ def gated_delta(q, k, v, g, beta, seg_start, seg_len, initial_state, initial_ind
         zero_row = torch.full_like(initial_index[:1], initial_state.shape[0])
         rows = torch.cat([torch.where(initial_index >= 0, initial_index, zero_row), zero_row])
         h0 = source[rows]
+    if use_qk_l2norm:  # ours, not fla's: one launch configuration for every stream (see l2norm.py)
+        from .l2norm import l2norm
+
+        q, k = l2norm(q), l2norm(k)
     o, final = chunk_rule(q[None], k[None], v[None], g[None].float(), beta[None].to(q.dtype), scale=scale,
-                          initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm,
+                          initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=False,
                           cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
     # rows outside the call's span are left as fla leaves them (unwritten): `fork` selects each row from the call
     # that covers it (`combine`), which costs one pass instead of zeroing here and summing there

@@ -359,3 +359,47 @@ def test_thread_copies_share_the_question_cache_or_its_absence():
     assert on.copy_for_thread().question_cache is on.question_cache is not None
     off = flide.patch(model, tok, config={"runtime": {"question_cache_entries": 0}}).prompts
     assert off.copy_for_thread().question_cache is None
+
+
+def test_fast_question_parse_equals_transformers():
+    """`_parse_simple` builds exactly transformers' Question for the shapes it accepts (random requests, two label
+    sets) and declines everything else, which transformers then parses or rejects."""
+    import random
+    import string
+
+    from transformers.decision import DecisionConfig, Question
+
+    from flide.requests import _parse_port_ok, _parse_simple, parse_question
+    from flide.testing import random_request
+
+    assert _parse_port_ok()
+    configs = [DecisionConfig(), DecisionConfig(labels={"noul": ["True", "False"], "choice": list("123"),
+                                                        "score": ["lo", "mid", "hi", "max"]})]
+    rng, fast = random.Random(5), 0
+    for _ in range(400):
+        for name, question in random_request(rng, max_questions=8, max_words=10)["questions"].items():
+            for config in configs:
+                got = _parse_simple(name, question, config)
+                if got is not None:
+                    fast += 1
+                    assert got == Question.from_request(name, question, config)
+    assert fast > 2000
+    declined = [
+        {"type": "noul", "instructions": "x", "criteria": {"maybe": "y"}},  # strict: only true/false
+        {"type": "noul", "instructions": {"text": "x"}},  # content that is not a string: transformers parses it
+        {"type": "choice", "instructions": "x", "criteria": {"a": 1}},
+        {"type": "choice", "instructions": "x", "criteria": dict.fromkeys(string.ascii_lowercase + "0")},  # 27
+        {"type": "score", "instructions": "x", "criteria": ["a", {"b": "c"}]},
+        {"type": "score", "instructions": "x", "criteria": ("a", "b")},
+        {"type": "noul", "instructions": "x", "extra": True},
+        {"type": "noul", "instructions": True},
+    ]
+    for question in declined:
+        assert _parse_simple("q", question, configs[0]) is None
+        try:
+            want = Question.from_request("q", question, configs[0])
+        except ValueError as error:
+            with pytest.raises(ValueError, match=str(error)[:30].replace("(", r"\(").replace("[", r"\[")):
+                parse_question("q", question, configs[0])
+        else:
+            assert parse_question("q", question, configs[0]) == want

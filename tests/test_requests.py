@@ -403,3 +403,29 @@ def test_fast_question_parse_equals_transformers():
                 parse_question("q", question, configs[0])
         else:
             assert parse_question("q", question, configs[0]) == want
+
+
+def test_direct_backend_batch_encode_equals_transformers_call():
+    """`_encode_batch` calls the Rust backend directly only where transformers' call would give the same ids, and
+    falls back to it when the backend truncates (a tokenizer.json may ship truncation settings)."""
+    import random
+
+    from transformers.decision import DecisionConfig
+
+    from flide.models.tiny import tiny_tokenizer
+    from flide.requests import PromptTokenizer
+    from flide.testing import random_request
+
+    tok = tiny_tokenizer()
+    prompts = PromptTokenizer(tok, DecisionConfig())
+    rng = random.Random(8)
+    texts = [random_request(rng, max_words=80)["state"] for _ in range(40)]
+    texts = [t if isinstance(t, str) else str(t) for t in texts] + ["\n", " ", "a\n\nb", "<|im_start|>x"]
+    want = tok(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+    assert prompts._encode_batch(texts) == want
+    backend = tok._tokenizer
+    backend.enable_truncation(5)
+    try:
+        assert prompts._encode_batch(texts) == want  # transformers' call turns the truncation off for itself
+    finally:
+        backend.no_truncation()

@@ -109,8 +109,9 @@ AUTO_INVARIANT = {
     "gated_delta": {"cuda": ("fla",), "cpu": ("reference",)},
     # the reference conv sums its W taps with an einsum, i.e. a batched GEMM whose cuBLAS kernel is picked by the
     # stream's length: the likely cause of the fp32 bit changes seen on the H200 in this mode (2026-11-30; bf16
-    # rounded them away). The Triton conv sums the taps in one fixed order per token, whatever the length.
-    "fork_conv": {"cuda": ("triton",), "cpu": ("reference",)},
+    # rounded them away). The Triton conv sums the taps in one fixed order per token, whatever the length; so does
+    # the reference now (elementwise, tap by tap), the fallback where Triton cannot run.
+    "fork_conv": {"cuda": ("triton", "reference"), "cpu": ("reference",)},
     "readout": {"cuda": ("invariant",), "cpu": ("invariant",)},
     "linear": {"cuda": ("triton",), "cpu": ("blocked",)},
 }

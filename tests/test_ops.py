@@ -573,3 +573,24 @@ def test_gated_delta_combine_selects_each_row_from_its_call():
     none = torch.zeros(4, dtype=torch.int64)
     out = combine(o_states, o_branches, state_start, state_len, none, none)
     assert (out[:9] == 1).all() and (out[9:] == 0).all()
+
+
+def test_the_fla_fork_runs_our_question_kernel_and_the_reference_its_own():
+    """The question call: `fla` forks through our recurrent Triton kernel (looked up when the layer is built), the
+    reference through itself; its opcheck'd fake gives the op's output shape."""
+    import flide
+    from flide.models.layers import FlideGatedDeltaNet
+    from flide.models.tiny import tiny_model, tiny_tokenizer
+    from flide.ops import gated_delta
+
+    assert gated_delta.BRANCH_KERNELS[gated_delta.gated_delta_fla] is gated_delta.gated_delta_branches_triton
+    assert gated_delta.BRANCH_KERNELS[gated_delta.gated_delta_fla_resumable] is gated_delta.gated_delta_branches_triton
+    engine = flide.patch(tiny_model("qwen3_5_text"), tiny_tokenizer())
+    layers = [m for m in engine.flat.modules() if isinstance(m, FlideGatedDeltaNet)]
+    assert layers and all(layer.branch_op is None for layer in layers)  # the reference on the CPU
+    q = torch.empty(5, 2, 16, device="meta")
+    v = torch.empty(5, 4, 8, device="meta")
+    meta = torch.empty(3, dtype=torch.int64, device="meta")
+    out = gated_delta._fake_branches(q, q, v, v[..., 0], v[..., 0], meta, meta, torch.empty(0, 4, 16, 8), meta, 0.5,
+                                     True)
+    assert out.shape == (5, 4, 8)

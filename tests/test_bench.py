@@ -246,3 +246,29 @@ def test_module_entry_point_dry_run():
     bad = subprocess.run(["python", "-m", "flide.bench", "configs/bench/cpu_smoke.yaml", "--engines", "vllm"],
                          cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
     assert bad.returncode == 2 and "vllm not in the config" in bad.stderr
+
+
+def test_latency_alone_stops_taking_samples_past_its_time_budget():
+    """`max_latency_seconds`: past it (and after `repeats` samples) latency alone stops and says over how many."""
+    from flide.bench.config import BenchConfig
+    from flide.bench.runner import latency_alone
+
+    class Slow:
+        calls = 0
+
+        def decide(self, requests):
+            Slow.calls += 1
+
+    def timer(fn):  # each sample "takes" 40 ms
+        fn()
+        return 40.0
+
+    config = BenchConfig(name="t", models=("tiny:qwen3_5_text",), warmup=1, repeats=3, latency_requests=8,
+                         max_latency_seconds=0.1)
+    alone, rows = latency_alone(Slow(), [{"r": i} for i in range(8)], config, timer)
+    assert alone == 40.0 and Slow.calls == 1 + 3  # warm-up, then 3 samples (120 ms > 0.1 s)
+    assert rows[0] == ("latency_p50_ms", 40.0, "ms (n=3)")
+    config = BenchConfig(name="t", models=("tiny:qwen3_5_text",), warmup=0, repeats=2, latency_requests=2,
+                         max_latency_seconds=100)
+    _, rows = latency_alone(Slow(), [{"r": 0}, {"r": 1}], config, timer)
+    assert rows[0][2] == "ms"

@@ -99,6 +99,9 @@ class BenchConfig:
     # A throughput run waits for every request in flight: N submitters take at least ~N x the latency alone when the
     # device serializes them. Runs whose estimate (N x median latency alone) exceeds this are skipped (row noted).
     max_throughput_seconds: float = 120.0
+    # Latency alone stops taking samples of a workload once they took this long (after at least `repeats` samples):
+    # the pipeline spends ~7 s on one QuALITY request, 8 x 3 of them would be minutes of device time per cell.
+    max_latency_seconds: float = 120.0
     limits: dict[str, int] = field(default_factory=dict)  # workload -> requests built (sweep: articles)
     workload_options: dict[str, dict[str, Any]] = field(default_factory=dict)
     flide: dict[str, Any] = field(default_factory=dict)  # Flide config overrides for every flide engine
@@ -324,7 +327,7 @@ def config_from_dict(values: dict[str, Any]) -> BenchConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
                 _fail(key, f"must be an integer >= {least}, got {value!r}.")
             kw[key] = value
-    for key in ("throughput_seconds", "max_throughput_seconds"):
+    for key in ("throughput_seconds", "max_throughput_seconds", "max_latency_seconds"):
         if key in values:
             value = values[key]
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:

@@ -4,7 +4,8 @@ For every model of the config (random weights in the model's real shapes, or a t
 and every engine (+ one `flide:<name>` per ablation), it measures:
 
 - `latency_p50_ms`, `latency_p90_ms` (ms): one request alone (`decide([r])`): the first `latency_requests` requests,
-  each `repeats` times, after `warmup` untimed runs;
+  each `repeats` times, after `warmup` untimed runs; once the samples took `max_latency_seconds` (and at least
+  `repeats` were taken) the rest are skipped, and the unit says over how many samples (`ms (n=5)`);
 - `tokens_per_request` (tokens): what the model computes per request (mean): Flide and prefix-cache count each
   state once, the pipeline one whole prompt per question, the delimiter baseline adds one token per question;
 - `requests_per_s@N` (requests/s): N in-process submitter threads, each calling `decide([r])` on the next request
@@ -231,10 +232,15 @@ def latency_alone(engine, requests: list[dict], config: BenchConfig, timer: Time
     """One request at a time after `warmup` untimed runs: (median ms, its latency rows)."""
     for _ in range(config.warmup):
         engine.decide([requests[0]])
-    samples = [timer(lambda r=r: engine.decide([r])) for r in requests[: config.latency_requests]
-               for _ in range(config.repeats)]
+    planned = [r for r in requests[: config.latency_requests] for _ in range(config.repeats)]
+    samples: list[float] = []
+    for request in planned:
+        if len(samples) >= config.repeats and sum(samples) / 1e3 > config.max_latency_seconds:
+            break
+        samples.append(timer(lambda r=request: engine.decide([r])))
     alone = statistics.median(samples)
-    return alone, [("latency_p50_ms", alone, "ms"), ("latency_p90_ms", percentile(samples, 0.9), "ms")]
+    unit = "ms" if len(samples) == len(planned) else f"ms (n={len(samples)})"
+    return alone, [("latency_p50_ms", alone, unit), ("latency_p90_ms", percentile(samples, 0.9), unit)]
 
 
 def measure(engine, requests: list[dict], config: BenchConfig, timer: Timer, pool: TokenizerPool | None,

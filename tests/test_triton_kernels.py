@@ -232,7 +232,7 @@ else:
     BRANCH_CASES = [  # tokens, (Hk, Hv, K, V), l2norm
         (1, (1, 1, 16, 16), True),
         (65, (2, 4, 16, 32), True),  # grouped value heads (2 per key head)
-        (150, (2, 2, 24, 40), True),  # K padded to 32, V over two tiles of 32 (the second partial)
+        (150, (2, 2, 24, 44), True),  # K padded to 32, V over tiles of 8 (the last partial)
         (200, (1, 3, 16, 16), False),  # 3 value heads per key head, no l2norm
     ]
 

@@ -22,8 +22,13 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_V = 32  # value columns per program: a [K=128, 32] float32 slice is 32 registers a thread at 4 warps
-NUM_WARPS = 4
+# Tiles as fla's own recurrent kernel uses them (fused_recurrent_gated_delta_rule): 8 value columns per program and
+# one warp, so the two sums over K of every token stay inside a warp (shuffles, no shared memory or barrier: the
+# per-token latency is what a question's length multiplies), [K=128, 8] fp32 is 32 registers a thread, and many
+# small programs fill the GPU even for one request's few questions (RACE: 5 x 16 heads x 16 tiles = 1,280).
+BLOCK_V = 8
+NUM_WARPS = 1
+NUM_STAGES = 3  # the next tokens' q/k/v loads in flight while this one's update runs
 
 
 @triton.jit
@@ -88,5 +93,6 @@ def branches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     if N > 0:
         _branch_kernel[grid](q, k, v, g, beta, o, h0, seg_start.contiguous(), seg_len.contiguous(),
                              initial_index.contiguous(), float(scale), HK=HK, HV=HV, K=K, V=V,
-                             BK=triton.next_power_of_2(K), BV=BV, L2NORM=use_qk_l2norm, num_warps=NUM_WARPS)
+                             BK=triton.next_power_of_2(K), BV=BV, L2NORM=use_qk_l2norm, num_warps=NUM_WARPS,
+                             num_stages=NUM_STAGES)
     return o

@@ -62,12 +62,19 @@ SWEEP = [(128, 64, 8, 2), (128, 32, 8, 2), (128, 32, 8, 3), (64, 64, 4, 2), (64,
          (64, 64, 8, 2)]
 
 
+# FlexAttention kernel options to time against its defaults (--flex-sweep): tiles must divide the block mask's 128
+FLEX_SWEEP = [{"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
+              {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2},
+              {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2},
+              {"BLOCK_M": 128, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3}]
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
 def bench_shape(sname: str, mname: str, r, heads: tuple[int, int, int], ceilings: tuple[float, float],
-                sweep: bool) -> list[dict]:
+                sweep: bool, flex_sweep: bool = False) -> list[dict]:
     """Every engine on one stream and one attention shape: one JSON row each."""
     from triton.runtime.errors import OutOfResources
     from triton.testing import do_bench, do_bench_cudagraph
@@ -86,7 +93,22 @@ def bench_shape(sname: str, mname: str, r, heads: tuple[int, int, int], ceilings
         for c in SWEEP:
             configs.setdefault(f"triton[M{c[0]},N{c[1]},w{c[2]},s{c[3]}]", triton_kernel.Config(*c))
     flex = resolve("fork_attention", "flex")
+    from flide.ops.fork_attention import flex as flex_module
+
+    def flex_with(options):
+        def run():
+            flex_module.KERNEL_OPTIONS = options
+            try:
+                return flex(q, k, v, *meta)
+            finally:
+                flex_module.KERNEL_OPTIONS = None
+        return run
+
     fns = {"flex": lambda: flex(q, k, v, *meta)}
+    if flex_sweep:
+        for options in FLEX_SWEEP:
+            name = "flex[" + ",".join(f"{k_}={v_}" for k_, v_ in options.items()) + "]"
+            fns[name] = flex_with(options)
     for name, cfg in configs.items():
         fns[name] = lambda cfg=cfg: triton_kernel.fork_attention(q, k, v, *meta, config=cfg)
     fns["sdpa-causal"] = lambda: F.scaled_dot_product_attention(
@@ -99,7 +121,8 @@ def bench_shape(sname: str, mname: str, r, heads: tuple[int, int, int], ceilings
         try:
             out = fn()
             torch.cuda.synchronize()
-        except OutOfResources as error:  # a sweep tile that needs more shared memory or registers than there are
+        except (OutOfResources, RuntimeError) as error:  # a sweep tile beyond the shared memory or registers there are
+            # (flex's lowering raises its own errors for options it cannot use)
             print(f"{sname:18} {mname:13} {engine:12} skipped: {error}"[:300])
             continue
         if engine == "reference":  # host syncs: not capturable, timed eagerly
@@ -126,6 +149,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--sweep", action="store_true", help="also time the triton kernel's other tile configs")
+    parser.add_argument("--flex-sweep", action="store_true", help="also time flex with other kernel options")
     args = parser.parse_args()
     ceilings = measure_ceilings()
     print(f"ceilings: {ceilings[0] / 1e12:.0f} TFLOP/s bf16, {ceilings[1] / 1e12:.2f} TB/s copy")
@@ -135,7 +159,7 @@ def main() -> None:
     for sname, r in streams.items():
         r = r.to("cuda")
         for mname, heads in shapes.items():
-            rows += bench_shape(sname, mname, r, heads, ceilings, args.sweep)
+            rows += bench_shape(sname, mname, r, heads, ceilings, args.sweep, args.flex_sweep)
     Path(args.out).write_text(json.dumps(rows, indent=1))
 
 

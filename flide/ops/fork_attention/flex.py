@@ -14,6 +14,10 @@ import functools
 import torch
 
 BLOCK = 128
+# FlexAttention's kernel options (tile sizes, warps, stages; None: its defaults for the head dim). A module setting
+# read inside the compiled op, so changing it recompiles: `benchmarks/ops/bench_fork_attention.py --flex-sweep`
+# times candidates at Qwen3.5's head dim 256, where flex ran 4-13x its floor with its defaults (H200, session 2).
+KERNEL_OPTIONS: dict | None = None
 
 
 def _overlap(lo: torch.Tensor, hi: torch.Tensor, block_lo: torch.Tensor, block_hi: torch.Tensor) -> torch.Tensor:
@@ -62,7 +66,8 @@ def _fork_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_lo: t
     q, k, v = (x.transpose(0, 1)[None] for x in (q, k, v))
     if q.device.type == "cpu":  # Inductor's CPU flex template reads a 4-d layout, which these views lack
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    out = flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    out = flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
+                         kernel_options=KERNEL_OPTIONS)
     return out[0].transpose(0, 1)
 
 

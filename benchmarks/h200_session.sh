@@ -76,8 +76,8 @@ profile)
     tail -20 "$OUT/profile.log" ;;
 ops)
     for op in fork_attention gated_delta fork_conv linear; do
-        extra=""; limit=150
-        [ "$op" = fork_attention ] && extra="--sweep --flex-sweep" && limit=240
+        extra=""; limit=120
+        [ "$op" = fork_attention ] && extra="--sweep --flex-sweep" && limit=200
         timeout $limit python3 benchmarks/ops/bench_$op.py --out "$OUT/ops_$op.json" $extra > "$OUT/ops_$op.log" 2>&1
         echo "$op rc=$?" | tee -a "$OUT/summary.txt"; tail -12 "$OUT/ops_$op.log"
     done ;;

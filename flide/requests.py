@@ -18,11 +18,7 @@ proven and probed exact (flide/split_check.py), and tokenizes whole otherwise.
 
 from __future__ import annotations
 
-import functools
 import json
-import logging
-import string
-import threading
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from itertools import pairwise
@@ -33,7 +29,6 @@ from transformers.decision import DECISION_PROMPT, Question
 from transformers.decision.template_utils import MARK, SPLIT
 from transformers.tokenization_utils_base import AddedToken
 from transformers.utils.chat_template_utils import (
-    _compile_jinja_template,
     _encode_chat_piece,
     _get_control_token_patterns,
     _get_template_variables,
@@ -42,9 +37,9 @@ from transformers.utils.chat_template_utils import (
 )
 
 from .config import RuntimeConfig
+from .decision_prompt import render_decision_prompt
 from .piece_cache import PieceCache
-
-log = logging.getLogger("flide.requests")
+from .questions import QuestionCache, parse_question
 
 
 class RequestError(ValueError):
@@ -98,103 +93,6 @@ class PreparedRequest:
         from .round import RequestLayout
 
         return RequestLayout(self)
-
-
-# transformers' question parsing (Question.from_request and its three strict schemas) as `_parse_simple` mirrors it,
-# by hash of their source: another transformers version that changed them makes every parse go through it
-_PARSE_SOURCE_SHA256 = "8cca05a4598901fd762c359e23a92bdd9f548f8dddb865e9b030e6ac4c688733"
-_QUESTION_KEYS = frozenset(("type", "instructions", "criteria"))
-
-
-@functools.lru_cache(maxsize=1)
-def _parse_port_ok() -> bool:
-    import hashlib
-    import inspect
-
-    import transformers.decision.template_utils as template_utils
-
-    source = inspect.getsource(Question.from_request) + "".join(
-        inspect.getsource(getattr(template_utils, name)) for name in ("NoulQuestion", "ChoiceQuestion", "ScoreQuestion"))
-    if hashlib.sha256(source.encode()).hexdigest() != _PARSE_SOURCE_SHA256:
-        log.info("flide: transformers' question parsing differs from the one Flide's fast parse mirrors; using it")
-        return False
-    return True
-
-
-def _parse_simple(name: str, question: dict, config) -> Question | None:
-    """`Question.from_request` for the common shape (string instructions and descriptions, criteria of the type's
-    own form), or None for anything else, which transformers then parses (and rejects, naming the problem).
-
-    Why: from_request validates the request through huggingface_hub's strict dataclasses, ~0.05 ms a question, a
-    quarter of a RACE request's host time. This checks the same types for the shapes it accepts and builds the
-    Question as from_request does (tested equal on random and hand-made questions); used only while transformers'
-    parsing has the source it was written from (`_PARSE_SOURCE_SHA256`)."""
-    if not _parse_port_ok() or not question.keys() <= _QUESTION_KEYS:
-        return None
-    kind, instructions, criteria = question.get("type"), question.get("instructions"), question.get("criteria")
-    if instructions is not None and type(instructions) is not str:
-        return None
-    if kind == "noul":
-        if criteria is None:
-            criteria = {}
-        elif type(criteria) is not dict or not all(key in ("true", "false") and (value is None or type(value) is str)
-                                                   for key, value in criteria.items()):
-            return None
-        criteria = {option: criteria.get(option) for option in config.noul_options}
-    elif kind == "choice":
-        if type(criteria) is not dict or not criteria or not all(
-                type(key) is str and (value is None or type(value) is str) for key, value in criteria.items()):
-            return None
-    elif kind == "score":
-        if type(criteria) is not list or not criteria or not all(type(level) is str for level in criteria):
-            return None
-        criteria = {str(index): level for index, level in enumerate(criteria)}
-    else:
-        return None
-    labels = config.labels.get(kind) or (["Yes", "No"] if kind == "noul" else list(string.ascii_uppercase))
-    if len(labels) < len(criteria):
-        return None
-    options = list(criteria)
-    return Question(name, kind, instructions, options, labels[:len(options)], list(criteria.values()))
-
-
-def parse_question(name: str, question: dict, config) -> Question:
-    """transformers' `Question.from_request`, through `_parse_simple` where that mirrors it."""
-    return _parse_simple(name, question, config) or Question.from_request(name, question, config)
-
-
-class QuestionCache:
-    """Parsed questions by their JSON text (key order kept: a choice's options are ordered), LRU, thread-safe.
-
-    Routers, judges and agent guards ask the same questions with every state; `Question.from_request` validates
-    each field through huggingface_hub's strict dataclasses, ~0.15 ms a question, which is most of parsing. Parsing
-    is a pure function of (name, question, decision config), and Flide never mutates a parsed Question, so a
-    request may share the object with earlier ones. Questions that are not JSON (in-process callers may pass any
-    object) are parsed every time."""
-
-    def __init__(self, entries: int = 4096):
-        from collections import OrderedDict
-
-        self.entries = entries
-        self._items: OrderedDict = OrderedDict()
-        self._lock = threading.Lock()
-
-    def parse(self, name: str, question: dict, decision_config) -> Question:
-        try:
-            key = (name, json.dumps(question, ensure_ascii=False))
-        except (TypeError, ValueError):
-            return parse_question(name, question, decision_config)
-        with self._lock:
-            parsed = self._items.get(key)
-            if parsed is not None:
-                self._items.move_to_end(key)
-                return parsed
-        parsed = parse_question(name, question, decision_config)  # raises for bad questions: not cached
-        with self._lock:
-            self._items[key] = parsed
-            if len(self._items) > self.entries:
-                self._items.popitem(last=False)
-        return parsed
 
 
 def parse_request(request: Any, decision_config, max_questions: int,
@@ -319,103 +217,6 @@ class _Trunk:
 
 def _join(parts: list[np.ndarray]) -> np.ndarray:
     return parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else _EMPTY
-
-
-@functools.lru_cache(maxsize=1)
-def _decision_prompt():
-    """transformers' DECISION_PROMPT compiled as `prepare_inputs` compiles it (same jinja options, filters and
-    globals), but outside jinja's sandbox: it is transformers' own template, not a model's, and the sandbox's check
-    of every attribute access was half its render time (0.22 -> 0.10 ms a question). The text is the same (tested
-    against the sandboxed render in tests/test_requests.py)."""
-    import jinja2
-    import jinja2.ext
-
-    sandboxed = _compile_jinja_template(DECISION_PROMPT).environment
-    env = jinja2.Environment(trim_blocks=sandboxed.trim_blocks, lstrip_blocks=sandboxed.lstrip_blocks,
-                             extensions=[jinja2.ext.loopcontrols])
-    env.filters["tojson"] = sandboxed.filters["tojson"]
-    env.globals.update({name: sandboxed.globals[name] for name in ("raise_exception", "strftime_now", "dict",
-                                                                  "namespace")})
-    return env.from_string(DECISION_PROMPT)
-
-
-# The DECISION_PROMPT that `_decision_prompt_text` reproduces, by hash: any other text (a transformers release that
-# changed it) makes every render go through jinja
-_DECISION_PROMPT_SHA256 = "63bb2c962ff391c47a21f1c6958bdb4f5676f850efd4a50c49632c85a797a89c"
-_LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
-
-
-def _decision_prompt_text(state: Any, question: Question) -> str | None:
-    """DECISION_PROMPT's text for (state, question) in plain Python, or None where only jinja renders it exactly
-    (a state, instructions or description that is not a string or None: the template's `tojson` escapes HTML).
-
-    Why: the jinja render is ~85 us a question (its namespace, loops and filters), most of a RACE request's
-    rendering. Used only while DECISION_PROMPT is the text this was written from (`_DECISION_PROMPT_SHA256`) and
-    after `_decision_prompt_port_ok` found it equal to jinja's render on probe questions of every type."""
-    texts = [state, question.instructions, *question.descriptions]
-    if not all(x is None or isinstance(x, str) for x in texts):
-        return None
-    labels, options, kind = question.labels, question.options, question.type
-    lines = [question.instructions or ""]
-    for i, option in enumerate(options):
-        label, answer = str(labels[i]), question.descriptions[i] or ""
-        if kind == "noul":
-            answer = answer or (str(option) if labels != ["Yes", "No"] else "")
-            if answer:
-                lines.append(f"{label}: {answer}")
-        else:
-            if kind == "choice":
-                answer = f"{option}: {answer}" if answer else str(option)
-            lines.append(f"{label}. {answer}")
-    head = (state or "") + "\n\n" + "\n".join(line for line in lines if line) + "\n"
-    if kind == "noul":
-        return f"{head}Answer {labels[0]} or {labels[1]} only."
-    noun = "letter" if labels == list(_LETTERS[:len(labels)]) else "label"
-    return (f"{head}Answer with the {noun} of the {'option' if kind == 'choice' else 'level'} that fits best "
-            f"({labels[0]} to {labels[-1]}) only.")
-
-
-@functools.lru_cache(maxsize=1)
-def _decision_prompt_port_ok() -> bool:
-    """Whether `_decision_prompt_text` may stand in for the template: the same template text, and the same output
-    as jinja on probe questions of every type (labels, descriptions, letters, empty instructions)."""
-    import hashlib
-
-    if hashlib.sha256(DECISION_PROMPT.encode()).hexdigest() != _DECISION_PROMPT_SHA256:
-        log.info("flide: transformers' DECISION_PROMPT differs from the one Flide's fast render reproduces; "
-                 "rendering it with jinja")
-        return False
-    from transformers.decision import DecisionConfig
-
-    configs = [DecisionConfig(), DecisionConfig(labels={"noul": ["True", "False"], "choice": ["1", "2", "3"],
-                                                        "score": ["lo", "mid", "hi"]})]
-    probes = [
-        {"type": "noul", "instructions": "Is it spam?"},
-        {"type": "noul", "instructions": "Spam?", "criteria": {"true": "Ads", "false": None}},
-        {"type": "choice", "instructions": "Which team?", "criteria": {"billing": "Money", "tech": None, "other": ""}},
-        {"type": "score", "instructions": "", "criteria": ["low", "mid", "high"]},
-        {"type": "score", "instructions": "How urgent?", "criteria": [{"1": "calm"}, "2", "3"]},
-    ]
-    for i, (probe, config) in enumerate((p, c) for p in probes for c in configs):
-        try:
-            question = Question.from_request(f"q{i}", probe, config)
-        except ValueError:
-            continue
-        for state in ("A state.\nWith lines.", "", None):
-            fast = _decision_prompt_text(state, question)
-            if fast is not None and fast != _decision_prompt().render(state=state, question=question):
-                log.warning("flide: the fast DECISION_PROMPT render differs from jinja's on a probe; using jinja")
-                return False
-    return True
-
-
-def render_decision_prompt(state: Any, question: Question) -> str:
-    """DECISION_PROMPT rendered for one question: the Python port where it is exact, else jinja (unsandboxed)."""
-    if _decision_prompt_port_ok():
-        text = _decision_prompt_text(state, question)
-        if text is not None:
-            return text
-    return _decision_prompt().render(state=state, question=question)
 
 
 def piece_cuts(text: str, every: int) -> list[int]:

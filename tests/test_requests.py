@@ -244,16 +244,17 @@ def test_import_is_lazy():
 
 
 def test_decision_prompt_renders_as_transformers_renders_it():
-    """Flide renders transformers' DECISION_PROMPT outside jinja's sandbox (requests._decision_prompt) and, where
-    state and texts are strings, in plain Python (requests._decision_prompt_text): the same text for every kind of
+    """Flide renders transformers' DECISION_PROMPT outside jinja's sandbox (decision_prompt._decision_prompt) and, where
+    state and texts are strings, in plain Python (decision_prompt._decision_prompt_text): the same text for every kind of
     question and state; JSON states and descriptions go through jinja (its tojson escapes HTML)."""
     import random
 
     from transformers.decision import DECISION_PROMPT, DecisionConfig
     from transformers.utils.chat_template_utils import _compile_jinja_template
 
-    from flide.requests import _decision_prompt, _decision_prompt_port_ok, _decision_prompt_text, parse_request
-    from flide.requests import render_decision_prompt
+    from flide.decision_prompt import (_decision_prompt, _decision_prompt_port_ok, _decision_prompt_text,
+                                       render_decision_prompt)
+    from flide.requests import parse_request
     from flide.testing import random_request
 
     sandboxed, fast = _compile_jinja_template(DECISION_PROMPT), _decision_prompt()
@@ -313,7 +314,8 @@ def test_question_cache_shares_parses_of_the_same_question_json_only():
     another question (its options are ordered); a bad question raises every time and is never cached."""
     from transformers.decision import DecisionConfig, Question
 
-    from flide.requests import QuestionCache, RequestError, parse_request
+    from flide.questions import QuestionCache
+    from flide.requests import RequestError, parse_request
 
     config = DecisionConfig()
     cache = QuestionCache(entries=2)
@@ -369,7 +371,7 @@ def test_fast_question_parse_equals_transformers():
 
     from transformers.decision import DecisionConfig, Question
 
-    from flide.requests import _parse_port_ok, _parse_simple, parse_question
+    from flide.questions import _parse_port_ok, _parse_simple, parse_question
     from flide.testing import random_request
 
     assert _parse_port_ok()

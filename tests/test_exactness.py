@@ -157,6 +157,39 @@ def test_patch_keeps_weights_and_hf_forward():
     assert type(model.model.layers[3].self_attn).__name__ == "FlideAttention"
 
 
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "llama", "qwen2"])
+def test_fused_projections_share_the_weights_storage_and_follow_loaded_weights(model_type):
+    """Projections of one input run as one GEMM (flide/models/fused.py): the layers' weights become views of the
+    fused buffer (no second copy; the buffers stay out of state_dict), every mixer and MLP of the model is fused, a
+    state_dict loaded after patching reaches the fused GEMMs, and batch-invariant mode fuses nothing."""
+    from flide.models.flat import GATED_MLPS
+
+    tok = tiny_tokenizer()
+    model = tiny_model(model_type, seed=3)
+    engine = flide.patch(model, tok)
+    keys = sorted(model.state_dict())
+    for block in engine.flat.blocks:
+        mixer = block.mixer
+        sizes, name, linears = ((mixer.in_sizes, "in_proj", mixer._in_projections()) if hasattr(mixer, "in_sizes")
+                                else (mixer.qkv_sizes, "qkv", [mixer.q_proj, mixer.k_proj, mixer.v_proj]))
+        assert sizes is not None and type(block.mlp).__name__ in GATED_MLPS and block.mlp_sizes is not None
+        fused = getattr(mixer, f"{name}_weight")
+        base, end = fused.data_ptr(), fused.data_ptr() + fused.numel() * fused.element_size()
+        assert all(base <= layer.weight.data_ptr() < end for layer in linears)
+    assert sorted(model.state_dict()) == keys  # the fused buffers are not persistent
+    # weights loaded after patching (in place, into the views) are the weights the fused GEMMs use
+    other = tiny_model(model_type, seed=4)
+    model.load_state_dict(other.state_dict())
+    request = {"state": "A calm note about billing.", "questions": {
+        "t": {"type": "choice", "instructions": "Team?", "criteria": {"billing": None, "tech": None}},
+        "u": {"type": "noul", "instructions": "Urgent?"}}}
+    want = pipeline("decision", model=tiny_model(model_type, seed=4), tokenizer=tok)(request)
+    assert max_difference(engine.decide(request), want) < 1e-5
+    invariant = flide.patch(tiny_model(model_type, seed=3), tok, config={"kernels": {"batch_invariant": True}})
+    assert all(block.mlp_sizes is None and getattr(block.mixer, "in_sizes", None) is None
+               and getattr(block.mixer, "qkv_sizes", None) is None for block in invariant.flat.blocks)
+
+
 def test_custom_decision_config_on_a_causal_lm():
     """Labels, temperatures and the noul option order of a decision config are honoured as the pipeline does."""
     config = DecisionConfig(labels={"choice": list("abcdefgh"), "score": list("012345"), "noul": ["No", "Yes"]},

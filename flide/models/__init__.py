@@ -62,7 +62,11 @@ def adapt(model: nn.Module, tokenizer, kernels: KernelConfig) -> FlatModel:
     swap_mixers(text_model, ops)
     # the decoder's own nn.Linear layers stay unless another `linear` variant is picked (batch-invariant mode)
     swap_linears(text_model, None if kernels.linear == "torch" else ops["linear"])
-    return FlatModel(text_model, head, ops["readout"], selective=ops["readout"].gathers_rows_first)
+    flat = FlatModel(text_model, head, ops["readout"], selective=ops["readout"].gathers_rows_first)
+    if kernels.linear == "torch":  # the model's own layers: projections of one input as one GEMM each (fused.py)
+        for block in flat.blocks:
+            block.fuse_projections()
+    return flat
 
 
 __all__ = ["FAMILIES", "FlatModel", "Head", "adapt", "supported_model_types", "swap_mixers"]

@@ -15,7 +15,11 @@ import torch
 from torch import nn
 
 from ..round import RoundTensors
+from .fused import fuse, project
 from .layers import FlatContext
+
+# transformers MLPs whose forward is down_proj(act_fn(gate_proj(x)) * up_proj(x)): their gate and up can share a GEMM
+GATED_MLPS = frozenset(("Qwen3_5MLP", "Qwen3MLP", "Qwen2MLP", "LlamaMLP", "MistralMLP"))
 
 
 @dataclass
@@ -44,17 +48,34 @@ class FlatBlock(nn.Module):
         super().__init__()
         self.input_layernorm, self.mixer = layer.input_layernorm, mixer
         self.post_attention_layernorm, self.mlp = layer.post_attention_layernorm, layer.mlp
+        self.mlp_sizes: list[int] | None = None  # gate/up as one GEMM (fuse_projections)
+
+    def fuse_projections(self) -> None:
+        """The mixer's input projections and the MLP's gate/up, each as one GEMM (flide/models/fused.py), for MLPs
+        whose forward is known to be down(act(gate(x)) * up(x)); others keep their own call."""
+        self.mixer.fuse_projections()
+        mlp = self.mlp
+        if type(mlp).__name__ in GATED_MLPS and all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj",
+                                                                               "act_fn")):
+            self.mlp_sizes = fuse(mlp, [mlp.gate_proj, mlp.up_proj], "gate_up")
+
+    def run_mlp(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mlp_sizes is None:
+            return self.mlp(x)
+        mlp = self.mlp
+        gate, up = project(mlp, "gate_up", self.mlp_sizes, [mlp.gate_proj, mlp.up_proj], x)
+        return mlp.down_proj(mlp.act_fn(gate) * up)
 
     @torch.compiler.nested_compile_region
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *fields: torch.Tensor) -> torch.Tensor:
         ctx = FlatContext(RoundTensors(*fields), cos, sin)
         h = h + self.mixer(self.input_layernorm(h), flide=ctx)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        return h + self.run_mlp(self.post_attention_layernorm(h))
 
     def run(self, h: torch.Tensor, ctx: FlatContext) -> torch.Tensor:
         """The same layer, eagerly, with a context of its own (rounds with checkpoints: never compiled)."""
         h = h + self.mixer(self.input_layernorm(h), flide=ctx)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        return h + self.run_mlp(self.post_attention_layernorm(h))
 
 
 class FlatModel(nn.Module):
@@ -96,7 +117,7 @@ class FlatModel(nn.Module):
         h = h + last.mixer(last.input_layernorm(h), flide=ctx)
         if self.selective:
             h = h[r.readout_rows]  # only the read rows go on through the last MLP, the norm and the head
-        h = h + last.mlp(last.post_attention_layernorm(h))
+        h = h + last.run_mlp(last.post_attention_layernorm(h))
         h = m.norm(h)
         rows = torch.arange(h.shape[0], device=h.device) if self.selective else r.readout_rows
         head = self.head

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .fused import fuse, project
 from ..ops.gated_delta import BRANCH_KERNELS
 from ..ops.gated_delta import fork as gated_delta_fork
 from ..ops.gated_delta import fork_resumable as gated_delta_fork_resumable
@@ -91,18 +92,24 @@ class FlideAttention(_Swapped):
         self.num_heads = original.o_proj.in_features // self.head_dim
         self.gated = q_out == 2 * self.num_heads * self.head_dim
         self.apply_rotary = sys.modules[type(original).__module__].apply_rotary_pos_emb
+        self.qkv_sizes: list[int] | None = None  # q/k/v as one GEMM (fuse_projections)
         if getattr(original, "sliding_window", None):
             raise ValueError(f"{type(original).__name__} uses sliding-window attention, which Flide does not fork yet.")
 
+    def fuse_projections(self) -> None:
+        """q/k/v projections as one GEMM (flide/models/fused.py); the layer's weights become views of it."""
+        self.qkv_sizes = fuse(self, [self.q_proj, self.k_proj, self.v_proj], "qkv")
+
     def flat_forward(self, x: torch.Tensor, ctx: FlatContext) -> torch.Tensor:
         T, D = x.shape[0], self.head_dim
+        q_out, k, v = project(self, "qkv", self.qkv_sizes, [self.q_proj, self.k_proj, self.v_proj], x)
         if self.gated:
-            q, gate = torch.chunk(self.q_proj(x).view(T, -1, 2 * D), 2, dim=-1)
+            q, gate = torch.chunk(q_out.view(T, -1, 2 * D), 2, dim=-1)
             gate = gate.reshape(T, -1)
         else:
-            q, gate = self.q_proj(x).view(T, -1, D), None
-        k = self.k_proj(x).view(T, -1, D)
-        v = self.v_proj(x).view(T, -1, D)
+            q, gate = q_out.view(T, -1, D), None
+        k = k.view(T, -1, D)
+        v = v.view(T, -1, D)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.apply_rotary(q, k, ctx.cos, ctx.sin, unsqueeze_dim=1)  # [T, H, D] with cos [T, d]
@@ -138,12 +145,21 @@ class FlideGatedDeltaNet(_Swapped):
         self.conv_op, self.delta_op = conv_op, delta_op
         # the variant's faster question call, if it has one: looked up here, once, not in traced code
         self.branch_op = BRANCH_KERNELS.get(delta_op)
+        self.in_sizes: list[int] | None = None  # the four input projections as one GEMM (fuse_projections)
         self.key_dim, self.value_dim = original.key_dim, original.value_dim
         self.head_k_dim, self.head_v_dim = original.head_k_dim, original.head_v_dim
 
+    def fuse_projections(self) -> None:
+        """in_proj_qkv / z / b / a as one GEMM (flide/models/fused.py); the layer's weights become views of it."""
+        self.in_sizes = fuse(self, self._in_projections(), "in_proj")
+
+    def _in_projections(self) -> list[nn.Module]:
+        return [self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a]
+
     def flat_forward(self, x: torch.Tensor, ctx: FlatContext) -> torch.Tensor:
         T, r, ck = x.shape[0], ctx.round, ctx.checkpoint
-        conv_in, weight = self.in_proj_qkv(x), self.conv1d.weight.squeeze(1)
+        conv_in, z, b, a = project(self, "in_proj", self.in_sizes, self._in_projections(), x)
+        weight = self.conv1d.weight.squeeze(1)
         if ck is not None and ck.resumes:  # a resumed state's conv window continues the checkpoint's last inputs
             qkv = ck.work.ops["fork_conv"](conv_in, weight, r.seg_lo, r.trunk_lo, r.trunk_hi, ck.window(),
                                            ck.work.win_index, True)
@@ -152,9 +168,9 @@ class FlideGatedDeltaNet(_Swapped):
         q, k, v = torch.split(qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q, k = q.reshape(T, -1, self.head_k_dim), k.reshape(T, -1, self.head_k_dim)
         v = v.reshape(T, -1, self.head_v_dim)
-        beta = self.in_proj_b(x).sigmoid()
+        beta = b.sigmoid()
         # float32, as transformers does: in half precision exp(A_log) could overflow
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         if ck is None:
             out, _ = gated_delta_fork(self.delta_op, q.contiguous(), k.contiguous(), v.contiguous(), g, beta,
                                       r.state_start, r.state_len, r.branch_start, r.branch_len, r.branch_state,
@@ -166,7 +182,7 @@ class FlideGatedDeltaNet(_Swapped):
                 r.state_len, r.branch_start, r.branch_len, r.branch_state, self.head_k_dim ** -0.5, True, initial,
                 ck.work.initial_index, ck.work.snapshot_chunk)
             ck.save_gdn(conv_in, snapshot, weight.shape[1])
-        z = self.in_proj_z(x).reshape(-1, self.head_v_dim)
+        z = z.reshape(-1, self.head_v_dim)
         out = self.norm(out.reshape(-1, self.head_v_dim), z).reshape(T, -1)
         return self.out_proj(out)
 

@@ -53,7 +53,7 @@ alltests)
     left=$(( ${BUDGET_S:-555} - ($(date +%s) - started) ))
     if [ "$left" -gt 150 ]; then
         timeout "$left" python3 benchmarks/profile_round.py --config-json shared/models/qwen3_5/configs/qwen3.5-0.8b.json \
-            --tokenizer shared/models/qwen3_5 --data shared/data --repeats 20 --profile-runs 3 \
+            --tokenizer shared/models/qwen3_5 --data shared/data --repeats 20 --profile-runs 3 ${PROFILE_ARGS:-} \
             --out "$OUT/profile_0_8b.json" 2>&1 | grep -v DEBUG | tr '\r' '\n' | grep -v '^\s*$' > "$OUT/profile.log"
         tail -25 "$OUT/profile.log"
     fi ;;

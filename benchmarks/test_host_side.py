@@ -129,3 +129,29 @@ def test_tokenize_one_request_tiny_tokenizer(benchmark):
     state, questions = parse_request(request, config, 64)
     prepared = benchmark(prompts.prepare, state, questions)
     assert len(prepared.trunks) == 1 and len(prepared.branches) == 4
+
+
+@pytest.mark.benchmark(group="host-side tokenization")
+def test_tokenize_real_race_requests_unseen(benchmark):
+    """Validating, parsing, rendering and tokenizing real RACE requests (all questions) with the real Qwen3.5
+    tokenizer, nothing cached (piece and question caches off: every request as if never seen), per 16 requests.
+    What a request costs the host before its round in `flide serve` and in the latency of one request alone.
+    Skipped without ../shared."""
+    from pathlib import Path
+
+    from transformers.decision import DecisionConfig
+
+    from flide import workloads
+    from flide.loading import load_tokenizer
+    from flide.piece_cache import PieceCache
+    from flide.requests import PromptTokenizer, tokenize_request
+
+    model = Path(workloads.REPO).parent / "shared" / "models" / "qwen3_5"
+    if not workloads.data_available() or not model.is_dir():
+        pytest.skip("needs ../shared (RACE data and the Qwen3.5 tokenizer)")
+    prompts = PromptTokenizer(load_tokenizer(str(model)), DecisionConfig(), piece_cache=PieceCache(0),
+                              question_cache_entries=0)
+    requests = workloads.race(limit=16)
+    prepared = benchmark.pedantic(lambda: [tokenize_request(r, prompts, 64) for r in requests], rounds=30,
+                                  warmup_rounds=2)
+    assert len(prepared) == 16 and all(p.branches for p in prepared)

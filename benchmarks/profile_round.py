@@ -6,7 +6,7 @@ one graph replay, per workload, on a random-weight model in real shapes.
 
 For each workload it prepares the first request, runs it alone `--repeats` times and reports the median wall time
 of `engine.run` (host build + copy + replay + scores back; tokenization excluded, it runs before and off the GPU's
-thread in `flide serve`) and the stream tokens; then profiles `--profile-runs` replays with torch.profiler and
+thread in `flide serve`; `prepare_ms` is that part, for the request as if never seen) and the stream tokens; then profiles `--profile-runs` replays with torch.profiler and
 groups GPU kernel time into families (GEMMs, attention, gated delta, conv, norms and pointwise, copies). GPU only.
 """
 
@@ -141,12 +141,20 @@ def main() -> None:
         report["graph_memory_gib"] = round(engine.runner.graph_memory_bytes / 2**30, 3)
     eager = flide.patch(spare, tokenizer, config={"runtime": {"graphs": "off"}}) if args.eager else None
     print(json.dumps({k: v for k, v in report.items() if k != "rows"}), flush=True)
+    from flide.piece_cache import PieceCache
+    from flide.requests import PromptTokenizer
+
+    # the host's part before a round, as for a request never seen (no piece or question cache)
+    cold = PromptTokenizer(engine.prompts.tokenizer, engine.prompts.config, engine.prompts.mode, resolved=True,
+                           piece_cache=PieceCache(0), question_cache_entries=0)
     for name in args.workloads:
         request = load(name, tokenizer, args.data)
         prepared = engine.prepare(request)
+        prepare_ms = median_ms(partial(engine.prepare, request, cold), 5)
         engine.run([prepared])  # warm
         row = {"workload": name, "questions": len(request["questions"]), "stream_tokens": prepared.stream_tokens,
-               "latency_ms": round(median_ms(partial(engine.run, [prepared]), args.repeats), 3)}
+               "latency_ms": round(median_ms(partial(engine.run, [prepared]), args.repeats), 3),
+               "prepare_ms": round(prepare_ms, 3)}
         if eager is not None:
             p2 = eager.prepare(request)
             eager.run([p2])

@@ -170,3 +170,15 @@ def test_l2norm_matches_torch_and_keeps_row_bits_in_any_stream(dtype):
     want = (x.float() / torch.sqrt((x.float() ** 2).sum(-1, keepdim=True) + 1e-6)).to(dtype)
     assert rel_err(y, want) < (1e-6 if dtype == torch.float32 else 1e-2)
     assert torch.equal(l2norm(x[4000:4100]), y[4000:4100])
+
+
+def test_branch_op_opcheck_on_cuda():
+    """The question call's custom op (flide::gated_delta_branches_triton): its fake impl, schema and no aliasing,
+    as torch.compile relies on them."""
+    from flide.ops.gated_delta import gated_delta_branches_triton
+
+    x, r = inputs(130, torch.bfloat16, seed=4)
+    q, k, v, decay, beta = x
+    finals = torch.randn(r.state_start.shape[0], v.shape[1], 128, 128, device="cuda") * 0.1
+    torch.library.opcheck(gated_delta_branches_triton, (q, k, v, decay, beta, r.branch_start, r.branch_len, finals,
+                                                         r.branch_state, 128 ** -0.5, True))

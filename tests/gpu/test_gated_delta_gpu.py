@@ -174,11 +174,13 @@ def test_l2norm_matches_torch_and_keeps_row_bits_in_any_stream(dtype):
 
 def test_branch_op_opcheck_on_cuda():
     """The question call's custom op (flide::gated_delta_branches_triton): its fake impl, schema and no aliasing,
-    as torch.compile relies on them."""
+    as torch.compile relies on them. Not the AOT-dispatch checks: they compare whole outputs of two runs, and the
+    op leaves rows outside its segments unwritten by contract (`combine` selects the rows each call owns)."""
     from flide.ops.gated_delta import gated_delta_branches_triton
 
     x, r = inputs(130, torch.bfloat16, seed=4)
     q, k, v, decay, beta = x
     finals = torch.randn(r.state_start.shape[0], v.shape[1], 128, 128, device="cuda") * 0.1
     torch.library.opcheck(gated_delta_branches_triton, (q, k, v, decay, beta, r.branch_start, r.branch_len, finals,
-                                                         r.branch_state, 128 ** -0.5, True))
+                                                         r.branch_state, 128 ** -0.5, True),
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))

@@ -360,13 +360,18 @@ class PromptTokenizer:
         (sanitized user text) take the one-by-one path; the others go to the tokenizer in one batch, which runs them
         in parallel: a tail as transformers' `_encode_chat_piece` encodes it (after a newline that is then dropped,
         so SentencePiece adds no prefix space), falling back to a plain encode where the newline's tokens do not
-        lead."""
+        lead. Items that repeat within the call (a request's questions end in the same template lines) are encoded
+        once."""
         cache = self.piece_cache if self.mode == "split" else None
         out: list[np.ndarray | None] = [None] * len(items)
         batch, where = [], []
+        first: dict[tuple[str, bool], int] = {}  # item -> where it first stands; repeats are filled from there
+        repeats: list[tuple[int, int]] = []
         for i, (text, tail) in enumerate(items):
             if not text:
                 out[i] = _EMPTY
+            elif (seen := first.setdefault((text, tail), i)) != i:
+                repeats.append((i, seen))
             elif cache is not None and (ids := cache.get(text, tail)) is not None:
                 out[i] = ids
             elif self.sanitize and self.markers_re.search(text):
@@ -387,6 +392,8 @@ class PromptTokenizer:
                 out[i] = np.asarray(ids, dtype=np.int64)
                 if cache is not None:
                     cache.put(text, tail, out[i])
+        for i, seen in repeats:
+            out[i] = out[seen]
         return out
 
     def _encode_batch(self, texts: list[str]) -> list[list[int]]:

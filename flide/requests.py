@@ -36,6 +36,7 @@ from transformers.utils.chat_template_utils import (
     mark_control_tokens,
 )
 
+from .chat_template import ChatAffixes
 from .config import RuntimeConfig
 from .decision_prompt import render_decision_prompt
 from .piece_cache import PieceCache
@@ -252,6 +253,7 @@ class PromptTokenizer:
         self.tokenizer = getattr(tokenizer, "tokenizer", tokenizer)
         self.piece_cache = piece_cache if piece_cache is not None else PieceCache(RuntimeConfig.piece_cache_chars)
         self.config = decision_config
+        self._affixes: ChatAffixes | bool | None = None  # chat_affixes(): None until looked for, False if none
         # shared by thread copies (copy_for_thread hands them this one); None: off
         self.question_cache = QuestionCache(question_cache_entries) if question_cache_entries > 0 else None
         self.mode = "split" if mode == "auto" else mode  # until resolved below: the probes tokenize in two parts
@@ -295,6 +297,7 @@ class PromptTokenizer:
         copied = PromptTokenizer(tokenizer, self.config, self.mode, resolved=True, piece_cache=self.piece_cache,
                                  question_cache_entries=0)
         copied.question_cache = self.question_cache  # shared, like the piece cache (or None: off)
+        copied._affixes = self._affixes
         return copied
 
     # ---- rendering (transformers' prepare_inputs, text only) ----
@@ -304,15 +307,34 @@ class PromptTokenizer:
         if self.config.chat_template is None:
             text = render_decision_prompt(state, group[0])
             conversation = [{"role": "user", "content": text}]
-        else:
-            inputs = {"state": state, "question": asdict(group[0]), "questions": [asdict(q) for q in group]}
-            kwargs |= {name: value for name, value in inputs.items() if name in self.template_variables}
-            conversation = [{"role": "user", "content": ""}]
+            if self.sanitize:
+                conversation = mark_control_tokens(conversation, self.control_re)
+            affixes = self.chat_affixes()
+            if affixes is not None:  # the template only prints the content: no render per question
+                return affixes.render(conversation[0]["content"])
+            return self.tokenizer.apply_chat_template(conversation, chat_template=self.chat_template,
+                                                      tokenize=False, **kwargs)
+        # the model's own decision template: the request's data go in as template variables
+        inputs = {"state": state, "question": asdict(group[0]), "questions": [asdict(q) for q in group]}
+        kwargs |= {name: value for name, value in inputs.items() if name in self.template_variables}
+        conversation = [{"role": "user", "content": ""}]
         if self.sanitize:
             conversation = mark_control_tokens(conversation, self.control_re)
             kwargs = mark_control_tokens(kwargs, self.control_re)
         return self.tokenizer.apply_chat_template(conversation, chat_template=self.chat_template, tokenize=False,
                                                   **kwargs)
+
+    def chat_affixes(self) -> ChatAffixes | None:
+        """The chat template's prefix and suffix around a user message's content, where it provably only prints
+        the content (flide/chat_template.py); None where each prompt must be rendered. Found once."""
+        if self._affixes is None:
+            found = None
+            if self.config.chat_template is None and isinstance(self.chat_template, str):
+                found = ChatAffixes.find(self.chat_template, lambda content: self.tokenizer.apply_chat_template(
+                    [{"role": "user", "content": content}], chat_template=self.chat_template, tokenize=False,
+                    add_generation_prompt=True, enable_thinking=False))
+            self._affixes = found or False
+        return self._affixes or None
 
     def encode(self, text: str) -> list[int]:
         """Token ids of a whole rendered prompt, as apply_chat_template(tokenize=True) gives them."""

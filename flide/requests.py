@@ -500,17 +500,22 @@ class PromptTokenizer:
         """Drops the sentinels (as transformers' read_marks does) and places the reads: the token before each mark,
         or the last token of a prompt without marks. Marks are counted over trunk + tail without joining them (the
         trunk's part is counted once per trunk: an agent's history is long, its questions' tails short)."""
-        keep = (tail != self.mark_id) & (tail != self.split_id)
-        tail_marks = head.kept_count + np.cumsum(keep)[tail == self.mark_id]
+        is_mark = tail == self.mark_id
+        sentinels = is_mark | (tail == self.split_id)
+        if sentinels.any():
+            keep = ~sentinels
+            tail_marks = head.kept_count + np.cumsum(keep)[is_mark]
+            branch_tokens = tail[keep]
+        else:  # most prompts (DECISION_PROMPT reads the last token): nothing to drop, no mask or cumsum
+            tail_marks, branch_tokens = _EMPTY, tail
         marks = np.concatenate([head.marks, tail_marks]) if len(head.marks) else tail_marks
         if len(marks) == 0:
-            marks = np.asarray([head.kept_count + int(keep.sum())])
+            marks = np.asarray([head.kept_count + len(branch_tokens)])
         if len(marks) != len(group):
             raise RequestError("questions", f"the decision template placed {len(marks)} marks for {len(group)} "
                                             f"question(s).", 400)
         if (marks < 1).any():
             raise RequestError("questions", "the decision template reads before the first token.", 400)
-        branch_tokens = tail[keep]
         last = int(marks[-1])
         after_last_mark = (branch_tokens[last - head.kept_count:] if last >= head.kept_count
                            else np.concatenate([head.kept[last:], branch_tokens]))

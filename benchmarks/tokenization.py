@@ -1,5 +1,6 @@
 """Host-side cost of turning requests into tokens: Flide's split tokenization (each state once) against every prompt
-whole (Flide's `tokenization: full`) and against transformers' `prepare_inputs`, on the QuALITY articles (and RACE).
+whole (Flide's `tokenization: full`) and against transformers' `prepare_inputs`, on the QuALITY articles, RACE and
+MultiRC. Flide's piece and question caches are off: every request costs what it costs the first time it is seen.
 
     python benchmarks/tokenization.py [--tokenizer ../shared/models/qwen3_5] [--out benchmarks/results/tokenization.json]
 """
@@ -20,6 +21,7 @@ from transformers.decision import DecisionConfig, prepare_inputs  # noqa: E402
 
 from flide import workloads  # noqa: E402
 from flide.loading import load_tokenizer  # noqa: E402
+from flide.piece_cache import PieceCache  # noqa: E402
 from flide.requests import PromptTokenizer, parse_request  # noqa: E402
 
 
@@ -46,9 +48,10 @@ def main() -> None:
 
     tok = load_tokenizer(args.tokenizer)
     config = DecisionConfig()
-    split, full = PromptTokenizer(tok, config, "split"), PromptTokenizer(tok, config, "full")
+    split, full = (PromptTokenizer(tok, config, mode, piece_cache=PieceCache(0), question_cache_entries=0)
+                   for mode in ("split", "full"))
     tok.get_vocab()  # the sentinels are added by now; warm the vocabulary cache transformers reads per request
-    sets = {"quality": workloads.quality(), "race": workloads.race(limit=64)}
+    sets = {"quality": workloads.quality(), "race": workloads.race(limit=64), "multirc": workloads.multirc(limit=16)}
     rows = []
     for name, requests in sets.items():
         parsed = [parse_request(r, config, 64) for r in requests]

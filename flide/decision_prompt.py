@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import string
 from typing import Any
 
 from transformers.decision import DECISION_PROMPT, Question
@@ -38,7 +39,6 @@ def _decision_prompt():
 # The DECISION_PROMPT that `_decision_prompt_text` reproduces, by hash: any other text (a transformers release that
 # changed it) makes every render go through jinja
 _DECISION_PROMPT_SHA256 = "63bb2c962ff391c47a21f1c6958bdb4f5676f850efd4a50c49632c85a797a89c"
-_LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
 
 def _decision_prompt_text(state: Any, question: Question) -> str | None:
@@ -66,7 +66,7 @@ def _decision_prompt_text(state: Any, question: Question) -> str | None:
     head = (state or "") + "\n\n" + "\n".join(line for line in lines if line) + "\n"
     if kind == "noul":
         return f"{head}Answer {labels[0]} or {labels[1]} only."
-    noun = "letter" if labels == list(_LETTERS[:len(labels)]) else "label"
+    noun = "letter" if labels == list(string.ascii_uppercase[:len(labels)]) else "label"
     return (f"{head}Answer with the {noun} of the {'option' if kind == 'choice' else 'level'} that fits best "
             f"({labels[0]} to {labels[-1]}) only.")
 

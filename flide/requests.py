@@ -294,9 +294,14 @@ class PromptTokenizer:
                 self._backend_json = backend.to_str()
             tokenizer = copy.copy(self.tokenizer)
             tokenizer._tokenizer = Tokenizer.from_str(self._backend_json)
+        return self.with_tokenizer(tokenizer)
+
+    def with_tokenizer(self, tokenizer) -> PromptTokenizer:
+        """This one's settings around another tokenizer (a copy of the same one, for another thread), sharing its
+        piece and question caches (or their absence) and its chat-template affixes."""
         copied = PromptTokenizer(tokenizer, self.config, self.mode, resolved=True, piece_cache=self.piece_cache,
                                  question_cache_entries=0)
-        copied.question_cache = self.question_cache  # shared, like the piece cache (or None: off)
+        copied.question_cache = self.question_cache
         copied._affixes = self._affixes
         return copied
 

@@ -361,6 +361,9 @@ def test_thread_copies_share_the_question_cache_or_its_absence():
     assert on.copy_for_thread().question_cache is on.question_cache is not None
     off = flide.patch(model, tok, config={"runtime": {"question_cache_entries": 0}}).prompts
     assert off.copy_for_thread().question_cache is None
+    # around another tokenizer (the benchmark's per-thread tokenizers): the same caches, or their absence
+    other = off.with_tokenizer(tiny_tokenizer())
+    assert other.question_cache is None and other.piece_cache is off.piece_cache and other.mode == off.mode
 
 
 def test_fast_question_parse_equals_transformers():

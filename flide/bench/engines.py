@@ -87,12 +87,10 @@ class FlideEngine:
             return self.engine.prepare(request, self.prompts).stream_tokens
 
     def for_thread(self, tokenizer) -> FlideEngine:
-        from ..requests import PromptTokenizer
-
         clone = object.__new__(FlideEngine)
         clone.name, clone.engine, clone.lock, clone.batched = self.name, self.engine, threading.Lock(), True
-        clone.prompts = PromptTokenizer(tokenizer, self.engine.decision_config, self.prompts.mode, resolved=True,
-                                        piece_cache=self.prompts.piece_cache)
+        # the engine's settings, caches included (the speed grids turn the question cache off for every thread)
+        clone.prompts = self.prompts.with_tokenizer(tokenizer)
         return clone
 
 

@@ -206,14 +206,24 @@ def safe_cut(text: str, limit: int) -> int:
 _EMPTY = np.zeros(0, dtype=np.int64)
 
 
+def _drop_sentinels(ids: np.ndarray, mark_id: int, split_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """(ids without the sentinels, for each mark the number of kept ids up to it), as transformers' read_marks
+    drops them. Ids without sentinels (DECISION_PROMPT's prompts) come back as they are: no mask, cumsum or copy."""
+    is_mark = ids == mark_id
+    sentinels = is_mark | (ids == split_id)
+    if not sentinels.any():
+        return ids, _EMPTY
+    keep = ~sentinels
+    return ids[keep], np.cumsum(keep)[is_mark]
+
+
 class _Trunk:
     """A trunk's token ids while its request is prepared: without sentinels (`kept`), and where its marks fall."""
 
     def __init__(self, ids: np.ndarray, mark_id: int, split_id: int):
-        keep = (ids != mark_id) & (ids != split_id)
-        self.ids, self.kept = ids, ids[keep]
+        self.ids = ids
+        self.kept, self.marks = _drop_sentinels(ids, mark_id, split_id)  # marks: kept tokens up to each
         self.kept_count = len(self.kept)
-        self.marks = np.cumsum(keep)[ids == mark_id] if (ids == mark_id).any() else _EMPTY  # kept tokens before each
 
 
 def _join(parts: list[np.ndarray]) -> np.ndarray:
@@ -505,14 +515,9 @@ class PromptTokenizer:
         """Drops the sentinels (as transformers' read_marks does) and places the reads: the token before each mark,
         or the last token of a prompt without marks. Marks are counted over trunk + tail without joining them (the
         trunk's part is counted once per trunk: an agent's history is long, its questions' tails short)."""
-        is_mark = tail == self.mark_id
-        sentinels = is_mark | (tail == self.split_id)
-        if sentinels.any():
-            keep = ~sentinels
-            tail_marks = head.kept_count + np.cumsum(keep)[is_mark]
-            branch_tokens = tail[keep]
-        else:  # most prompts (DECISION_PROMPT reads the last token): nothing to drop, no mask or cumsum
-            tail_marks, branch_tokens = _EMPTY, tail
+        branch_tokens, tail_marks = _drop_sentinels(tail, self.mark_id, self.split_id)
+        if len(tail_marks):
+            tail_marks = head.kept_count + tail_marks
         marks = np.concatenate([head.marks, tail_marks]) if len(head.marks) else tail_marks
         if len(marks) == 0:
             marks = np.asarray([head.kept_count + len(branch_tokens)])

@@ -5,7 +5,7 @@ cudagraph trees (what `torch.compile(mode="reduce-overhead")` records with) repo
 makes the first op that is not capturable raise where it is called, with its Python traceback. Then the graph is
 replayed with another round written into the same buffers and compared with an eager forward of that round.
 
-    python benchmarks/capture_check.py [--dtypes float32 bfloat16] [--models qwen3_5_text llama] [--tokens 256]
+    python benchmarks/capture_check.py [--dtypes float32 bfloat16] [--models qwen3_5_text llama] [--tokens 512]
 GPU only.
 """
 

@@ -94,7 +94,11 @@ def resolve(op: str, variant: str) -> Callable:
 
 # `auto`: the first of these variants that is registered and can run, by device type (else `reference`)
 AUTO = {
-    "fork_attention": {"cuda": ("flex", "reference")},
+    # our Triton kernel before flex: on the H200 (2026-11-30, random Qwen3.5-0.8B, bf16, graphs, one request alone)
+    # its attention took 2.98 ms of a QuALITY replay (8k tokens) where flex took 5.70, and the same or less on RACE,
+    # MultiRC and the sweep; flex also compiles once per stream size class (the 16,384 bucket stalled capture for
+    # > 3 min), where the Triton kernel compiled once captured all 8 default buckets in 49 s
+    "fork_attention": {"cuda": ("triton", "flex", "reference")},
     "gated_delta": {"cuda": ("fla", "reference")},
     # the Triton conv: one launch for the whole stream (the reference gathers windows in several ops); its GPU
     # tests (tests/gpu/test_fork_conv_gpu.py, 32 cases vs the reference) pass on the H200 (2026-11-30)

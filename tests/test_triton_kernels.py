@@ -228,22 +228,25 @@ else:
 
     def test_gated_delta_branches_kernel_is_interpreted():
         assert isinstance(delta_branches._branch_kernel, InterpretedFunction)
+        assert isinstance(delta_branches._branch_chunk_kernel, InterpretedFunction)
 
-    BRANCH_CASES = [  # tokens, (Hk, Hv, K, V), l2norm
-        (1, (1, 1, 16, 16), True),
-        (65, (2, 4, 16, 32), True),  # grouped value heads (2 per key head)
-        (150, (2, 2, 24, 44), True),  # K padded to 32, V over tiles of 8 (the last partial)
-        (200, (1, 3, 16, 16), False),  # 3 value heads per key head, no l2norm
+    BRANCH_CASES = [  # tokens, (Hk, Hv, K, V), l2norm, longest question
+        (1, (1, 1, 16, 16), True, 12),
+        (65, (2, 4, 16, 32), True, 12),  # grouped value heads (2 per key head)
+        (150, (2, 2, 24, 44), True, 12),  # K padded to 32, V over partial tiles (8 recurrent, 32 chunked)
+        (200, (1, 3, 16, 16), False, 12),  # 3 value heads per key head, no l2norm
+        (260, (1, 2, 16, 16), True, 50),  # questions over several 16-token chunks, the last one partial
     ]
 
-    @pytest.mark.parametrize("tokens,heads,l2norm", BRANCH_CASES,
-                             ids=[f"T{t}-Hk{h[0]}-Hv{h[1]}-K{h[2]}-V{h[3]}-{'l2' if n else 'nol2'}"
-                                  for t, h, n in BRANCH_CASES])
-    def test_gated_delta_branches_match_the_reference_fork(tokens, heads, l2norm):
+    @pytest.mark.parametrize("form", delta_branches.FORMS)
+    @pytest.mark.parametrize("tokens,heads,l2norm,longest", BRANCH_CASES,
+                             ids=[f"T{t}-Hk{h[0]}-Hv{h[1]}-K{h[2]}-V{h[3]}-{'l2' if n else 'nol2'}-Q{m}"
+                                  for t, h, n, m in BRANCH_CASES])
+    def test_gated_delta_branches_match_the_reference_fork(tokens, heads, l2norm, longest, form):
         """The question call on a random round's branch tables, from the states' final states of the reference's
         state call: every question row equal to the reference's question call (fp32), written (NaN-poisoned)."""
         Hk, Hv, K, V = heads
-        r = tiny_round(tokens, seed=tokens + Hv)
+        r = tiny_round(tokens, seed=tokens + Hv, max_question=longest)
         q, k = randn(tokens, Hk, K, seed=1), randn(tokens, Hk, K, seed=2)
         v = randn(tokens, Hv, V, seed=3)
         g = -torch.rand(tokens, Hv, generator=torch.Generator().manual_seed(4)) * 0.7
@@ -254,16 +257,17 @@ else:
         want, _ = delta_ref.gated_delta(q, k, v, g, beta, r.branch_start, r.branch_len, finals, r.branch_state, 0.3,
                                         l2norm)
         out = delta_branches.branches(q, k, v, g, beta, r.branch_start, r.branch_len, finals, r.branch_state, 0.3,
-                                      l2norm, out=poisoned(tokens, Hv, V, dtype=torch.float32))
+                                      l2norm, out=poisoned(tokens, Hv, V, dtype=torch.float32), form=form)
         rows = torch.zeros(tokens, dtype=torch.bool)
         for start, length in zip(r.branch_start.tolist(), r.branch_len.tolist()):
             rows[start:start + length] = True
-        assert rows.any()
+        assert rows.any() and (r.branch_len.max() > 16 or longest < 16)
         # recurrent vs chunked sums in fp32: rounding relative to the outputs' size (without l2norm they grow)
         scale = max(1.0, want[rows].abs().max().item())
         torch.testing.assert_close(out[rows], want[rows], atol=2e-5 * scale, rtol=1e-5)
 
-    def test_gated_delta_branches_from_zero_and_empty_rows():
+    @pytest.mark.parametrize("form", delta_branches.FORMS)
+    def test_gated_delta_branches_from_zero_and_empty_rows(form):
         """Index -1 starts from a zero state (no state tensor at all: M = 0), and length-0 rows (the bucket's spare
         capacity) write nothing."""
         tokens, Hk, Hv, K, V = 40, 1, 2, 16, 16
@@ -273,7 +277,7 @@ else:
         start, length = torch.tensor([3, 20, 40, 40]), torch.tensor([10, 20, 0, 0])
         index = torch.full((4,), -1)
         out = delta_branches.branches(q, k, v, g, beta, start, length, torch.zeros(0, Hv, K, V), index, 0.25, True,
-                                      out=poisoned(tokens, Hv, V, dtype=torch.float32))
+                                      out=poisoned(tokens, Hv, V, dtype=torch.float32), form=form)
         want = delta_ref.gated_delta_naive(q, k, v, g, beta, start, length, torch.zeros(0, Hv, K, V), index, 0.25,
                                            True)[0]
         assert out[:3].isnan().all() and out[13:20].isnan().all()  # outside the segments: untouched

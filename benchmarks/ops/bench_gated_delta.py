@@ -9,6 +9,8 @@ and 4 questions of 45 tokens each). Times are medians of CUDA-graph replays (tri
 
 - `fork` (the `gated_delta` variant through `flide.ops.gated_delta.fork`): states from zero, then every question
   from its state's final fp32 state (the metadata-driven chunk lists, no host sync);
+- `questions:chunk` / `questions:recurrent`: the question call alone (`branches.py`, the fork's second call) in
+  its two forms, from the states' final states;
 - `unforked`: the same fla kernel once over the whole stream as one varlen call of the same segments, each from
   zero (what the stream costs without the fork: no state gather, one call; it answers nothing correctly);
 - `floor`: the larger of FLOPs over the measured bf16 matmul rate and bytes over the measured copy bandwidth. FLOPs
@@ -31,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from flide.ops.gated_delta import BRANCH_KERNELS, fork
+from flide.ops.gated_delta import BRANCH_KERNELS, branches, fork
 from flide.ops.registry import resolve
 from flide.round import Shape, build_round
 from flide.testing import synthetic_request
@@ -99,6 +101,12 @@ def main() -> None:
                                 branch_kernel=BRANCH_KERNELS.get(kernel)),
                 "unforked": partial(kernel, q, kk, vv, decay, beta, seg_start, seg_len, empty, none, scale, True),
             }
+            if BRANCH_KERNELS.get(kernel) is not None:
+                # the question call alone, in both forms of branches.py, from the states' real final states
+                _, finals = fns["fork"]()
+                for form in branches.FORMS:
+                    fns[f"questions:{form}"] = partial(branches.branches, q, kk, vv, decay, beta, r.branch_start,
+                                                       r.branch_len, finals, r.branch_state, scale, True, form=form)
             states = int((r.state_len > 0).sum())
             floor = floor_ms(T, states, hv, k, v, hk, flops_rate, bandwidth)
             for engine, fn in fns.items():

@@ -131,12 +131,14 @@ def test_fla_fork_odd_lengths_stream_full_to_the_end(dtype):
         assert rel_err(o[start:start + n], ref_o[start:start + n]) < TOL[dtype]
 
 
+@pytest.mark.parametrize("form", ["chunk", "recurrent"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("heads", [(16, 16), (16, 32)], ids=["Hk16-Hv16", "Hk16-Hv32"])
-def test_branch_kernel_matches_reference_at_qwen_shapes(dtype, heads):
+def test_branch_kernel_matches_reference_at_qwen_shapes(dtype, heads, form):
     """The question call (flide/ops/gated_delta/branches.py) alone at Qwen3.5's head shapes (0.8B: 16/16; 9B: 16/32;
     K = V = 128): each branch from its state's final state by index, spare capacity rows of length 0, every question
-    row written (NaN-poisoned output). fp32 has no tf32 in this kernel (no dots): within 1e-5."""
+    row written (NaN-poisoned output), in both forms. fp32 has no tf32 in either (the chunked form's dots are
+    `ieee`): within 1e-5."""
     from flide.ops.gated_delta import branches
 
     hk, hv = heads
@@ -151,7 +153,7 @@ def test_branch_kernel_matches_reference_at_qwen_shapes(dtype, heads):
     args = (meta["branch_start"], meta["branch_len"], finals, meta["branch_state"], 128 ** -0.5, True)
     ref_o, _ = kernel("reference")(q.float(), k.float(), v.float(), decay, beta.float(), *args)
     out = torch.full((tokens, hv, 128), float("nan"), dtype=dtype, device="cuda")
-    o = branches.branches(q, k, v, decay, beta, *args, out=out)
+    o = branches.branches(q, k, v, decay, beta, *args, out=out, form=form)
     first = int(meta["branch_start"][0])
     assert torch.isfinite(o[first:]).all() and o[:first].isnan().all()  # question rows written, state rows not
     assert rel_err(o[first:], ref_o[first:]) < (1e-5 if dtype == torch.float32 else 1e-2)

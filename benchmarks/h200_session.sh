@@ -14,6 +14,7 @@
 #     bash benchmarks/h200_session.sh rounds     pytest-benchmark of engine rounds (benchmarks/test_gpu_rounds.py) ~5 min
 #     bash benchmarks/h200_session.sh agents     SWE-agent replay (issue 6): slope and steps/s, 0.8B            ~8 min
 #     bash benchmarks/h200_session.sh bench ARGS  python -m flide.bench ARGS (e.g. a config and --engines flide)
+#     bash benchmarks/h200_session.sh sh 'CMDS'  any commands, after the same set-up (a session's own mix of parts)
 # Logs and results go to $OUT.
 set -u
 part=${1:?usage: h200_session.sh stage|kernels|models|invariant|profile|ops|rounds|agents|bench ...}
@@ -75,7 +76,7 @@ profile)
         --out "$OUT/profile_0_8b.json" 2>&1 | grep -v DEBUG | tr '\r' '\n' | grep -v '^\s*$' > "$OUT/profile.log"
     tail -20 "$OUT/profile.log" ;;
 ops)
-    for op in fork_attention gated_delta fork_conv linear; do
+    for op in ${OPS:-fork_attention gated_delta fork_conv linear}; do
         extra=""; limit=120
         [ "$op" = fork_attention ] && extra="--sweep --flex-sweep" && limit=200
         timeout $limit python3 benchmarks/ops/bench_$op.py --out "$OUT/ops_$op.json" $extra > "$OUT/ops_$op.log" 2>&1
@@ -90,6 +91,9 @@ agents)
         --tokenizer shared/models/qwen3_5 --data shared/data --dtype bfloat16 --device cuda --trajectories 4 --steps 8 \
         --agents 1 32 --out "$OUT/agent_steps_0_8b.json" > "$OUT/agent_steps.log" 2>&1
     echo "agents rc=$?"; grep -v DEBUG "$OUT/agent_steps.log" | tail -24 ;;
+sh)
+    # any commands after the set-up above (wheels on PYTHONPATH, Inductor cache): `h200_session.sh sh 'CMD; CMD'`
+    bash -c "$*" ;;
 bench)
     timeout ${BUDGET_S:-540} python3 -m flide.bench "$@" --out "$OUT" > "$OUT/bench.log" 2>&1
     echo "bench rc=$?"; tail -20 "$OUT/bench.log" ;;

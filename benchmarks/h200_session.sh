@@ -77,7 +77,7 @@ profile)
     tail -20 "$OUT/profile.log" ;;
 ops)
     for op in ${OPS:-fork_attention gated_delta fork_conv linear}; do
-        extra=""; limit=120
+        extra=""; limit=${OP_LIMIT:-120}
         [ "$op" = fork_attention ] && extra="${ATTN_ARGS---sweep --flex-sweep}" && limit=${ATTN_LIMIT:-200}
         timeout $limit python3 benchmarks/ops/bench_$op.py --out "$OUT/ops_$op.json" $extra > "$OUT/ops_$op.log" 2>&1
         echo "$op rc=$?" | tee -a "$OUT/summary.txt"; tail -12 "$OUT/ops_$op.log"

@@ -13,14 +13,14 @@ Each program's sums run in one fixed order that depends on nothing but its own b
 question has the same bits whatever else is in the round (batch-invariant), and asked alone it runs the same code.
 
 Two forms of the same rule, both exact to fp32 rounding (`branches(..., form=)`):
-- `chunk` (the default): 16 tokens at a time. The H200 showed the recurrent form latency-bound: ~1 us per token step
-  (the dependent loads and two reductions of every token), 3.3 ms of a 2,000-token state's replay for one question
-  of ~100 tokens over 18 layers, 16.5 ms for 64 questions. In chunks, the tokens of a chunk see the state through
-  one product (K S), their mutual influence through a 16 x 16 triangular solve that needs no state, and the state
-  moves once per chunk (S' = decay S + K^T U): a question costs len/16 dependent steps of small dots instead of
-  len steps. Its dots run in full fp32 (`input_precision="ieee"`: tf32 would cost fp32 its 1e-5).
-- `recurrent`: one token at a time (as fla's fused_recurrent kernel), the oracle-shaped form, kept for the op
-  benchmark's comparison.
+- `recurrent` (the default): one token at a time, as above.
+- `chunk`: 16 tokens at a time: the tokens of a chunk see the state through one product (K S), each other through a
+  16 x 16 triangular solve, and the state moves once per chunk (S' = decay S + K^T U), so a question costs len/16
+  dependent steps instead of len. It was written because the recurrent form is latency-bound (~1 us a token step),
+  but as it stands it is ~10x SLOWER on the H200 (2026-11-30, `benchmarks/ops/bench_gated_delta.py`, question call
+  alone, Qwen3.5-0.8B: RACE in its bucket 0.39 vs 0.042 ms, 2,000 + 64 x 40 tokens 4.87 vs 0.31 ms; fp32 `ieee`
+  dots on CUDA cores with 4 warps and a 15-step unrolled substitution over [16, 32] tiles, not yet profiled). Kept,
+  tested, for the op benchmark until a faster chunk kernel replaces it.
 
 Runs on CPU tensors under TRITON_INTERPRET=1 (read by `triton.jit` when this module is imported), which is how the
 CPU tests check it against the reference.
@@ -40,7 +40,7 @@ BLOCK_V = 8
 NUM_WARPS = 1
 NUM_STAGES = 3  # the next tokens' q/k/v loads in flight while this one's update runs
 
-# The chunked form: 16 tokens a chunk (the smallest tl.dot tile; questions are tens of tokens, so a larger chunk
+# The chunked form (not the default: see the module docstring): 16 tokens a chunk (the smallest tl.dot tile; questions are tens of tokens, so a larger chunk
 # would mostly compute masked rows), 32 value columns a program (RACE: 5 questions x 16 heads x 4 tiles = 320
 # programs), 4 warps for the [16, 128] x [128, 32] products.
 CHUNK = 16
@@ -153,7 +153,8 @@ def _branch_chunk_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, st
 
 def branches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
              seg_start: torch.Tensor, seg_len: torch.Tensor, initial_state: torch.Tensor, initial_index: torch.Tensor,
-             scale: float, use_qk_l2norm: bool, out: torch.Tensor | None = None, form: str = "chunk") -> torch.Tensor:
+             scale: float, use_qk_l2norm: bool, out: torch.Tensor | None = None,
+             form: str = "recurrent") -> torch.Tensor:
     """o [T, Hv, V] (q's dtype) of every segment, each from `initial_state[initial_index[n]]` (-1: zero). Rows
     outside the segments are left unwritten, as fla's variant leaves them (`gated_delta.combine` selects).
 

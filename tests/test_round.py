@@ -346,3 +346,30 @@ def test_plan_rounds_packs_greedily():
                 want.append((current, *shape_for(total, caps, 5, exact)))
             got = [(p.requests, p.shape, p.oversized) for p in plan_rounds(needs, caps, 5, exact)]
             assert got == want
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_fork_tables_equal_what_each_layer_derived(seed):
+    """The GDN forks' round tables, derived once per forward (`gated_delta.fork_tables`), are what the fla state call
+    derives from the segment lists in every layer: the same cu_seqlens, and the round's `state_chunks` equal to the
+    chunk list it built (the rows past the round's capacity being spare rows that name the empty sequence)."""
+    import random
+
+    from flide.ops.gated_delta import fork_tables
+    from flide.ops.gated_delta.fla import chunk_table
+    from flide.testing import random_round_tensors
+
+    tokens = [64, 256, 512, 1024, 2048, 640][seed]
+    r = random_round_tensors(random.Random(seed), tokens, max_state=300 if seed % 2 else 40)
+    tables = fork_tables(r.state_start, r.state_len, r.branch_start, r.branch_len, r.state_chunks)
+    NS = r.state_start.shape[0]
+    end = r.state_start[:1] + r.state_len.sum(0, keepdim=True)
+    derived = torch.cat([r.state_start[:1], r.state_start[:1] + r.state_len.cumsum(0), end])
+    assert torch.equal(tables.state_cu_seqlens, derived)
+    built = chunk_table(derived, tokens // GDN_CHUNK + NS + 1)
+    rows = r.state_chunks.shape[0]
+    assert (r.state_len > 0).any()
+    assert torch.equal(r.state_chunks, built[:rows])
+    assert torch.equal(built[rows:], torch.tensor([[NS, 0]] * (built.shape[0] - rows)))
+    assert torch.equal(tables.states_end, end)
+    assert torch.equal(tables.branches_end, r.branch_start[:1] + r.branch_len.sum(0, keepdim=True))

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..ops.gated_delta import ForkTables, fork_tables
 from ..round import RoundTensors
 from .fused import fuse, project
 from .layers import FlatContext
@@ -67,8 +68,10 @@ class FlatBlock(nn.Module):
         return mlp.down_proj(mlp.act_fn(gate) * up)
 
     @torch.compiler.nested_compile_region
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *fields: torch.Tensor) -> torch.Tensor:
-        ctx = FlatContext(RoundTensors(*fields), cos, sin)
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor,
+                states_end: torch.Tensor, branches_end: torch.Tensor, *fields: torch.Tensor) -> torch.Tensor:
+        r = RoundTensors(*fields)
+        ctx = FlatContext(r, cos, sin, tables=ForkTables(cu_seqlens, r.state_chunks, states_end, branches_end))
         h = h + self.mixer(self.input_layernorm(h), flide=ctx)
         return h + self.run_mlp(self.post_attention_layernorm(h))
 
@@ -102,18 +105,22 @@ class FlatModel(nn.Module):
         m = self.text_model
         h = m.embed_tokens(r.input_ids)  # [T, H]
         cos, sin = m.rotary_emb(h[None], r.positions[None])
-        ctx = FlatContext(r, cos[0], sin[0])
         last = self.blocks[-1]
         if checkpoints is not None:
             for index, block in enumerate(self.blocks[:-1]):
-                h = block.run(h, FlatContext(r, ctx.cos, ctx.sin, checkpoints.layer(index)))
-            ctx = FlatContext(r, ctx.cos, ctx.sin, checkpoints.layer(len(self.blocks) - 1))
+                h = block.run(h, FlatContext(r, cos[0], sin[0], checkpoints.layer(index)))
+            ctx = FlatContext(r, cos[0], sin[0], checkpoints.layer(len(self.blocks) - 1))
         else:
             # under torch.compile, separate tensors: the fields are views of one packed buffer and a compile region's
             # inputs must not alias; eagerly the regions are plain calls and the views serve as they are
             fields = tuple(value.clone() if torch.compiler.is_compiling() else value for _, value in r.items())
+            r = RoundTensors(*fields)
+            # the GDN forks' round tables, once for all layers (not derived again in each)
+            tables = fork_tables(r.state_start, r.state_len, r.branch_start, r.branch_len, r.state_chunks)
+            ctx = FlatContext(r, cos[0], sin[0], tables=tables)
             for block in self.blocks[:-1]:
-                h = block(h, ctx.cos, ctx.sin, *fields)
+                h = block(h, ctx.cos, ctx.sin, tables.state_cu_seqlens, tables.states_end, tables.branches_end,
+                          *fields)
         h = h + last.mixer(last.input_layernorm(h), flide=ctx)
         if self.selective:
             h = h[r.readout_rows]  # only the read rows go on through the last MLP, the norm and the head

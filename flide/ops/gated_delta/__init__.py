@@ -4,6 +4,8 @@ and our recurrent Triton kernel, `branches.py`, for the questions; CUDA)."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from ..registry import register, register_resumable
@@ -69,6 +71,19 @@ register("gated_delta", "fla", available=fla.available, batch_invariant=True)(ga
 gated_delta_fla_resumable = register_resumable("gated_delta", "fla")(gated_delta_with_snapshot(gated_delta_fla))
 
 
+@torch.library.custom_op("flide::gated_delta_fla_states", mutates_args=(), device_types="cuda")
+def gated_delta_fla_states(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                           cu_seqlens: torch.Tensor, chunk_indices: torch.Tensor, scale: float,
+                           use_qk_l2norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return fla.gated_delta_states(q, k, v, g, beta, cu_seqlens, chunk_indices, scale, use_qk_l2norm)
+
+
+@gated_delta_fla_states.register_fake
+def _fake_states(q, k, v, g, beta, cu_seqlens, chunk_indices, scale, use_qk_l2norm):
+    T, Hv, V = v.shape
+    return q.new_empty(T, Hv, V), q.new_empty(cu_seqlens.shape[0] - 2, Hv, k.shape[2], V, dtype=torch.float32)
+
+
 @torch.library.custom_op("flide::gated_delta_branches_triton", mutates_args=(), device_types="cuda")
 def gated_delta_branches_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                 beta: torch.Tensor, seg_start: torch.Tensor, seg_len: torch.Tensor,
@@ -88,10 +103,32 @@ def _fake_branches(q, k, v, g, beta, seg_start, seg_len, initial_state, initial_
 # The question call of a variant's fork, where a faster one than the variant itself exists: it returns only the
 # outputs (the questions' final states are never read) and reads each branch's initial state in place by index.
 BRANCH_KERNELS = {gated_delta_fla: gated_delta_branches_triton, gated_delta_fla_resumable: gated_delta_branches_triton}
+# variants whose state call can take the round's tables (`fork_tables`) instead of deriving them from the segment
+# lists in every layer: on the H200 that derivation was ~26 small launches per GDN layer (cumsums, searchsorted,
+# cats, fills; ~0.5 ms of a RACE replay's 5 ms over 18 layers), the same in every layer of a round
+STATE_KERNELS = {gated_delta_fla: gated_delta_fla_states}
+
+
+class ForkTables(NamedTuple):
+    """What the fork of every GDN layer derives from the round alone, derived once per forward (`fork_tables`)."""
+
+    state_cu_seqlens: torch.Tensor  # [NS + 2]: the states' bounds, then the empty sequence spare chunk rows name
+    state_chunks: torch.Tensor  # [Cs, 2]: the round's (state, chunk) rows, spare rows naming state NS
+    states_end: torch.Tensor  # [1]: the end of the states' span (the questions' span starts there)
+    branches_end: torch.Tensor  # [1]: the end of the questions' span
+
+
+def fork_tables(state_start: torch.Tensor, state_len: torch.Tensor, branch_start: torch.Tensor,
+                branch_len: torch.Tensor, state_chunks: torch.Tensor) -> ForkTables:
+    """Device ops only (no host sync): under torch.compile, a few fused kernels once per replay."""
+    states_end = state_start[:1] + state_len.sum(0, keepdim=True)
+    cu_seqlens = torch.cat([state_start[:1], state_start[:1] + state_len.cumsum(0), states_end])
+    return ForkTables(cu_seqlens, state_chunks, states_end, branch_start[:1] + branch_len.sum(0, keepdim=True))
 
 
 def fork(kernel, q, k, v, g, beta, state_start, state_len, branch_start, branch_len, branch_state, scale: float,
-         use_qk_l2norm: bool, branch_kernel=None) -> tuple[torch.Tensor, torch.Tensor]:
+         use_qk_l2norm: bool, branch_kernel=None, state_kernel=None,
+         tables: ForkTables | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Forked gated delta rule, in two calls of one varlen kernel.
 
     Call 1 runs every state from a zero state and keeps each one's final recurrent state (float32); call 2 runs every
@@ -100,30 +137,38 @@ def fork(kernel, q, k, v, g, beta, state_start, state_len, branch_start, branch_
     (`combine`), and rows covered by neither (the tail padding) are zero.
 
     `branch_kernel`: the question call's kernel when the variant has a faster one (`BRANCH_KERNELS[kernel]`; the
-    model layers look it up at patch time, outside traced code): it returns only the outputs.
+    model layers look it up at patch time, outside traced code): it returns only the outputs. `state_kernel`
+    (`STATE_KERNELS[kernel]`) with `tables` (`fork_tables`, once per round): the state call from the round's tables.
 
     Returns: (o [T, Hv, V], state_final [NS, Hv, K, V] float32).
     """
-    no_initial = q.new_zeros(0, v.shape[1], k.shape[2], v.shape[2], dtype=torch.float32)
-    none = torch.full_like(state_start, -1)
-    o_states, finals = kernel(q, k, v, g, beta, state_start, state_len, no_initial, none, scale, use_qk_l2norm)
+    if state_kernel is not None and tables is not None:
+        o_states, finals = state_kernel(q, k, v, g, beta, tables.state_cu_seqlens, tables.state_chunks, scale,
+                                        use_qk_l2norm)
+    else:
+        no_initial = q.new_zeros(0, v.shape[1], k.shape[2], v.shape[2], dtype=torch.float32)
+        none = torch.full_like(state_start, -1)
+        o_states, finals = kernel(q, k, v, g, beta, state_start, state_len, no_initial, none, scale, use_qk_l2norm)
     if branch_kernel is not None:
         o_branches = branch_kernel(q, k, v, g, beta, branch_start, branch_len, finals, branch_state, scale,
                                    use_qk_l2norm)
     else:
         o_branches, _ = kernel(q, k, v, g, beta, branch_start, branch_len, finals, branch_state, scale,
                                use_qk_l2norm)
-    return combine(o_states, o_branches, state_start, state_len, branch_start, branch_len), finals
+    return combine(o_states, o_branches, state_start, state_len, branch_start, branch_len, tables), finals
 
 
 def combine(o_states: torch.Tensor, o_branches: torch.Tensor, state_start: torch.Tensor, state_len: torch.Tensor,
-            branch_start: torch.Tensor, branch_len: torch.Tensor) -> torch.Tensor:
+            branch_start: torch.Tensor, branch_len: torch.Tensor, tables: ForkTables | None = None) -> torch.Tensor:
     """The stream's output from the two calls: state rows from the first, question rows from the second, zero
     elsewhere. One fused select: a variant may leave the rows outside its call's span unwritten (fla does, and they
     can hold NaN, which a sum would spread and a select does not), and no variant needs to zero them first."""
     t = torch.arange(o_states.shape[0], device=o_states.device)[:, None, None]
-    states_end = state_start[:1] + state_len.sum(0, keepdim=True)
-    branches_end = branch_start[:1] + branch_len.sum(0, keepdim=True)
+    if tables is not None:
+        states_end, branches_end = tables.states_end, tables.branches_end
+    else:
+        states_end = state_start[:1] + state_len.sum(0, keepdim=True)
+        branches_end = branch_start[:1] + branch_len.sum(0, keepdim=True)
     in_branches = (t >= branch_start[:1]) & (t < branches_end)
     zero = torch.zeros((), dtype=o_states.dtype, device=o_states.device)
     return torch.where(t < states_end, o_states, torch.where(in_branches, o_branches, zero))

@@ -65,7 +65,6 @@ def chunk_table(cu_seqlens: torch.Tensor, rows: int) -> torch.Tensor:
 def gated_delta(q, k, v, g, beta, seg_start, seg_len, initial_state, initial_index, scale: float,
                 use_qk_l2norm: bool):
     """Same arguments and results as `reference.gated_delta`, on CUDA tensors (see the module docstring)."""
-    chunk_rule = _fla()
     T = q.shape[0]
     N = seg_start.shape[0]
     end = seg_start[:1] + seg_len.sum(0, keepdim=True)
@@ -80,6 +79,18 @@ def gated_delta(q, k, v, g, beta, seg_start, seg_len, initial_state, initial_ind
         zero_row = torch.full_like(initial_index[:1], initial_state.shape[0])
         rows = torch.cat([torch.where(initial_index >= 0, initial_index, zero_row), zero_row])
         h0 = source[rows]
+    return run(q, k, v, g, beta, cu_seqlens, chunk_indices, h0, scale, use_qk_l2norm)
+
+
+def gated_delta_states(q, k, v, g, beta, cu_seqlens, chunk_indices, scale: float, use_qk_l2norm: bool):
+    """The fork's state call from tables derived once per round (`gated_delta.fork_tables`): every sequence of
+    `cu_seqlens` [N + 2] (the states, then the empty sequence that spare chunk rows name) from zero; `chunk_indices`:
+    the round's `state_chunks`. Returns (o [T, Hv, V], final [N, Hv, K, V] float32)."""
+    return run(q, k, v, g, beta, cu_seqlens, chunk_indices, None, scale, use_qk_l2norm)
+
+
+def run(q, k, v, g, beta, cu_seqlens, chunk_indices, h0, scale: float, use_qk_l2norm: bool):
+    chunk_rule = _fla()
     if use_qk_l2norm:  # ours, not fla's: one launch configuration for every stream (see l2norm.py)
         from .l2norm import l2norm
 
@@ -89,4 +100,4 @@ def gated_delta(q, k, v, g, beta, seg_start, seg_len, initial_state, initial_ind
                           cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
     # rows outside the call's span are left as fla leaves them (unwritten): `fork` selects each row from the call
     # that covers it (`combine`), which costs one pass instead of zeroing here and summing there
-    return o[0].to(q.dtype), final[:N]
+    return o[0].to(q.dtype), final[:cu_seqlens.shape[0] - 2]

@@ -371,5 +371,12 @@ def test_fork_tables_equal_what_each_layer_derived(seed):
     assert (r.state_len > 0).any()
     assert torch.equal(r.state_chunks, built[:rows])
     assert torch.equal(built[rows:], torch.tensor([[NS, 0]] * (built.shape[0] - rows)))
+    lens = derived[1:] - derived[:-1]  # fla's prepare_chunk_offsets: F.pad(cdiv(lens, 64), (1, 0)).cumsum(-1)
+    want_offsets = torch.cat([torch.zeros(1, dtype=lens.dtype), ((lens + GDN_CHUNK - 1) // GDN_CHUNK).cumsum(0)])
+    assert torch.equal(tables.state_chunk_offsets, want_offsets)
+    # a sequence's chunk rows in the chunk list start at its offset
+    for s in range(NS):
+        if r.state_len[s] > 0:
+            assert torch.equal(r.state_chunks[want_offsets[s]], torch.tensor([s, 0]))
     assert torch.equal(tables.states_end, end)
     assert torch.equal(tables.branches_end, r.branch_start[:1] + r.branch_len.sum(0, keepdim=True))

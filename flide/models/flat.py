@@ -69,9 +69,11 @@ class FlatBlock(nn.Module):
 
     @torch.compiler.nested_compile_region
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor,
-                states_end: torch.Tensor, branches_end: torch.Tensor, *fields: torch.Tensor) -> torch.Tensor:
+                chunk_offsets: torch.Tensor, states_end: torch.Tensor, branches_end: torch.Tensor,
+                *fields: torch.Tensor) -> torch.Tensor:
         r = RoundTensors(*fields)
-        ctx = FlatContext(r, cos, sin, tables=ForkTables(cu_seqlens, r.state_chunks, states_end, branches_end))
+        tables = ForkTables(cu_seqlens, r.state_chunks, chunk_offsets, states_end, branches_end)
+        ctx = FlatContext(r, cos, sin, tables=tables)
         h = h + self.mixer(self.input_layernorm(h), flide=ctx)
         return h + self.run_mlp(self.post_attention_layernorm(h))
 
@@ -119,8 +121,8 @@ class FlatModel(nn.Module):
             tables = fork_tables(r.state_start, r.state_len, r.branch_start, r.branch_len, r.state_chunks)
             ctx = FlatContext(r, cos[0], sin[0], tables=tables)
             for block in self.blocks[:-1]:
-                h = block(h, ctx.cos, ctx.sin, tables.state_cu_seqlens, tables.states_end, tables.branches_end,
-                          *fields)
+                h = block(h, ctx.cos, ctx.sin, tables.state_cu_seqlens, tables.state_chunk_offsets, tables.states_end,
+                          tables.branches_end, *fields)
         h = h + last.mixer(last.input_layernorm(h), flide=ctx)
         if self.selective:
             h = h[r.readout_rows]  # only the read rows go on through the last MLP, the norm and the head

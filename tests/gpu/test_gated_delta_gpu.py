@@ -186,3 +186,23 @@ def test_branch_op_opcheck_on_cuda():
     torch.library.opcheck(gated_delta_branches_triton, (q, k, v, decay, beta, r.branch_start, r.branch_len, finals,
                                                          r.branch_state, 128 ** -0.5, True),
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fork_from_round_tables_equals_fork_without(dtype):
+    """The model's path (flide/models/flat.py): the state call from the round's tables (`fork_tables`, derived once
+    per forward: cu_seqlens, the round's state_chunks, fla's chunk offsets, the spans' ends) gives the bits of the
+    state call that derives them itself, and matches the reference."""
+    from flide.ops.gated_delta import STATE_KERNELS, fork_tables
+
+    fla = kernel("fla")
+    x, r = inputs(3072, dtype, seed=17)
+    meta = (r.state_start, r.state_len, r.branch_start, r.branch_len, r.branch_state)
+    tables = fork_tables(r.state_start, r.state_len, r.branch_start, r.branch_len, r.state_chunks)
+    o, finals = fork(fla, *x, *meta, 128 ** -0.5, True)
+    o_t, finals_t = plain_fork(fla, *x, *meta, 128 ** -0.5, True, branch_kernel=BRANCH_KERNELS.get(fla),
+                               state_kernel=STATE_KERNELS[fla], tables=tables)
+    assert torch.equal(o_t, o) and torch.equal(finals_t, finals)
+    ref_o, _ = plain_fork(kernel("reference"), *(t.float() if t.is_floating_point() else t for t in x), *meta,
+                          128 ** -0.5, True)
+    assert rel_err(o_t, ref_o) < TOL[dtype]

@@ -73,13 +73,13 @@ gated_delta_fla_resumable = register_resumable("gated_delta", "fla")(gated_delta
 
 @torch.library.custom_op("flide::gated_delta_fla_states", mutates_args=(), device_types="cuda")
 def gated_delta_fla_states(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                           cu_seqlens: torch.Tensor, chunk_indices: torch.Tensor, scale: float,
-                           use_qk_l2norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    return fla.gated_delta_states(q, k, v, g, beta, cu_seqlens, chunk_indices, scale, use_qk_l2norm)
+                           cu_seqlens: torch.Tensor, chunk_indices: torch.Tensor, chunk_offsets: torch.Tensor,
+                           scale: float, use_qk_l2norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return fla.gated_delta_states(q, k, v, g, beta, cu_seqlens, chunk_indices, chunk_offsets, scale, use_qk_l2norm)
 
 
 @gated_delta_fla_states.register_fake
-def _fake_states(q, k, v, g, beta, cu_seqlens, chunk_indices, scale, use_qk_l2norm):
+def _fake_states(q, k, v, g, beta, cu_seqlens, chunk_indices, chunk_offsets, scale, use_qk_l2norm):
     T, Hv, V = v.shape
     return q.new_empty(T, Hv, V), q.new_empty(cu_seqlens.shape[0] - 2, Hv, k.shape[2], V, dtype=torch.float32)
 
@@ -105,7 +105,8 @@ def _fake_branches(q, k, v, g, beta, seg_start, seg_len, initial_state, initial_
 BRANCH_KERNELS = {gated_delta_fla: gated_delta_branches_triton, gated_delta_fla_resumable: gated_delta_branches_triton}
 # variants whose state call can take the round's tables (`fork_tables`) instead of deriving them from the segment
 # lists in every layer: on the H200 that derivation was ~26 small launches per GDN layer (cumsums, searchsorted,
-# cats, fills; ~0.5 ms of a RACE replay's 5 ms over 18 layers), the same in every layer of a round
+# cats, fills; ~0.5 ms of a RACE replay's 5 ms over 18 layers), plus fla's own chunk offsets (7 more), the same in
+# every layer of a round
 STATE_KERNELS = {gated_delta_fla: gated_delta_fla_states}
 
 
@@ -114,6 +115,7 @@ class ForkTables(NamedTuple):
 
     state_cu_seqlens: torch.Tensor  # [NS + 2]: the states' bounds, then the empty sequence spare chunk rows name
     state_chunks: torch.Tensor  # [Cs, 2]: the round's (state, chunk) rows, spare rows naming state NS
+    state_chunk_offsets: torch.Tensor  # [NS + 2]: each state's first chunk in fla's per-chunk state buffer
     states_end: torch.Tensor  # [1]: the end of the states' span (the questions' span starts there)
     branches_end: torch.Tensor  # [1]: the end of the questions' span
 
@@ -123,7 +125,8 @@ def fork_tables(state_start: torch.Tensor, state_len: torch.Tensor, branch_start
     """Device ops only (no host sync): under torch.compile, a few fused kernels once per replay."""
     states_end = state_start[:1] + state_len.sum(0, keepdim=True)
     cu_seqlens = torch.cat([state_start[:1], state_start[:1] + state_len.cumsum(0), states_end])
-    return ForkTables(cu_seqlens, state_chunks, states_end, branch_start[:1] + branch_len.sum(0, keepdim=True))
+    return ForkTables(cu_seqlens, state_chunks, fla.chunk_offsets(cu_seqlens), states_end,
+                      branch_start[:1] + branch_len.sum(0, keepdim=True))
 
 
 def fork(kernel, q, k, v, g, beta, state_start, state_len, branch_start, branch_len, branch_state, scale: float,
@@ -143,8 +146,8 @@ def fork(kernel, q, k, v, g, beta, state_start, state_len, branch_start, branch_
     Returns: (o [T, Hv, V], state_final [NS, Hv, K, V] float32).
     """
     if state_kernel is not None and tables is not None:
-        o_states, finals = state_kernel(q, k, v, g, beta, tables.state_cu_seqlens, tables.state_chunks, scale,
-                                        use_qk_l2norm)
+        o_states, finals = state_kernel(q, k, v, g, beta, tables.state_cu_seqlens, tables.state_chunks,
+                                        tables.state_chunk_offsets, scale, use_qk_l2norm)
     else:
         no_initial = q.new_zeros(0, v.shape[1], k.shape[2], v.shape[2], dtype=torch.float32)
         none = torch.full_like(state_start, -1)

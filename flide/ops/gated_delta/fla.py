@@ -37,6 +37,28 @@ def _fla():
     return chunk_gated_delta_rule
 
 
+@functools.lru_cache(maxsize=1)
+def _fla_steps():
+    """The four forward steps of fla's chunk_gated_delta_rule (fla-core 0.6.0's `chunk_gated_delta_rule_fwd`, less
+    its context-parallel and in-kernel-gate branches), called one by one so that the h step takes the chunk offsets
+    of the round (`fork_tables`) instead of deriving them in every layer (7 small launches each)."""
+    _fla()  # its tensor-cache switch first
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
+    from fla.ops.common.chunk_o import chunk_fwd_o
+    from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
+    from fla.ops.utils import chunk_local_cumsum
+    from fla.ops.utils.constant import RCP_LN2
+
+    return chunk_local_cumsum, chunk_gated_delta_rule_fwd_intra, chunk_gated_delta_rule_fwd_h, chunk_fwd_o, RCP_LN2
+
+
+def chunk_offsets(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """[N + 1]: the first 64-token chunk of each sequence of `cu_seqlens` in fla's per-chunk state buffer (what fla's
+    `prepare_chunk_offsets` computes). Device ops only."""
+    chunks = (cu_seqlens[1:] - cu_seqlens[:-1] + GDN_CHUNK - 1) // GDN_CHUNK
+    return torch.cat([chunks.new_zeros(1), chunks.cumsum(0)])
+
+
 def available() -> str | None:
     if not torch.cuda.is_available():
         return "it needs a CUDA GPU"
@@ -82,22 +104,34 @@ def gated_delta(q, k, v, g, beta, seg_start, seg_len, initial_state, initial_ind
     return run(q, k, v, g, beta, cu_seqlens, chunk_indices, h0, scale, use_qk_l2norm)
 
 
-def gated_delta_states(q, k, v, g, beta, cu_seqlens, chunk_indices, scale: float, use_qk_l2norm: bool):
+def gated_delta_states(q, k, v, g, beta, cu_seqlens, chunk_indices, offsets, scale: float, use_qk_l2norm: bool):
     """The fork's state call from tables derived once per round (`gated_delta.fork_tables`): every sequence of
     `cu_seqlens` [N + 2] (the states, then the empty sequence that spare chunk rows name) from zero; `chunk_indices`:
-    the round's `state_chunks`. Returns (o [T, Hv, V], final [N, Hv, K, V] float32)."""
-    return run(q, k, v, g, beta, cu_seqlens, chunk_indices, None, scale, use_qk_l2norm)
+    the round's `state_chunks`; `offsets`: `chunk_offsets(cu_seqlens)`. Returns (o [T, Hv, V], final [N, Hv, K, V]
+    float32)."""
+    return run(q, k, v, g, beta, cu_seqlens, chunk_indices, None, scale, use_qk_l2norm, offsets)
 
 
-def run(q, k, v, g, beta, cu_seqlens, chunk_indices, h0, scale: float, use_qk_l2norm: bool):
-    chunk_rule = _fla()
+def run(q, k, v, g, beta, cu_seqlens, chunk_indices, h0, scale: float, use_qk_l2norm: bool,
+        offsets: torch.Tensor | None = None):
+    cumsum, intra, fwd_h, fwd_o, rcp_ln2 = _fla_steps()
     if use_qk_l2norm:  # ours, not fla's: one launch configuration for every stream (see l2norm.py)
         from .l2norm import l2norm
 
         q, k = l2norm(q), l2norm(k)
-    o, final = chunk_rule(q[None], k[None], v[None], g[None].float(), beta[None].to(q.dtype), scale=scale,
-                          initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=False,
-                          cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
+    if offsets is None:
+        offsets = chunk_offsets(cu_seqlens)
+    q, k, v, beta = q[None], k[None], v[None], beta[None].to(q.dtype)
+    # as chunk_gated_delta_rule_fwd: gates cumulated per chunk in log2 units, the WY form within chunks, the states
+    # chunk to chunk (and each sequence's final state), then the outputs
+    g = cumsum(g[None].float(), chunk_size=GDN_CHUNK, scale=rcp_ln2, cu_seqlens=cu_seqlens,
+               chunk_indices=chunk_indices)
+    w, u, _ = intra(k=k, v=v, g=g, beta=beta, cu_seqlens=cu_seqlens, chunk_size=GDN_CHUNK,
+                    chunk_indices=chunk_indices)
+    h, v_new, final = fwd_h(k=k, w=w, u=u, g=g, initial_state=h0, output_final_state=True, chunk_size=GDN_CHUNK,
+                            cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, chunk_offsets=offsets)
+    o = fwd_o(q=q, k=k, v=v_new, h=h, g=g, scale=scale, cu_seqlens=cu_seqlens, chunk_size=GDN_CHUNK,
+              chunk_indices=chunk_indices)
     # rows outside the call's span are left as fla leaves them (unwritten): `fork` selects each row from the call
     # that covers it (`combine`), which costs one pass instead of zeroing here and summing there
     return o[0].to(q.dtype), final[:cu_seqlens.shape[0] - 2]

@@ -191,8 +191,10 @@ def test_branch_op_opcheck_on_cuda():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_fork_from_round_tables_equals_fork_without(dtype):
     """The model's path (flide/models/flat.py): the state call from the round's tables (`fork_tables`, derived once
-    per forward: cu_seqlens, the round's state_chunks, fla's chunk offsets, the spans' ends) gives the bits of the
-    state call that derives them itself, and matches the reference."""
+    per forward: cu_seqlens, the round's state_chunks, fla's chunk offsets, the spans' ends), whose normalised q/k
+    the question call then reads as they are: the states' rows and final states with the bits of the call that
+    derives its tables itself, the questions' rows within rounding of it (normalised by l2norm.py instead of inside
+    the question kernel), and both matching the reference."""
     from flide.ops.gated_delta import STATE_KERNELS, fork_tables
 
     fla = kernel("fla")
@@ -202,7 +204,10 @@ def test_fork_from_round_tables_equals_fork_without(dtype):
     o, finals = fork(fla, *x, *meta, 128 ** -0.5, True)
     o_t, finals_t = plain_fork(fla, *x, *meta, 128 ** -0.5, True, branch_kernel=BRANCH_KERNELS.get(fla),
                                state_kernel=STATE_KERNELS[fla], tables=tables)
-    assert torch.equal(o_t, o) and torch.equal(finals_t, finals)
+    assert torch.equal(finals_t, finals)
+    states = torch.arange(o.shape[0], device="cuda") < int(r.state_start[0] + r.state_len.sum())
+    assert torch.equal(o_t[states], o[states])
+    assert rel_err(o_t[~states], o[~states]) < (1e-6 if dtype == torch.float32 else 1e-2)
     ref_o, _ = plain_fork(kernel("reference"), *(t.float() if t.is_floating_point() else t for t in x), *meta,
                           128 ** -0.5, True)
     assert rel_err(o_t, ref_o) < TOL[dtype]

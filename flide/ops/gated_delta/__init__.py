@@ -74,14 +74,16 @@ gated_delta_fla_resumable = register_resumable("gated_delta", "fla")(gated_delta
 @torch.library.custom_op("flide::gated_delta_fla_states", mutates_args=(), device_types="cuda")
 def gated_delta_fla_states(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                            cu_seqlens: torch.Tensor, chunk_indices: torch.Tensor, chunk_offsets: torch.Tensor,
-                           scale: float, use_qk_l2norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                           scale: float, use_qk_l2norm: bool
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return fla.gated_delta_states(q, k, v, g, beta, cu_seqlens, chunk_indices, chunk_offsets, scale, use_qk_l2norm)
 
 
 @gated_delta_fla_states.register_fake
 def _fake_states(q, k, v, g, beta, cu_seqlens, chunk_indices, chunk_offsets, scale, use_qk_l2norm):
     T, Hv, V = v.shape
-    return q.new_empty(T, Hv, V), q.new_empty(cu_seqlens.shape[0] - 2, Hv, k.shape[2], V, dtype=torch.float32)
+    return (q.new_empty(T, Hv, V), q.new_empty(cu_seqlens.shape[0] - 2, Hv, k.shape[2], V, dtype=torch.float32),
+            torch.empty_like(q), torch.empty_like(k))
 
 
 @torch.library.custom_op("flide::gated_delta_branches_triton", mutates_args=(), device_types="cuda")
@@ -146,8 +148,11 @@ def fork(kernel, q, k, v, g, beta, state_start, state_len, branch_start, branch_
     Returns: (o [T, Hv, V], state_final [NS, Hv, K, V] float32).
     """
     if state_kernel is not None and tables is not None:
-        o_states, finals = state_kernel(q, k, v, g, beta, tables.state_cu_seqlens, tables.state_chunks,
-                                        tables.state_chunk_offsets, scale, use_qk_l2norm)
+        # q and k come back normalised: the question call reads them so (one normalisation per token, not one in
+        # every step of every (branch, head, value tile) program of the question kernel)
+        o_states, finals, q, k = state_kernel(q, k, v, g, beta, tables.state_cu_seqlens, tables.state_chunks,
+                                              tables.state_chunk_offsets, scale, use_qk_l2norm)
+        use_qk_l2norm = False
     else:
         no_initial = q.new_zeros(0, v.shape[1], k.shape[2], v.shape[2], dtype=torch.float32)
         none = torch.full_like(state_start, -1)

@@ -108,8 +108,14 @@ def gated_delta_states(q, k, v, g, beta, cu_seqlens, chunk_indices, offsets, sca
     """The fork's state call from tables derived once per round (`gated_delta.fork_tables`): every sequence of
     `cu_seqlens` [N + 2] (the states, then the empty sequence that spare chunk rows name) from zero; `chunk_indices`:
     the round's `state_chunks`; `offsets`: `chunk_offsets(cu_seqlens)`. Returns (o [T, Hv, V], final [N, Hv, K, V]
-    float32)."""
-    return run(q, k, v, g, beta, cu_seqlens, chunk_indices, None, scale, use_qk_l2norm, offsets)
+    float32, q, k): q and k as the kernels read them (L2-normalised over the whole stream with `use_qk_l2norm`), so
+    the question call reads them as they are instead of normalising every token again in its recurrence."""
+    if use_qk_l2norm:
+        from .l2norm import l2norm
+
+        q, k = l2norm(q), l2norm(k)
+    o, final = run(q, k, v, g, beta, cu_seqlens, chunk_indices, None, scale, False, offsets)
+    return o, final, q, k
 
 
 def run(q, k, v, g, beta, cu_seqlens, chunk_indices, h0, scale: float, use_qk_l2norm: bool,

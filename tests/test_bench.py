@@ -272,3 +272,22 @@ def test_latency_alone_stops_taking_samples_past_its_time_budget():
                          max_latency_seconds=100)
     _, rows = latency_alone(Slow(), [{"r": 0}, {"r": 1}], config, timer)
     assert rows[0][2] == "ms"
+
+
+def test_op_benchmark_markdown_beside_its_json(tmp_path):
+    """benchmarks/ops/tables.py: one table line per JSON row, in order, with the hardware named."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "ops"))
+    from tables import write_beside
+
+    rows = [{"workload": "race64", "model": "m", "engine": e, "tokens": 128, "value": v, "floor_ms": 0.5,
+             "x_floor": v / 0.5, "hardware": "NVIDIA H200"} for e, v in (("triton", 1.0), ("flex", 2.5))]
+    path = tmp_path / "ops.json"
+    path.write_text(json.dumps(rows))
+    text = write_beside(path, rows).read_text()
+    lines = [line for line in text.splitlines() if line.startswith("| race64")]
+    assert "NVIDIA H200" in text and len(lines) == 2
+    assert lines[0].split("|")[3].strip() == "triton" and lines[1].endswith("| 5.0 |")

@@ -34,6 +34,9 @@ from flide.ops.registry import resolve
 from flide.round import Shape, build_round
 from flide.testing import synthetic_request
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tables import write_beside  # noqa: E402 (after the path line, as the flide imports)
+
 
 def padded_stream(requests: int, state: int, questions: int, question: int, tokens: int):
     preps = [synthetic_request(np.ones(state), [np.ones(question)] * questions) for _ in range(requests)]
@@ -123,6 +126,7 @@ def main() -> None:
         for mname, heads in shapes.items():
             rows += bench_shape(sname, mname, r, heads, ceilings, args.sweep)
     Path(args.out).write_text(json.dumps(rows, indent=1))
+    write_beside(args.out, rows)  # the markdown table beside the JSON
 
 
 if __name__ == "__main__":

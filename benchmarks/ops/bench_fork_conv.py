@@ -32,6 +32,9 @@ from flide.ops.registry import resolve
 from flide.round import Shape, build_round
 from flide.testing import synthetic_request
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tables import write_beside  # noqa: E402 (after the path line, as the flide imports)
+
 
 def stream(requests: int, state: int, questions: int, question: int):
     preps = [synthetic_request(np.ones(state), [np.ones(question)] * questions) for _ in range(requests)]
@@ -105,6 +108,7 @@ def main() -> None:
     for sname, r in streams.items():
         rows += bench_stream(sname, r.to("cuda"), args.channels, 4, bandwidth, args.sweep)
     Path(args.out).write_text(json.dumps(rows, indent=1))
+    write_beside(args.out, rows)  # the markdown table beside the JSON
 
 
 if __name__ == "__main__":

@@ -36,6 +36,21 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
     .whl/typing_inspection-*.whl .whl/uvloop-*.whl .whl/httptools-*.whl > /tmp/pip.log 2>&1 || cat /tmp/pip.log
 export PYTHONPATH=$PWD:/tmp/site
 export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache
+# Triton's own cache (our kernels and fla's) inside it, so one archive holds every compiled kernel
+export TRITON_CACHE_DIR=/tmp/inductor-cache/triton-jit
+# Compile caches travel between calls: a machine starts bare, and capturing 0.8B's 10 buckets took ~100 s of
+# compiling on each. With SAVE_CACHE=1 a call leaves $OUT/inductor.tgz (if under 15 MiB: files come back up to 16);
+# copy it to .cache/inductor.tgz here (git-excluded) and carry ".cache" with ".whl": later calls unpack it first.
+# Valid while the device's torch / triton / GPU stay the same (their versions are in the cache keys).
+if [ -f .cache/inductor.tgz ]; then tar xzf .cache/inductor.tgz -C /tmp && echo "compile cache: $(du -sh /tmp/inductor-cache | cut -f1) unpacked"; fi
+save_cache() {
+    [ -n "${SAVE_CACHE:-}" ] || return 0
+    tar czf "$OUT/inductor.tgz" -C /tmp inductor-cache
+    size=$(stat -c %s "$OUT/inductor.tgz")
+    if [ "$size" -gt $((15 * 1024 * 1024)) ]; then echo "compile cache $size bytes: too large to come back"; rm -f "$OUT/inductor.tgz"
+    else echo "compile cache saved: $size bytes"; fi
+}
+trap save_cache EXIT
 started=$(date +%s)
 case "$part" in
 alltests)

@@ -284,6 +284,21 @@ else:
         torch.testing.assert_close(out[3:13], want[3:13], atol=2e-5, rtol=1e-5)
         torch.testing.assert_close(out[20:40], want[20:40], atol=2e-5, rtol=1e-5)
 
+    def test_gated_delta_branches_chunk_form_with_alike_keys():
+        """The chunked form's inverse is a series whose terms grow before they cancel when a chunk's keys are alike
+        and beta is near 1 (repeated tokens): a 40-token question of one repeated key, beta 0.95, no decay, must
+        still match the reference in fp32."""
+        tokens, Hk, Hv, K, V = 48, 1, 1, 16, 16
+        k = randn(1, Hk, K, seed=11).expand(tokens, Hk, K).contiguous()
+        q, v = randn(tokens, Hk, K, seed=12), randn(tokens, Hv, V, seed=13)
+        g = torch.zeros(tokens, Hv)
+        beta = torch.full((tokens, Hv), 0.95)
+        start, length, index = torch.tensor([8]), torch.tensor([40]), torch.tensor([0])
+        h0 = randn(1, Hv, K, V, seed=14) * 0.1
+        want = delta_ref.gated_delta_naive(q, k, v, g, beta, start, length, h0, index, 0.25, True)[0]
+        out = delta_branches.branches(q, k, v, g, beta, start, length, h0, index, 0.25, True, form="chunk")
+        torch.testing.assert_close(out[8:48], want[8:48], atol=1e-5, rtol=1e-5)
+
     # -----------------------------------------------------------------------------------------------------------------
     # gated_delta: q/k normalisation before fla's state call (fixed launch configuration)
     # -----------------------------------------------------------------------------------------------------------------

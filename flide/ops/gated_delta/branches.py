@@ -14,13 +14,14 @@ question has the same bits whatever else is in the round (batch-invariant), and 
 
 Two forms of the same rule, both exact to fp32 rounding (`branches(..., form=)`):
 - `recurrent` (the default): one token at a time, as above.
-- `chunk`: 16 tokens at a time: the tokens of a chunk see the state through one product (K S), each other through a
-  16 x 16 triangular solve, and the state moves once per chunk (S' = decay S + K^T U), so a question costs len/16
-  dependent steps instead of len. It was written because the recurrent form is latency-bound (~1 us a token step),
-  but as it stands it is ~10x SLOWER on the H200 (2026-11-30, `benchmarks/ops/bench_gated_delta.py`, question call
-  alone, Qwen3.5-0.8B: RACE in its bucket 0.39 vs 0.042 ms, 2,000 + 64 x 40 tokens 4.87 vs 0.31 ms; fp32 `ieee`
-  dots on CUDA cores with 4 warps and a 15-step unrolled substitution over [16, 32] tiles, not yet profiled). Kept,
-  tested, for the op benchmark until a faster chunk kernel replaces it.
+- `chunk`: 16 tokens at a time: the tokens of a chunk see the state through one product (K S) and each other
+  through the inverse of a nilpotent 16 x 16 matrix (by doubling products, 4 tensor-core dots, computed before the
+  chain), and the state moves once per chunk (S' = decay S + K^T U): a question costs len/16 dependent steps of two
+  dots instead of len token steps. Its first version (forward substitution: 15 dependent cross-warp reductions a
+  chunk, fp32 `ieee` dots) was ~10x SLOWER than the recurrent form on the H200 (2026-11-30,
+  `benchmarks/ops/bench_gated_delta.py`, the question call alone on Qwen3.5-0.8B: RACE in its bucket 0.39 vs
+  0.042 ms, 2,000 + 64 x 40 tokens 4.87 vs 0.31 ms). This version (tf32 dots for half-precision inputs, ieee for
+  fp32) is not yet timed: the op benchmark compares both forms; the default follows the faster.
 
 Runs on CPU tensors under TRITON_INTERPRET=1 (read by `triton.jit` when this module is imported), which is how the
 CPU tests check it against the reference.
@@ -40,9 +41,10 @@ BLOCK_V = 8
 NUM_WARPS = 1
 NUM_STAGES = 3  # the next tokens' q/k/v loads in flight while this one's update runs
 
-# The chunked form (not the default: see the module docstring): 16 tokens a chunk (the smallest tl.dot tile; questions are tens of tokens, so a larger chunk
-# would mostly compute masked rows), 32 value columns a program (RACE: 5 questions x 16 heads x 4 tiles = 320
-# programs), 4 warps for the [16, 128] x [128, 32] products.
+# The chunked form (not the default: see the module docstring): 16 tokens a chunk (the smallest tl.dot tile;
+# questions are tens of tokens, so a larger chunk would mostly compute masked rows), 32 value columns a program
+# (RACE: 5 questions x 16 heads x 4 tiles = 320 programs), 4 warps for the [16, 128] x [128, 32] products. CHUNK
+# must be a power of two (the inverse's doubling).
 CHUNK = 16
 CHUNK_BLOCK_V = 32
 CHUNK_NUM_WARPS = 4
@@ -91,7 +93,8 @@ def _branch_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, start_pt
 @triton.jit
 def _branch_chunk_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, start_ptr, len_ptr, index_ptr, scale,
                          HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
-                         BV: tl.constexpr, BC: tl.constexpr, L2NORM: tl.constexpr):
+                         BV: tl.constexpr, BC: tl.constexpr, LOG2_BC: tl.constexpr, L2NORM: tl.constexpr,
+                         PRECISION: tl.constexpr):
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1)
     i_n = i_nh // HV
@@ -107,6 +110,7 @@ def _branch_chunk_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, st
         k_ok = o_k < K
         v_ok = o_v < V
         causal = o_c[:, None] >= o_c[None, :]  # token i sees tokens j <= i of its chunk
+        eye = tl.where(o_c[:, None] == o_c[None, :], 1.0, 0.0)
         h = tl.zeros([BK, BV], dtype=tl.float32)  # S: the state's [K, BV] slice
         if idx >= 0:
             p_h0 = h0_ptr + (idx * HV + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
@@ -128,27 +132,39 @@ def _branch_chunk_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, st
                 b_k = (b_k * (1 / tl.sqrt(tl.sum(b_k * b_k, 1) + 1e-6))[:, None]).to(k_ptr.dtype.element_ty)
                 b_k = b_k.to(tl.float32)
             # gamma_i: the chunk's log decay up to and including token i; decay_ij = exp(gamma_i - gamma_j), j <= i
-            gamma = tl.sum(tl.where(causal, b_g[None, :], 0.0), 1)
+            gamma = tl.cumsum(b_g, 0)
+            gamma_last = tl.sum(tl.where(o_c == BC - 1, gamma, 0.0), 0)
             decay = tl.where(causal, tl.exp(tl.where(causal, gamma[:, None] - gamma[None, :], 0.0)), 0.0)
-            gamma_last = tl.sum(b_g, 0)
-            # token i's delta update u_i = beta_i (v_i - S_{i-1}^T k_i) with S_{i-1} = decay S + the chunk's earlier
-            # updates: (I + A) U = B, A_ij = beta_i decay_ij (k_i . k_j) for j < i, B = beta (V - e^gamma K S)
-            kk = tl.dot(b_k, tl.trans(b_k), input_precision="ieee")
-            a = tl.where(o_c[:, None] > o_c[None, :], kk * decay, 0.0) * b_beta[:, None]
-            ks = tl.dot(b_k, h, input_precision="ieee")
-            u = b_beta[:, None] * (b_v - tl.exp(gamma)[:, None] * ks)
-            for i in tl.static_range(1, BC):  # forward substitution: rows j < i of u are final when row i is
-                a_i = tl.sum(tl.where(o_c[:, None] == i, a, 0.0), 0)
-                u = tl.where(o_c[:, None] == i, u - tl.sum(a_i[:, None] * u, 0)[None, :], u)
-            # o_i = S_i^T q_i = e^gamma_i S^T q_i + sum_{j <= i} decay_ij (q_i . k_j) u_j
-            qk = tl.dot(b_q, tl.trans(b_k), input_precision="ieee") * decay
-            b_o = tl.exp(gamma)[:, None] * tl.dot(b_q, h, input_precision="ieee")
-            b_o += tl.dot(qk, u, input_precision="ieee")
+            # Everything that does not need the state first (off the chunk-to-chunk chain). Token i's update is
+            # u_i = beta_i (v_i - S_{i-1}^T k_i), S_{i-1} = the decayed S plus the chunk's earlier updates, so
+            # (I + A) U = beta V - beta e^gamma K S with A_ij = beta_i decay_ij (k_i . k_j), j < i (nilpotent).
+            # Its inverse is the finite series sum_m (-A)^m = (I - A)(I + A^2)(I + A^4)...: LOG2_BC products of
+            # [BC, BC] tiles on tensor cores, where forward substitution would be BC dependent steps.
+            # The series' terms grow before they cancel (keys alike and beta near 1: entries of A^m up to
+            # C(BC - 2, m - 1)), so its products stay in full fp32 whatever PRECISION (BC^3 multiply-adds: cheap).
+            nil = -tl.where(o_c[:, None] > o_c[None, :], tl.dot(b_k, tl.trans(b_k), input_precision="ieee")
+                            * decay, 0.0) * b_beta[:, None]
+            inv = eye + nil
+            power = nil
+            for _ in tl.static_range(LOG2_BC - 1):
+                power = tl.dot(power, power, input_precision="ieee")
+                inv = tl.dot(inv, eye + power, input_precision="ieee")
+            # one Newton step, X <- X + X (I - (I + A) X), squares the series' rounding error away (its residual
+            # was ~1e-4 with 16 alike keys; fp32 forward substitution keeps ~1e-7)
+            residual = eye - tl.dot(eye - nil, inv, input_precision="ieee")
+            inv += tl.dot(inv, residual, input_precision="ieee")
+            eg = tl.exp(gamma)
+            w = tl.dot(inv, b_k * (b_beta * eg)[:, None], input_precision=PRECISION)  # U = U0 - W S
+            u0 = tl.dot(inv, b_v * b_beta[:, None], input_precision=PRECISION)
+            qk = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) * decay
+            k_decayed = b_k * tl.exp(gamma_last - gamma)[:, None]
+            # the chain: U from S, the outputs o_i = e^gamma_i S^T q_i + sum_{j <= i} decay_ij (q_i . k_j) u_j, and
+            # the state after the chunk, S' = e^gamma_last S + sum_j e^(gamma_last - gamma_j) k_j u_j^T
+            u = u0 - tl.dot(w, h, input_precision=PRECISION)
+            b_o = eg[:, None] * tl.dot(b_q, h, input_precision=PRECISION) + tl.dot(qk, u, input_precision=PRECISION)
             p_o = o_ptr + (t[:, None] * HV + i_h) * V + o_v[None, :]
             tl.store(p_o, (b_o * scale).to(o_ptr.dtype.element_ty), mask=m_v)
-            # the state after the chunk: S' = e^gamma_last S + sum_j e^(gamma_last - gamma_j) k_j u_j^T
-            k_decayed = b_k * tl.exp(gamma_last - gamma)[:, None]
-            h = h * tl.exp(gamma_last) + tl.dot(tl.trans(k_decayed), u, input_precision="ieee")
+            h = h * tl.exp(gamma_last) + tl.dot(tl.trans(k_decayed), u, input_precision=PRECISION)
 
 
 def branches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -179,8 +195,11 @@ def branches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     BK = max(16, triton.next_power_of_2(K))  # tl.dot needs 16 at least
     if form == "chunk":
         BV = min(CHUNK_BLOCK_V, max(16, triton.next_power_of_2(V)))
+        # fp32 models keep fp32 products (ieee: tf32 would cost them their 1e-5); half-precision ones take tf32
+        precision = "ieee" if q.dtype == torch.float32 else "tf32"
         _branch_chunk_kernel[(triton.cdiv(V, BV), N * HV)](*meta, HK=HK, HV=HV, K=K, V=V, BK=BK, BV=BV, BC=CHUNK,
-                                                            L2NORM=use_qk_l2norm, num_warps=CHUNK_NUM_WARPS)
+                                                            LOG2_BC=CHUNK.bit_length() - 1, L2NORM=use_qk_l2norm,
+                                                            PRECISION=precision, num_warps=CHUNK_NUM_WARPS)
     else:
         BV = min(BLOCK_V, triton.next_power_of_2(V))
         _branch_kernel[(triton.cdiv(V, BV), N * HV)](*meta, HK=HK, HV=HV, K=K, V=V, BK=BK, BV=BV,

@@ -211,3 +211,24 @@ def test_fork_from_round_tables_equals_fork_without(dtype):
     ref_o, _ = plain_fork(kernel("reference"), *(t.float() if t.is_floating_point() else t for t in x), *meta,
                           128 ** -0.5, True)
     assert rel_err(o_t, ref_o) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_unfilled_final_state_equals_fla(dtype, monkeypatch):
+    """fla.EMPTY_FINAL_STATE's own launch of fla's h kernel (final states `torch.empty`, not zero-filled) gives the
+    bits of fla's own h step, every final-state row written (empty sequences and spare rows included)."""
+    from flide.ops.gated_delta import fla as fla_module
+
+    x, r = inputs(3072, dtype, seed=23)
+    meta = (r.state_start, r.state_len, r.branch_start, r.branch_len, r.branch_state)
+    want_o, want_finals = fork(kernel("fla"), *x, *meta, 128 ** -0.5, True)
+    monkeypatch.setattr(fla_module, "EMPTY_FINAL_STATE", True)
+    fla_module._fla_steps.cache_clear()
+    try:
+        torch.cuda.empty_cache()
+        poison = torch.full((64 << 20,), float("nan"), device="cuda")  # freed memory the next allocations may reuse
+        del poison
+        o, finals = fork(kernel("fla"), *x, *meta, 128 ** -0.5, True)
+    finally:
+        fla_module._fla_steps.cache_clear()
+    assert torch.equal(finals, want_finals) and torch.equal(o, want_o)

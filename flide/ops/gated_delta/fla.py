@@ -145,6 +145,8 @@ def gated_delta_states(q, k, v, g, beta, cu_seqlens, chunk_indices, offsets, sca
         from .l2norm import l2norm
 
         q, k = l2norm(q), l2norm(k)
+    else:  # a custom op's outputs must not alias its inputs
+        q, k = q.clone(), k.clone()
     o, final = run(q, k, v, g, beta, cu_seqlens, chunk_indices, None, scale, False, offsets)
     return o, final, q, k
 

@@ -10,7 +10,7 @@ and 4 questions of 45 tokens each). Times are medians of CUDA-graph replays (tri
 - `fork` (the `gated_delta` variant through `flide.ops.gated_delta.fork`): states from zero, then every question
   from its state's final fp32 state (the metadata-driven chunk lists, no host sync);
 - `questions:chunk` / `questions:recurrent`: the question call alone (`branches.py`, the fork's second call) in
-  its two forms, from the states' final states;
+  its two forms, from the states' final states (with --sweep also `questions:<form>[BV..,w..]`: other tiles);
 - `unforked`: the same fla kernel once over the whole stream as one varlen call of the same segments, each from
   zero (what the stream costs without the fork: no state gather, one call; it answers nothing correctly);
 - `floor`: the larger of FLOPs over the measured bf16 matmul rate and bytes over the measured copy bandwidth. FLOPs
@@ -47,6 +47,10 @@ STREAMS = {"2000+64x40": (1, 2000, 64, 40), "64xRACE": (64, 300, 4, 45)}
 # round pays for its bucket's capacities, not its own (the first H200 profile found 30 ms there, 2026-11-30)
 BUCKETED = {"RACE@bucket": (1, 300, 4, 45)}
 CHUNK = 64
+# --sweep: (value columns per program, warps) of the question kernel's two forms (branches.py's defaults: 8 / 1
+# recurrent, 32 / 4 chunk)
+SWEEP = {"recurrent": [(8, 2), (16, 1), (16, 2), (32, 2), (32, 4)],
+         "chunk": [(16, 2), (16, 4), (32, 2), (32, 8), (64, 4), (64, 8)]}
 
 
 def stream(requests: int, state: int, questions: int, question: int, bucketed: bool = False):
@@ -74,6 +78,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--variant", default="fla")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--sweep", action="store_true",
+                        help="also time the question kernel's other tiles (value columns, warps) in both forms")
     args = parser.parse_args()
     kernel = resolve("gated_delta", args.variant)
     flops_rate, bandwidth = measure_ceilings()
@@ -107,6 +113,10 @@ def main() -> None:
                 for form in branches.FORMS:
                     fns[f"questions:{form}"] = partial(branches.branches, q, kk, vv, decay, beta, r.branch_start,
                                                        r.branch_len, finals, r.branch_state, scale, True, form=form)
+                    for tiles in (SWEEP[form] if args.sweep else ()):
+                        fns[f"questions:{form}[BV{tiles[0]},w{tiles[1]}]"] = partial(
+                            branches.branches, q, kk, vv, decay, beta, r.branch_start, r.branch_len, finals,
+                            r.branch_state, scale, True, form=form, tiles=tiles)
             states = int((r.state_len > 0).sum())
             floor = floor_ms(T, states, hv, k, v, hk, flops_rate, bandwidth)
             for engine, fn in fns.items():

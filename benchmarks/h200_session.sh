@@ -94,6 +94,7 @@ ops)
     for op in ${OPS:-fork_attention gated_delta fork_conv linear}; do
         extra=""; limit=${OP_LIMIT:-120}
         [ "$op" = fork_attention ] && extra="${ATTN_ARGS---sweep --flex-sweep}" && limit=${ATTN_LIMIT:-200}
+        [ "$op" = gated_delta ] && extra="${GDN_ARGS---sweep}"
         timeout $limit python3 benchmarks/ops/bench_$op.py --out "$OUT/ops_$op.json" $extra > "$OUT/ops_$op.log" 2>&1
         echo "$op rc=$?" | tee -a "$OUT/summary.txt"; tail -12 "$OUT/ops_$op.log"
     done ;;

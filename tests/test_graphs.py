@@ -69,18 +69,20 @@ def test_rounds_take_the_smallest_bucket_and_oversized_requests_run_alone():
 
 
 def test_many_short_segments_take_a_larger_bucket_and_the_largest_keeps_the_configured_capacities():
-    """Below the largest bucket the tables hold tokens/32 states and tokens/4 branches (a state's fp32 recurrent
-    state is written per state row); a round of many short questions takes the bucket whose tables hold it, and
-    whatever fits the configured capacities fits the largest bucket."""
+    """Below the largest bucket the tables hold tokens/64 states, tokens/4 branches and tokens/4 readout rows (a
+    state's fp32 recurrent state is written per state row); a round of many short questions takes the bucket whose
+    tables hold it, and whatever fits the configured capacities fits the largest bucket."""
     from flide.graphs.buckets import shape_for
     from flide.round import Footprint
 
     caps = load_config({"capacities": {"buckets": BUCKETS, "states": 64, "branches": 600}}).capacities
-    assert bucket_shape(256, caps, 2).states == 8 and bucket_shape(256, caps, 2).branches == 64
-    assert bucket_shape(2048, caps, 2).states == 64 and bucket_shape(2048, caps, 2).branches == 600  # largest
-    # 100 one-token questions of 12 short states: 240 tokens, but the 256 bucket holds 64 branches and 8 states
-    shape, oversized = shape_for(Footprint(240, 12, 100, 100, 12), caps, 2)
-    assert not oversized and shape.tokens == 512 and shape.branches >= 100 and shape.states >= 12
+    small = bucket_shape(256, caps, 2)
+    assert (small.states, small.branches, small.readout_rows) == (4, 64, 64)
+    largest = bucket_shape(2048, caps, 2)
+    assert (largest.states, largest.branches, largest.readout_rows) == (64, 600, caps.readout_rows)
+    # 100 one-token questions of 6 short states: 240 tokens, but the 256 bucket holds 64 branches and 4 states
+    shape, oversized = shape_for(Footprint(240, 6, 100, 100, 6), caps, 2)
+    assert not oversized and shape.tokens == 512 and shape.branches >= 100 and shape.states >= 6
     shape, oversized = shape_for(Footprint(300, 64, 600, 600, 64), caps, 2)
     assert not oversized and shape.tokens == 2048
 

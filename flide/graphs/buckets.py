@@ -36,13 +36,16 @@ def exact_shape(need: Footprint, options: int) -> Shape:
     return Shape(tokens, max(need.states, 1), max(need.branches, 1), max(need.readout_rows, 1), options)
 
 
-# Rows of a bucket's tables per token, below the largest bucket: a state shorter than 32 tokens or a question
-# shorter than 4 is rare (a question is rendered inside its template), and a round of such needs takes a larger
-# bucket. Why cap them: the GDN state call writes each state row's float32 recurrent state (1 MiB a row per layer
-# on Qwen3.5-0.8B, seen as the bulk of a replay's time on the H200 with states = tokens), and every table row is
-# a program of some kernel's grid.
-TOKENS_PER_STATE = 32
+# Rows of a bucket's tables per token, below the largest bucket: states average 64 tokens or more in a round
+# (decision states are documents, conversations, trajectories: RACE's ~300, QuALITY's thousands), a question is
+# rarely shorter than 4 tokens (it is rendered inside its template), and a round of shorter ones takes a larger
+# bucket. Why cap them: fla's state call zero-fills and then writes every state row's float32 final state (1 MiB a
+# row per layer on Qwen3.5-0.8B: 0.8 ms of fills alone per replay at the 8,192 bucket with 192 rows, H200
+# 2026-11-30; states = tokens was the bulk of a replay), every branch row and readout row is a program of some
+# kernel's grid, and readout rows also run the last MLP and the head's option gather.
+TOKENS_PER_STATE = 64
 TOKENS_PER_BRANCH = 4
+TOKENS_PER_READ = 4
 
 
 def bucket_shape(tokens: int, caps: CapacityConfig, options: int) -> Shape:
@@ -53,7 +56,8 @@ def bucket_shape(tokens: int, caps: CapacityConfig, options: int) -> Shape:
     largest = tokens >= caps.buckets[-1]
     states = tokens if largest else max(1, tokens // TOKENS_PER_STATE)
     branches = tokens if largest else max(1, tokens // TOKENS_PER_BRANCH)
-    return Shape(tokens, min(caps.states, states), min(caps.branches, branches), min(caps.readout_rows, tokens),
+    reads = tokens if largest else max(1, tokens // TOKENS_PER_READ)
+    return Shape(tokens, min(caps.states, states), min(caps.branches, branches), min(caps.readout_rows, reads),
                  options)
 
 

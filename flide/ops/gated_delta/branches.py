@@ -52,6 +52,19 @@ FORMS = ("chunk", "recurrent")
 
 
 @triton.jit
+def _initial_state(h0_ptr, index_ptr, i_n, i_h, o_k, o_v, k_ok, v_ok, HV: tl.constexpr, K: tl.constexpr,
+                   V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """Branch i_n's starting state, its [BK, BV] slice of value head i_h in fp32: `h0[index[i_n]]`, or zero for
+    index -1 (both forms read the states so)."""
+    idx = tl.load(index_ptr + i_n).to(tl.int64)
+    h = tl.zeros([BK, BV], dtype=tl.float32)
+    if idx >= 0:
+        p_h0 = h0_ptr + (idx * HV + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
+        h += tl.load(p_h0, mask=k_ok[:, None] & v_ok[None, :], other=0.0)
+    return h
+
+
+@triton.jit
 def _branch_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, start_ptr, len_ptr, index_ptr, scale,
                    HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                    BV: tl.constexpr, L2NORM: tl.constexpr):
@@ -63,15 +76,11 @@ def _branch_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, start_pt
     n = tl.load(len_ptr + i_n)
     if n > 0:
         bos = tl.load(start_ptr + i_n).to(tl.int64)
-        idx = tl.load(index_ptr + i_n).to(tl.int64)
         o_k = tl.arange(0, BK)
         o_v = i_v * BV + tl.arange(0, BV)
         k_ok = o_k < K
         v_ok = o_v < V
-        h = tl.zeros([BK, BV], dtype=tl.float32)
-        if idx >= 0:  # -1: from a zero state
-            p_h0 = h0_ptr + (idx * HV + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
-            h += tl.load(p_h0, mask=k_ok[:, None] & v_ok[None, :], other=0.0)
+        h = _initial_state(h0_ptr, index_ptr, i_n, i_h, o_k, o_v, k_ok, v_ok, HV, K, V, BK, BV)
         # Each step's loads are issued one step ahead (software prefetch): the chain from one token's state to the
         # next is only the decay, one sum over K and the rank-1 update, and the H200 showed ~2 us a step when each
         # step also waited for its own q/k/v loads. Same arithmetic, same bits.
@@ -114,7 +123,6 @@ def _branch_chunk_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, st
     n = tl.load(len_ptr + i_n)
     if n > 0:
         bos = tl.load(start_ptr + i_n).to(tl.int64)
-        idx = tl.load(index_ptr + i_n).to(tl.int64)
         o_k = tl.arange(0, BK)
         o_v = i_v * BV + tl.arange(0, BV)
         o_c = tl.arange(0, BC)
@@ -122,10 +130,8 @@ def _branch_chunk_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, st
         v_ok = o_v < V
         causal = o_c[:, None] >= o_c[None, :]  # token i sees tokens j <= i of its chunk
         eye = tl.where(o_c[:, None] == o_c[None, :], 1.0, 0.0)
-        h = tl.zeros([BK, BV], dtype=tl.float32)  # S: the state's [K, BV] slice
-        if idx >= 0:
-            p_h0 = h0_ptr + (idx * HV + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
-            h += tl.load(p_h0, mask=k_ok[:, None] & v_ok[None, :], other=0.0)
+        # S: the state's [K, BV] slice
+        h = _initial_state(h0_ptr, index_ptr, i_n, i_h, o_k, o_v, k_ok, v_ok, HV, K, V, BK, BV)
         for c0 in range(0, n, BC):
             t = bos + c0 + o_c
             t_ok = (c0 + o_c) < n  # rows past the question: zero q, k, v, g, beta change nothing

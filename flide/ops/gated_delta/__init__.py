@@ -125,10 +125,11 @@ class ForkTables(NamedTuple):
 def fork_tables(state_start: torch.Tensor, state_len: torch.Tensor, branch_start: torch.Tensor,
                 branch_len: torch.Tensor, state_chunks: torch.Tensor) -> ForkTables:
     """Device ops only (no host sync): under torch.compile, a few fused kernels once per replay."""
-    states_end = state_start[:1] + state_len.sum(0, keepdim=True)
-    cu_seqlens = torch.cat([state_start[:1], state_start[:1] + state_len.cumsum(0), states_end])
-    return ForkTables(cu_seqlens, state_chunks, fla.chunk_offsets(cu_seqlens), states_end,
-                      branch_start[:1] + branch_len.sum(0, keepdim=True))
+    cu_seqlens = fla.bounds(state_start, state_len)
+    # the ends are tensors of their own, not views of cu_seqlens: compile regions take them as separate inputs,
+    # which must not alias
+    return ForkTables(cu_seqlens, state_chunks, fla.chunk_offsets(cu_seqlens), fla.span_end(state_start, state_len),
+                      fla.span_end(branch_start, branch_len))
 
 
 def fork(kernel, q, k, v, g, beta, state_start, state_len, branch_start, branch_len, branch_state, scale: float,
@@ -175,8 +176,7 @@ def combine(o_states: torch.Tensor, o_branches: torch.Tensor, state_start: torch
     if tables is not None:
         states_end, branches_end = tables.states_end, tables.branches_end
     else:
-        states_end = state_start[:1] + state_len.sum(0, keepdim=True)
-        branches_end = branch_start[:1] + branch_len.sum(0, keepdim=True)
+        states_end, branches_end = fla.span_end(state_start, state_len), fla.span_end(branch_start, branch_len)
     in_branches = (t >= branch_start[:1]) & (t < branches_end)
     zero = torch.zeros((), dtype=o_states.dtype, device=o_states.device)
     return torch.where(t < states_end, o_states, torch.where(in_branches, o_branches, zero))

@@ -83,6 +83,16 @@ def _fwd_h_unfilled(k, w, u, g=None, initial_state=None, output_final_state=True
     return h, v_new, final
 
 
+def span_end(seg_start: torch.Tensor, seg_len: torch.Tensor) -> torch.Tensor:
+    """[1]: where a call's contiguous segments end (see the module docstring's contract). Device ops only."""
+    return seg_start[:1] + seg_len.sum(0, keepdim=True)
+
+
+def bounds(seg_start: torch.Tensor, seg_len: torch.Tensor) -> torch.Tensor:
+    """cu_seqlens [N + 2] of a call: its N segments, then the empty sequence that spare chunk rows name."""
+    return torch.cat([seg_start[:1], seg_start[:1] + seg_len.cumsum(0), span_end(seg_start, seg_len)])
+
+
 def chunk_offsets(cu_seqlens: torch.Tensor) -> torch.Tensor:
     """[N + 1]: the first 64-token chunk of each sequence of `cu_seqlens` in fla's per-chunk state buffer (what fla's
     `prepare_chunk_offsets` computes). Device ops only."""
@@ -120,9 +130,7 @@ def gated_delta(q, k, v, g, beta, seg_start, seg_len, initial_state, initial_ind
     """Same arguments and results as `reference.gated_delta`, on CUDA tensors (see the module docstring)."""
     T = q.shape[0]
     N = seg_start.shape[0]
-    end = seg_start[:1] + seg_len.sum(0, keepdim=True)
-    # N segments and the empty sequence that the spare chunk rows name
-    cu_seqlens = torch.cat([seg_start[:1], seg_start[:1] + seg_len.cumsum(0), end])
+    cu_seqlens = bounds(seg_start, seg_len)
     chunk_indices = chunk_table(cu_seqlens, T // GDN_CHUNK + N + 1)
     h0 = None  # no initial states (the fork's state call): fla starts every sequence from zero, nothing to fill
     if initial_state.shape[0] > 0:
@@ -132,7 +140,7 @@ def gated_delta(q, k, v, g, beta, seg_start, seg_len, initial_state, initial_ind
         zero_row = torch.full_like(initial_index[:1], initial_state.shape[0])
         rows = torch.cat([torch.where(initial_index >= 0, initial_index, zero_row), zero_row])
         h0 = source[rows]
-    return run(q, k, v, g, beta, cu_seqlens, chunk_indices, h0, scale, use_qk_l2norm)
+    return run(q, k, v, g, beta, cu_seqlens, chunk_indices, h0, scale, use_qk_l2norm)[:2]
 
 
 def gated_delta_states(q, k, v, g, beta, cu_seqlens, chunk_indices, offsets, scale: float, use_qk_l2norm: bool):
@@ -141,18 +149,15 @@ def gated_delta_states(q, k, v, g, beta, cu_seqlens, chunk_indices, offsets, sca
     the round's `state_chunks`; `offsets`: `chunk_offsets(cu_seqlens)`. Returns (o [T, Hv, V], final [N, Hv, K, V]
     float32, q, k): q and k as the kernels read them (L2-normalised over the whole stream with `use_qk_l2norm`), so
     the question call reads them as they are instead of normalising every token again in its recurrence."""
-    if use_qk_l2norm:
-        from .l2norm import l2norm
-
-        q, k = l2norm(q), l2norm(k)
-    else:  # a custom op's outputs must not alias its inputs
+    if not use_qk_l2norm:  # a custom op's outputs must not alias its inputs
         q, k = q.clone(), k.clone()
-    o, final = run(q, k, v, g, beta, cu_seqlens, chunk_indices, None, scale, False, offsets)
-    return o, final, q, k
+    return run(q, k, v, g, beta, cu_seqlens, chunk_indices, None, scale, use_qk_l2norm, offsets)
 
 
 def run(q, k, v, g, beta, cu_seqlens, chunk_indices, h0, scale: float, use_qk_l2norm: bool,
         offsets: torch.Tensor | None = None):
+    """fla's forward over the sequences of `cu_seqlens` -> (o [T, Hv, V], final [N, Hv, K, V] float32, q, k as the
+    kernels read them: normalised with `use_qk_l2norm`, else the inputs)."""
     cumsum, intra, fwd_h, fwd_o, rcp_ln2 = _fla_steps()
     if use_qk_l2norm:  # ours, not fla's: one launch configuration for every stream (see l2norm.py)
         from .l2norm import l2norm
@@ -160,6 +165,7 @@ def run(q, k, v, g, beta, cu_seqlens, chunk_indices, h0, scale: float, use_qk_l2
         q, k = l2norm(q), l2norm(k)
     if offsets is None:
         offsets = chunk_offsets(cu_seqlens)
+    qn, kn = q, k
     q, k, v, beta = q[None], k[None], v[None], beta[None].to(q.dtype)
     # as chunk_gated_delta_rule_fwd: gates cumulated per chunk in log2 units, the WY form within chunks, the states
     # chunk to chunk (and each sequence's final state), then the outputs
@@ -173,4 +179,4 @@ def run(q, k, v, g, beta, cu_seqlens, chunk_indices, h0, scale: float, use_qk_l2
               chunk_indices=chunk_indices)
     # rows outside the call's span are left as fla leaves them (unwritten): `fork` selects each row from the call
     # that covers it (`combine`), which costs one pass instead of zeroing here and summing there
-    return o[0].to(q.dtype), final[:cu_seqlens.shape[0] - 2]
+    return o[0].to(q.dtype), final[:cu_seqlens.shape[0] - 2], qn, kn

@@ -118,12 +118,10 @@ def main() -> None:
                 # the question call alone, in both forms of branches.py, from the states' real final states
                 _, finals = fns["fork"]()
                 for form in branches.FORMS:
-                    fns[f"questions:{form}"] = partial(branches.branches, q, kk, vv, decay, beta, r.branch_start,
-                                                       r.branch_len, finals, r.branch_state, scale, True, form=form)
-                    for tiles in (SWEEP[form] if args.sweep else ()):
-                        fns[f"questions:{form}[BV{tiles[0]},w{tiles[1]}]"] = partial(
-                            branches.branches, q, kk, vv, decay, beta, r.branch_start, r.branch_len, finals,
-                            r.branch_state, scale, True, form=form, tiles=tiles)
+                    for tiles in (None, *(SWEEP[form] if args.sweep else ())):  # None: the form's default tiles
+                        label = f"questions:{form}" + (f"[BV{tiles[0]},w{tiles[1]}]" if tiles else "")
+                        fns[label] = partial(branches.branches, q, kk, vv, decay, beta, r.branch_start, r.branch_len,
+                                             finals, r.branch_state, scale, True, form=form, tiles=tiles)
             states = int((r.state_len > 0).sum())
             floor = floor_ms(T, states, hv, k, v, hk, flops_rate, bandwidth)
             for engine, fn in fns.items():

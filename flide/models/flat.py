@@ -81,12 +81,11 @@ class FlatBlock(nn.Module):
                 *fields: torch.Tensor) -> torch.Tensor:
         r = RoundTensors(*fields)
         tables = ForkTables(cu_seqlens, r.state_chunks, chunk_offsets, states_end, branches_end)
-        ctx = FlatContext(r, cos, sin, tables=tables)
-        h = residual(h, self.mixer(self.input_layernorm(h), flide=ctx))
-        return residual(h, self.run_mlp(self.post_attention_layernorm(h)))
+        return self.run(h, FlatContext(r, cos, sin, tables=tables))
 
     def run(self, h: torch.Tensor, ctx: FlatContext) -> torch.Tensor:
-        """The same layer, eagerly, with a context of its own (rounds with checkpoints: never compiled)."""
+        """The layer with a context of its own: inside `forward`'s compile region, or eagerly for rounds with
+        checkpoints (never compiled)."""
         h = residual(h, self.mixer(self.input_layernorm(h), flide=ctx))
         return residual(h, self.run_mlp(self.post_attention_layernorm(h)))
 

@@ -45,12 +45,15 @@ MODELS = {"0.8B": (16, 16, 128, 128), "9B": (16, 32, 128, 128)}  # key heads, va
 STREAMS = {"2000+64x40": (1, 2000, 64, 40), "64xRACE": (64, 300, 4, 45)}
 # One RACE-sized request in the tables of the smallest default bucket that holds it, spare rows included: a captured
 # round pays for its bucket's capacities, not its own (the first H200 profile found 30 ms there, 2026-11-30)
-BUCKETED = {"RACE@bucket": (1, 300, 4, 45)}
+BUCKETED = {"RACE@bucket": (1, 300, 4, 45),
+            # the sweep workload's shapes: a 2,000-token state with 1 or 8 QuALITY-sized questions (~120 tokens),
+            # where a question's token chain, not the number of programs, sets the question call's time
+            "sweep1@bucket": (1, 2000, 1, 120), "sweep8@bucket": (1, 2000, 8, 120)}
 CHUNK = 64
-# --sweep: (value columns per program, warps) of the question kernel's two forms (branches.py's defaults: 8 / 1
-# recurrent, 32 / 4 chunk)
-SWEEP = {"recurrent": [(8, 2), (16, 1), (16, 2), (32, 2), (32, 4)],
-         "chunk": [(16, 2), (16, 4), (32, 2), (32, 8), (64, 4), (64, 8)]}
+# --sweep: (value columns per program, warps) of the question kernel's two forms (branches.py's defaults: 16 / 1
+# recurrent, 64 / 4 chunk)
+SWEEP = {"recurrent": [(8, 1), (32, 1), (32, 2), (64, 2), (64, 4)],
+         "chunk": [(32, 2), (32, 4), (64, 2), (64, 8), (128, 4), (128, 8)]}
 
 
 def stream(requests: int, state: int, questions: int, question: int, bucketed: bool = False):

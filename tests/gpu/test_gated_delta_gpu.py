@@ -221,6 +221,8 @@ def test_unfilled_final_state_equals_fla(dtype, monkeypatch):
 
     x, r = inputs(3072, dtype, seed=23)
     meta = (r.state_start, r.state_len, r.branch_start, r.branch_len, r.branch_state)
+    monkeypatch.setattr(fla_module, "EMPTY_FINAL_STATE", False)
+    fla_module._fla_steps.cache_clear()
     want_o, want_finals = fork(kernel("fla"), *x, *meta, 128 ** -0.5, True)
     monkeypatch.setattr(fla_module, "EMPTY_FINAL_STATE", True)
     fla_module._fla_steps.cache_clear()

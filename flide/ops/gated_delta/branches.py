@@ -33,20 +33,22 @@ import torch
 import triton
 import triton.language as tl
 
-# Tiles as fla's own recurrent kernel uses them (fused_recurrent_gated_delta_rule): 8 value columns per program and
-# one warp, so the two sums over K of every token stay inside a warp (shuffles, no shared memory or barrier: the
-# per-token latency is what a question's length multiplies), [K=128, 8] fp32 is 32 registers a thread, and many
-# small programs fill the GPU even for one request's few questions (RACE: 5 x 16 heads x 16 tiles = 1,280).
-BLOCK_V = 8
+# Tiles measured on the H200 (2026-11-30, `benchmarks/ops/bench_gated_delta.py --sweep`, the question call alone on
+# Qwen3.5-0.8B): 16 value columns per program and one warp took 0.216 ms on 2,000 + 64 x 40 tokens and 0.037 ms on
+# RACE in its bucket, against 0.302 / 0.039 with fla's recurrent tiles (8 columns, one warp) and 0.31-0.75 / 0.05-0.08
+# with 2-4 warps. One warp keeps the two sums over K of every token inside a warp (shuffles, no shared memory or
+# barrier: the per-token latency is what a question's length multiplies); [K=128, 16] fp32 is 64 registers a thread,
+# and the programs still fill the GPU for one request's few questions (RACE: 5 x 16 heads x 8 tiles = 640).
+BLOCK_V = 16
 NUM_WARPS = 1
 NUM_STAGES = 3  # the next tokens' q/k/v loads in flight while this one's update runs
 
 # The chunked form (not the default: see the module docstring): 16 tokens a chunk (the smallest tl.dot tile;
-# questions are tens of tokens, so a larger chunk would mostly compute masked rows), 32 value columns a program
-# (RACE: 5 questions x 16 heads x 4 tiles = 320 programs), 4 warps for the [16, 128] x [128, 32] products. CHUNK
-# must be a power of two (the inverse's doubling).
+# questions are tens of tokens, so a larger chunk would mostly compute masked rows). 64 value columns a program and 4
+# warps were its fastest measured tiles (H200, 2026-11-30: 0.320 ms on 2,000 + 64 x 40, 0.041 on RACE; 32 columns
+# took 0.52-0.91). CHUNK must be a power of two (the inverse's doubling).
 CHUNK = 16
-CHUNK_BLOCK_V = 32
+CHUNK_BLOCK_V = 64
 CHUNK_NUM_WARPS = 4
 FORMS = ("chunk", "recurrent")
 

@@ -56,9 +56,10 @@ def _fla_steps():
 # fla's h step allocates the final states with `new_zeros`: [N, Hv, K, V] fp32 for every sequence of the call, i.e.
 # the bucket's state capacity (1 MiB a row on Qwen3.5-0.8B; a zero fill of 0.09 ms per RACE replay, 0.8 ms at the
 # 8,192 bucket on the H200), though its kernel stores every row, empty sequences included (their initial state).
-# `_fwd_h_unfilled` launches the same kernel with `torch.empty` instead. Off until its GPU test
-# (tests/gpu/test_gated_delta_gpu.py::test_unfilled_final_state_equals_fla) has passed on the H200.
-EMPTY_FINAL_STATE = False
+# `_fwd_h_unfilled` launches the same kernel with `torch.empty` instead: the same bits as fla's own step, every row
+# written (tests/gpu/test_gated_delta_gpu.py::test_unfilled_final_state_equals_fla, passed on the H200 2026-11-30).
+# A pin of fla-core 0.6.0's kernel signature: set False to fall back to fla's own function after an fla upgrade.
+EMPTY_FINAL_STATE = True
 
 
 def _fwd_h_unfilled(k, w, u, g=None, initial_state=None, output_final_state=True, chunk_size=GDN_CHUNK,

@@ -7,7 +7,19 @@ app.py (endpoints, errors), scheduler.py (the model thread and its rounds), body
 `Engine.prepare`), metrics.py (Prometheus), schema.py (pydantic models for the OpenAPI schema), logs.py.
 """
 
-from .app import create_app, model_name_of, run_server
-from .scheduler import Overloaded, Scheduler
+from __future__ import annotations
+
+import importlib
 
 __all__ = ["Overloaded", "Scheduler", "create_app", "model_name_of", "run_server"]
+_HOMES = {"Overloaded": "scheduler", "Scheduler": "scheduler", "create_app": "app", "model_name_of": "app",
+          "run_server": "app"}
+
+
+def __getattr__(name: str):
+    """Lazy: `Engine.submit` uses the scheduler (torch and the standard library only) without the HTTP stack, so
+    in-process use must not import fastapi (whose own imports can fail on a machine set up without the server's
+    dependencies: fastapi 0.165 imports opentelemetry)."""
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_HOMES[name]}", __name__), name)

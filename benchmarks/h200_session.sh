@@ -36,9 +36,12 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
     .whl/prometheus_client-*.whl .whl/pydantic-*.whl .whl/pydantic_core-*.whl .whl/annotated_types-*.whl \
     .whl/typing_inspection-*.whl .whl/uvloop-*.whl .whl/httptools-*.whl .whl/opentelemetry_api-*.whl \
     .whl/importlib_metadata-*.whl > /tmp/pip.log 2>&1 || cat /tmp/pip.log
+export PYTHONPATH=$PWD:/tmp/site
 # fastapi 0.165 imports opentelemetry at import time (session 7's first http bench failed on it): check it here
 python3 -c "import fastapi" 2>> /tmp/pip.log || { echo "fastapi does not import:"; tail -3 /tmp/pip.log; }
-export PYTHONPATH=$PWD:/tmp/site
+# The device's copy of .git can report a stale HEAD: before a call, `git rev-parse --short HEAD > shared/COMMIT`
+# here (shared/ travels, git-excluded) and the results record that commit
+[ -f shared/COMMIT ] && export FLIDE_COMMIT=$(cat shared/COMMIT)
 export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache
 # Triton's own cache (our kernels and fla's) inside it, so one archive holds every compiled kernel
 export TRITON_CACHE_DIR=/tmp/inductor-cache/triton-jit

@@ -130,10 +130,9 @@ def main() -> None:
     spare = copy.deepcopy(model) if args.eager else None
     start = time.perf_counter()
     engine = flide.patch(model, tokenizer, config=args.config)
-    import subprocess
+    from flide.bench.runner import git_commit
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], check=False, capture_output=True, text=True,
-                            cwd=Path(__file__).parent).stdout.strip() or None
+    commit = git_commit()
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": commit,
               "kernels": str(engine.kernels),
               "start_s": round(time.perf_counter() - start, 1), "rows": []}

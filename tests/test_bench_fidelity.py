@@ -255,9 +255,10 @@ def _with_data(values: dict, tmp_path) -> dict:
     return {**values, "data_dir": str(tmp_path / "data"), "workloads": ["race"]}
 
 
-def test_cpu_fidelity_run(tmp_path):
+def test_cpu_fidelity_run(tmp_path, monkeypatch):
     """configs/bench/cpu_fidelity.yaml end to end: in float32 Flide and prefix-cache stay within rounding of the
-    reference, the pipeline is the reference, the delimiter baseline moves the answers; Table-4 markdown and plot."""
+    reference, the pipeline is the reference, the delimiter baseline moves the answers; Table-4 markdown and plot.
+    A second part of the grid (--engines) takes the reference from the cache the first run left."""
     from flide.bench import main
     from flide.bench.runner import ROW_KEYS
 
@@ -295,6 +296,38 @@ def test_cpu_fidelity_run(tmp_path):
     (tmp_path / "out" / "cpu_fidelity.md").unlink()
     assert main([str(path), "--out", str(tmp_path / "out"), "--report"]) == 0
     assert (tmp_path / "out" / "cpu_fidelity.md").read_text() == report
+
+    from flide.bench import fidelity
+
+    assert (tmp_path / "out" / "cpu_fidelity.reference.json").exists()
+
+    def no_reference(*args, **kwargs):
+        raise AssertionError("the reference was computed again instead of read from the cache")
+
+    monkeypatch.setattr(fidelity, "reference_answers", no_reference)
+    assert main([str(path), "--out", str(tmp_path / "out"), "--engines", "flide"]) == 0
+    again = json.loads((tmp_path / "out" / "cpu_fidelity.json").read_text())
+    assert {(r["model"], r["workload"], r["engine"], r["metric"]): r["value"] for r in again
+            if r["engine"] in ("flide", "reference")} == {k: v for k, v in got.items() if k[2] in ("flide", "reference")}
+
+
+def test_reference_cache_keys_on_weights_and_requests(tmp_path):
+    """A cached reference is found only for the same weights and the same requests."""
+    from flide.bench.fidelity import ReferenceCache, weights_fingerprint
+
+    model = torch.nn.Linear(3, 2)
+    fingerprint = weights_fingerprint(model)
+    cache = ReferenceCache(tmp_path, "grid")
+    key = cache.key(fingerprint, [{"state": "a"}])
+    cache.put(key, [{"q": {"type": "noul", "probability": 0.25}}], ["gdn.chunk"])
+    again = ReferenceCache(tmp_path, "grid")
+    assert again.get(key) == ([{"q": {"type": "noul", "probability": 0.25}}], ["gdn.chunk"])
+    assert again.get(again.key(fingerprint, [{"state": "b"}])) is None
+    with torch.no_grad():
+        model.weight[0, 0] += 1
+    assert weights_fingerprint(model) != fingerprint
+    (tmp_path / "grid.reference.json").write_text("{not json")
+    assert ReferenceCache(tmp_path, "grid").get(key) is None  # unreadable: ignored (and rewritten on the next put)
 
 
 def test_top_probability_helper(capsys, tmp_path):

@@ -41,7 +41,9 @@ import collections
 import contextlib
 import copy
 import gc
+import hashlib
 import inspect
+import json
 import logging
 import random
 import statistics
@@ -50,6 +52,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 from .config import BenchConfig
 from .loadgen import percentile
@@ -238,6 +241,47 @@ def transformers_torch_path() -> Iterator[list[str]]:
             setattr(module, attribute, fn)
 
 
+def weights_fingerprint(model) -> str:
+    """A short hash of the model's weights (every parameter's and buffer's float64 sum and shape): the reference's
+    cache key, so that answers saved for other weights (another seed, device or final_norm_scale) are never reused."""
+    import torch
+
+    with torch.no_grad():
+        sums = [(name, tuple(t.shape), float(t.detach().double().sum()))
+                for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_floating_point()]
+    return hashlib.sha256(repr(sums).encode()).hexdigest()[:16]
+
+
+class ReferenceCache:
+    """Float32 reference answers kept on disk between runs (`<folder>/<config name>.reference.json`), keyed per
+    workload by the weights' fingerprint and the requests themselves. A grid too long for one device command runs in
+    parts (--engines): each part then reuses the reference instead of computing it again (~1 minute on the H200 for
+    Qwen3.5-0.8B's RACE / MultiRC / QuALITY selection)."""
+
+    def __init__(self, folder: str | Path, name: str):
+        self.path = Path(folder) / f"{name}.reference.json"
+        try:
+            self.entries = json.loads(self.path.read_text(encoding="utf-8")) if self.path.exists() else {}
+        except (OSError, ValueError) as error:
+            logger.warning("ignoring the unreadable reference cache %s: %s", self.path, error)
+            self.entries = {}
+
+    @staticmethod
+    def key(fingerprint: str, requests: list[dict]) -> str:
+        body = json.dumps(requests, sort_keys=True, ensure_ascii=False)
+        return f"{fingerprint}:{hashlib.sha256(body.encode()).hexdigest()[:16]}"
+
+    def get(self, key: str) -> tuple[list[dict], list[str]] | None:
+        """(answers, the package kernels the reference replaced) saved under key, or None."""
+        entry = self.entries.get(key)
+        return (entry["answers"], entry["replaced"]) if entry else None
+
+    def put(self, key: str, answers: list[dict], replaced: list[str]) -> None:
+        self.entries[key] = {"answers": answers, "replaced": replaced}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps(self.entries) + "\n", encoding="utf-8")
+
+
 def reference_answers(model, tokenizer, built: dict[str, list[dict]], log: Callable[[str], None]
                       ) -> tuple[dict[str, list[dict]], list[str], float]:
     """The float32 reference: ({workload: answers}, package kernels replaced, seconds). `model` is the benchmark's
@@ -323,8 +367,11 @@ def measure(engine, requests: list[dict], reference: list[dict], config: BenchCo
 
 
 def run(config: BenchConfig, workloads: list[str] | None = None, engines: list[str] | None = None,
-        commit: str | None = None, log: Callable[[str], None] | None = None) -> list[dict]:
-    """The fidelity grid: per model, the reference once, then every engine on every workload -> result rows."""
+        commit: str | None = None, log: Callable[[str], None] | None = None,
+        on_cell: Callable[[list[dict]], None] | None = None, reference_dir: str | Path | None = None) -> list[dict]:
+    """The fidelity grid: per model, the reference once, then every engine on every workload -> result rows.
+    `on_cell(rows)` after each cell (the runner writes the results so far: a run cut short keeps its cells);
+    `reference_dir`: where the reference answers are kept between runs (ReferenceCache; None: computed each run)."""
     import torch
 
     from .runner import (ROW_KEYS, TokenizerPool, build_engine, git_commit, hardware_name, prepare_model, selection,
@@ -345,8 +392,25 @@ def run(config: BenchConfig, workloads: list[str] | None = None, engines: list[s
 
             for workload, metric, value, unit in facts:
                 add(workload, "-", metric, value, unit)
-            log(f"[{model_name}] float32 reference (pipeline, each question alone)")
-            reference, replaced, seconds = reference_answers(model, tokenizer, built, log)
+            cache = ReferenceCache(reference_dir, config.name) if reference_dir is not None else None
+            keys, saved = {}, {}
+            if cache is not None:
+                fingerprint = weights_fingerprint(model)
+                keys = {workload: cache.key(fingerprint, requests) for workload, requests in built.items()}
+                saved = {w: cache.get(k) for w, k in keys.items() if cache.get(k) is not None}
+                if saved:
+                    log(f"[{model_name}] float32 reference of {', '.join(saved)} from {cache.path}")
+            missing = {w: r for w, r in built.items() if w not in saved}
+            replaced, seconds, computed = [], 0.0, {}
+            if missing:
+                log(f"[{model_name}] float32 reference (pipeline, each question alone)")
+                computed, replaced, seconds = reference_answers(model, tokenizer, missing, log)
+                if cache is not None:
+                    for workload, answers in computed.items():
+                        cache.put(keys[workload], answers, replaced)
+            for answers, kernels in saved.values():
+                replaced = sorted(set(replaced) | set(kernels))
+            reference = {w: computed[w] if w in computed else saved[w][0] for w in built}
             for workload, answers in reference.items():
                 tops = [top_probability(a) for request in answers for a in request.values()]
                 add(workload, "reference", "mean_top_probability", statistics.mean(tops), "probability")
@@ -369,9 +433,13 @@ def run(config: BenchConfig, workloads: list[str] | None = None, engines: list[s
                         logger.exception("%s / %s / %s failed", model_name, engine_name, workload)
                         add(workload, engine_name, "error", None, f"{type(error).__name__}: {error}"[:500])
                         log(f"[{model_name}] {engine_name:14} {workload:10} FAILED: {type(error).__name__}: {error}")
+                        if on_cell is not None:
+                            on_cell(rows)
                         continue
                     for metric, value, unit in results:
                         add(workload, engine_name, metric, value, unit)
+                    if on_cell is not None:
+                        on_cell(rows)
                     got = {m: v for m, v, _ in results}
                     log(f"[{model_name}] {engine_name:14} {workload:10} {time.perf_counter() - start:6.1f}s  "
                         f"Agr {got['agreement_pct']:.1f}  TV {got['tv_points']:.3g}  P99 {got['p99_points']:.3g}  "

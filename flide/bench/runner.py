@@ -52,6 +52,7 @@ import gc
 import json
 import logging
 import math
+import os
 import platform
 import statistics
 import subprocess
@@ -74,7 +75,10 @@ TOKENIZER_COPIES = 8  # tokenizer copies for submitter threads (each copy of the
 
 # ---- setup ----
 def git_commit() -> str:
-    """`git rev-parse --short HEAD` of the repository ("unknown" outside a git checkout)."""
+    """`git rev-parse --short HEAD` of the repository ("unknown" outside a git checkout), or $FLIDE_COMMIT when set:
+    a copied working tree (the device machine's) can carry a stale .git whose HEAD is not the tree that runs."""
+    if os.environ.get("FLIDE_COMMIT"):
+        return os.environ["FLIDE_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
                              timeout=10, check=False)
@@ -387,15 +391,19 @@ def selection(config: BenchConfig, workloads: list[str] | None, engines: list[st
 
 
 def run(config: BenchConfig, workloads: list[str] | None = None, engines: list[str] | None = None,
-        commit: str | None = None, log: Callable[[str], None] | None = None) -> list[dict]:
-    """Runs the grid (optionally only some workloads / engines) and returns its rows."""
+        commit: str | None = None, log: Callable[[str], None] | None = None,
+        on_cell: Callable[[list[dict]], None] | None = None, reference_dir: str | Path | None = None) -> list[dict]:
+    """Runs the grid (optionally only some workloads / engines) and returns its rows. `on_cell(rows)` is called
+    after each cell with the rows so far (main writes them: a run cut short, e.g. by a device command's time limit,
+    keeps the cells it finished). `reference_dir`: fidelity mode's reference cache (fidelity.ReferenceCache)."""
     import torch
 
     log = log or (lambda message: print(message, file=sys.stderr, flush=True))
     if config.mode == "fidelity":
         from .fidelity import run as run_fidelity
 
-        return run_fidelity(config, workloads, engines, commit=commit, log=log)
+        return run_fidelity(config, workloads, engines, commit=commit, log=log, on_cell=on_cell,
+                            reference_dir=reference_dir)
     with torch_threads(config.torch_threads):
         commit = commit or git_commit()
         workload_names, engine_names = selection(config, workloads, engines)
@@ -436,9 +444,13 @@ def run(config: BenchConfig, workloads: list[str] | None = None, engines: list[s
                                 f"{error}")
                             if device.type == "cuda":
                                 torch.cuda.empty_cache()
+                            if on_cell is not None:
+                                on_cell(rows)
                             continue
                         for metric, value, unit in results:
                             add(workload, engine_name, metric, value, unit)
+                        if on_cell is not None:
+                            on_cell(rows)
                         summary = ", ".join(f"{m} {v:.4g}" for m, v, _ in results
                                             if v is not None and m.startswith(("latency_p50_ms", "requests_per_s")))
                         log(f"[{model_name}] {engine_name:14} {workload:10} {time.perf_counter() - start:6.1f}s  "
@@ -494,6 +506,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--merge", action="store_true",
                         help="merge into existing results (default when --workloads or --engines is given)")
     parser.add_argument("--commit", help="the commit recorded in each row (default: git rev-parse --short HEAD)")
+    parser.add_argument("--reference-dir", help="fidelity mode: where the float32 reference answers are kept between "
+                        "runs, <name>.reference.json (default: the results folder); runs in parts reuse them")
     parser.add_argument("--dry-run", action="store_true", help="print the grid and exit")
     parser.add_argument("--report", action="store_true",
                         help="rewrite <name>.md and <name>.png from the existing <name>.json (no run): e.g. the plot "
@@ -545,8 +559,17 @@ def main(argv: list[str] | None = None) -> int:
                                                            args.top_probability_requests)))
         return 0
     start = time.perf_counter()
-    rows = run(config, args.workloads, args.engines, commit=args.commit)
-    paths = write_results(rows, config, args.out, merge=args.merge or bool(args.workloads or args.engines))
+    merge = args.merge or bool(args.workloads or args.engines)
+
+    def checkpoint(rows: list[dict]) -> None:  # the results so far, after every cell
+        try:
+            write_results(rows, config, args.out, merge=merge)
+        except Exception:  # a report that cannot be drawn yet must not stop the run; the final write says why
+            logger.exception("writing the results so far failed")
+
+    rows = run(config, args.workloads, args.engines, commit=args.commit, on_cell=checkpoint,
+               reference_dir=args.reference_dir or args.out or config.results_dir)
+    paths = write_results(rows, config, args.out, merge=merge)
     print(f"done in {time.perf_counter() - start:.0f} s ({datetime.datetime.now():%Y-%m-%d %H:%M}): "
           f"{', '.join(str(p) for p in paths.values())}", file=sys.stderr)
     errors = [r for r in rows if r["metric"] == "error"]

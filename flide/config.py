@@ -39,11 +39,14 @@ class KernelConfig:
 class CapacityConfig:
     """Fixed capacities of a round's metadata. A round takes the smallest token bucket that holds it."""
 
-    # 1.5x apart above 2,048 tokens (a round pads at most a third of its stream: padding rows cost full GEMM and
-    # pointwise work), up to 16,384: every single request of the benchmarks fits (QuALITY whole: ~8k tokens), larger
+    # ~1.25x apart (a round pads at most a quarter of its stream: padding rows cost full GEMM and pointwise work; at
+    # 1.5x apart the H200 profile of 2026-11-30 ran MultiRC's 1,028 tokens in the 2,048 bucket and sweep 64's 9,176
+    # in 12,288), up to 16,384: every single request of the benchmarks fits (QuALITY whole: ~8k tokens), larger
     # rounds split into several replays, and graph memory stays ~that of the 16k bucket (with 32,768 as well, peak
-    # memory of 0.8B was 4.1 GiB on the H200, over issue 8's 3.4 GiB)
-    buckets: tuple[int, ...] = (256, 512, 1024, 2048, 3072, 4096, 6144, 8192, 12288, 16384)
+    # memory of 0.8B was 4.1 GiB on the H200, over issue 8's 3.4 GiB). Each bucket past the first compiles in a few
+    # seconds (the first, ~30-50 s, holds most of the compile).
+    buckets: tuple[int, ...] = (256, 512, 768, 1024, 1280, 1536, 2048, 2560, 3072, 4096, 5120, 6144, 8192, 10240,
+                                12288, 16384)
     requests: int = 64
     states: int = 192
     branches: int = 1024

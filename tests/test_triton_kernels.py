@@ -284,6 +284,38 @@ else:
         torch.testing.assert_close(out[3:13], want[3:13], atol=2e-5, rtol=1e-5)
         torch.testing.assert_close(out[20:40], want[20:40], atol=2e-5, rtol=1e-5)
 
+    @pytest.mark.parametrize("tiles", [(16, 4, 32), (32, 2, 64)], ids=["BV16-w4-C32", "BV32-w2-C64"])
+    def test_gated_delta_branches_chunk_form_other_chunk_sizes(tiles):
+        """The chunk form with 32- and 64-token chunks (the op benchmark's sweep): questions over several chunks,
+        the last one partial, equal to the reference fork's question call in fp32."""
+        tokens, Hk, Hv, K, V = 260, 1, 2, 16, 32
+        r = tiny_round(tokens, seed=31, max_question=70)
+        q, k = randn(tokens, Hk, K, seed=15), randn(tokens, Hk, K, seed=16)
+        v = randn(tokens, Hv, V, seed=17)
+        g = -torch.rand(tokens, Hv, generator=torch.Generator().manual_seed(18)) * 0.7
+        beta = torch.rand(tokens, Hv, generator=torch.Generator().manual_seed(19))
+        none, empty = torch.full_like(r.state_start, -1), torch.zeros(0, Hv, K, V)
+        _, finals = delta_ref.gated_delta(q, k, v, g, beta, r.state_start, r.state_len, empty, none, 0.3, True)
+        want, _ = delta_ref.gated_delta(q, k, v, g, beta, r.branch_start, r.branch_len, finals, r.branch_state, 0.3,
+                                        True)
+        out = delta_branches.branches(q, k, v, g, beta, r.branch_start, r.branch_len, finals, r.branch_state, 0.3,
+                                      True, out=poisoned(tokens, Hv, V, dtype=torch.float32), form="chunk",
+                                      tiles=tiles)
+        rows = torch.zeros(tokens, dtype=torch.bool)
+        for start, length in zip(r.branch_start.tolist(), r.branch_len.tolist()):
+            rows[start:start + length] = True
+        assert r.branch_len.max() > tiles[2]
+        torch.testing.assert_close(out[rows], want[rows], atol=2e-5, rtol=1e-5)
+
+    def test_gated_delta_branches_refuse_bad_tiles():
+        x = torch.zeros(4, 1, 16)
+        args = (x, x, x, torch.zeros(4, 1), torch.zeros(4, 1), torch.tensor([0]), torch.tensor([4]),
+                torch.zeros(0, 1, 16, 16), torch.tensor([-1]), 0.25, True)
+        with pytest.raises(ValueError, match="power of two"):
+            delta_branches.branches(*args, form="chunk", tiles=(16, 4, 24))
+        with pytest.raises(ValueError, match="tiles"):
+            delta_branches.branches(*args, form="recurrent", tiles=(16, 1, 32))
+
     def test_gated_delta_branches_chunk_form_with_alike_keys():
         """The chunked form's inverse is a series whose terms grow before they cancel when a chunk's keys are alike
         and beta is near 1 (repeated tokens): a 40-token question of one repeated key, beta 0.95, no decay, must

@@ -50,10 +50,11 @@ BUCKETED = {"RACE@bucket": (1, 300, 4, 45),
             # where a question's token chain, not the number of programs, sets the question call's time
             "sweep1@bucket": (1, 2000, 1, 120), "sweep8@bucket": (1, 2000, 8, 120)}
 CHUNK = 64
-# --sweep: (value columns per program, warps) of the question kernel's two forms (branches.py's defaults: 16 / 1
-# recurrent, 64 / 4 chunk)
+# --sweep: (value columns per program, warps[, chunk]) of the question kernel's two forms (branches.py's defaults:
+# 16 / 1 recurrent, 64 / 4 / 16 chunk). 32-token chunks: half as many dependent chunk steps and twice the rows per
+# tensor-core product, for the longer (~120-token) questions of QuALITY and the sweep
 SWEEP = {"recurrent": [(8, 1), (32, 1), (32, 2), (64, 2), (64, 4)],
-         "chunk": [(32, 2), (32, 4), (64, 2), (64, 8), (128, 4), (128, 8)]}
+         "chunk": [(32, 4), (64, 8), (128, 4), (128, 8), (64, 4, 32), (64, 8, 32), (128, 8, 32)]}
 
 
 def stream(requests: int, state: int, questions: int, question: int, bucketed: bool = False):
@@ -122,7 +123,9 @@ def main() -> None:
                 _, finals = fns["fork"]()
                 for form in branches.FORMS:
                     for tiles in (None, *(SWEEP[form] if args.sweep else ())):  # None: the form's default tiles
-                        label = f"questions:{form}" + (f"[BV{tiles[0]},w{tiles[1]}]" if tiles else "")
+                        label = f"questions:{form}" + (f"[BV{tiles[0]},w{tiles[1]}" + (f",C{tiles[2]}" if
+                                                                                        len(tiles) > 2 else "") + "]"
+                                                        if tiles else "")
                         fns[label] = partial(branches.branches, q, kk, vv, decay, beta, r.branch_start, r.branch_len,
                                              finals, r.branch_state, scale, True, form=form, tiles=tiles)
             states = int((r.state_len > 0).sum())

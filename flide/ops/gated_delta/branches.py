@@ -189,16 +189,16 @@ def _branch_chunk_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, st
 def branches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
              seg_start: torch.Tensor, seg_len: torch.Tensor, initial_state: torch.Tensor, initial_index: torch.Tensor,
              scale: float, use_qk_l2norm: bool, out: torch.Tensor | None = None,
-             form: str = "recurrent", tiles: tuple[int, int] | None = None) -> torch.Tensor:
+             form: str = "recurrent", tiles: tuple[int, ...] | None = None) -> torch.Tensor:
     """o [T, Hv, V] (q's dtype) of every segment, each from `initial_state[initial_index[n]]` (-1: zero). Rows
     outside the segments are left unwritten, as fla's variant leaves them (`gated_delta.combine` selects).
 
     q, k: [T, Hk, K]; v: [T, Hv, V]; g, beta: [T, Hv]; seg_start/seg_len/initial_index: [N] int64;
     initial_state: [M, Hv, K, V] float32 (M may be 0 when every index is -1). `out`: where to write (tests poison
     it to see that every segment row is written). `form`: `chunk` or `recurrent` (see the module docstring).
-    `tiles`: (value columns per program, warps) instead of the form's defaults (the op benchmark's sweep). A tile
-    choice may change the bits (the sums over K follow the program's layout): batch invariance holds for one fixed
-    choice, as the defaults are."""
+    `tiles`: (value columns per program, warps) instead of the form's defaults (the op benchmark's sweep); the chunk
+    form takes a third, its chunk size (a power of two >= 16; default CHUNK). A tile choice may change the bits (the
+    sums over K follow the program's layout): batch invariance holds for one fixed choice, as the defaults are."""
     if form not in FORMS:
         raise ValueError(f"`form` must be one of {FORMS}, got {form!r}")
     T, HK, K = k.shape
@@ -215,12 +215,18 @@ def branches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     meta = (q, k, v, g, beta, o, h0, seg_start.contiguous(), seg_len.contiguous(), initial_index.contiguous(),
             float(scale))
     BK = max(16, triton.next_power_of_2(K))  # tl.dot needs 16 at least
+    if tiles is not None and len(tiles) not in ((2, 3) if form == "chunk" else (2,)):
+        raise ValueError(f"`tiles` of the {form} form: (value columns, warps"
+                         f"{'[, chunk]' if form == 'chunk' else ''}), got {tiles!r}")
     if form == "chunk":
-        BV, warps = tiles or (min(CHUNK_BLOCK_V, max(16, triton.next_power_of_2(V))), CHUNK_NUM_WARPS)
+        BV, warps, chunk = (*tiles, CHUNK)[:3] if tiles else (min(CHUNK_BLOCK_V, max(16, triton.next_power_of_2(V))),
+                                                             CHUNK_NUM_WARPS, CHUNK)
+        if chunk < 16 or chunk & (chunk - 1):
+            raise ValueError(f"the chunk form's chunk must be a power of two >= 16 (tl.dot's smallest tile), got {chunk}")
         # fp32 models keep fp32 products (ieee: tf32 would cost them their 1e-5); half-precision ones take tf32
         precision = "ieee" if q.dtype == torch.float32 else "tf32"
-        _branch_chunk_kernel[(triton.cdiv(V, BV), N * HV)](*meta, HK=HK, HV=HV, K=K, V=V, BK=BK, BV=BV, BC=CHUNK,
-                                                            LOG2_BC=CHUNK.bit_length() - 1, L2NORM=use_qk_l2norm,
+        _branch_chunk_kernel[(triton.cdiv(V, BV), N * HV)](*meta, HK=HK, HV=HV, K=K, V=V, BK=BK, BV=BV, BC=chunk,
+                                                            LOG2_BC=chunk.bit_length() - 1, L2NORM=use_qk_l2norm,
                                                             PRECISION=precision, num_warps=warps)
     else:
         BV, warps = tiles or (min(BLOCK_V, triton.next_power_of_2(V)), NUM_WARPS)

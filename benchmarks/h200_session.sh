@@ -57,7 +57,15 @@ save_cache() {
     if [ "$size" -gt $((15 * 1024 * 1024)) ]; then echo "compile cache $size bytes: too large to come back"; rm -f "$OUT/inductor.tgz"
     else echo "compile cache saved: $size bytes"; fi
 }
-trap save_cache EXIT
+# At most 8 files come back from $OUT: with BUNDLE=1 everything a call wrote (logs, JSON, markdown, plots) goes back
+# as one $OUT/results.tgz instead (the compile cache stays beside it); unpack it here with tar xzf.
+bundle() {
+    [ -n "${BUNDLE:-}" ] || return 0
+    (cd "$OUT" && find . -type f ! -name inductor.tgz ! -name results.tgz | tar czf results.tgz -T - && \
+        find . -type f ! -name inductor.tgz ! -name results.tgz -delete && echo "bundled: $(du -h results.tgz | cut -f1)")
+}
+finish() { bundle; save_cache; }
+trap finish EXIT
 started=$(date +%s)
 case "$part" in
 alltests)

@@ -87,9 +87,10 @@ def markdown(rows: list[dict], config: BenchConfig) -> str:
             + "".join(f"; `flide:{name}` = `{json.dumps(o)}`" for name, o in config.ablations.items()),
             (f"- latency alone: {config.repeats} timed run(s) of each of the first {config.latency_requests} requests "
              f"after {config.warmup} warm-up run(s); throughput: N in-process submitter threads for "
-             f"{config.throughput_seconds:g} s, each `decide([r])` on its own (concurrent requests are not batched, "
-             f"for Flide either), except the `http` engine: `flide serve` (which batches concurrent requests into "
-             f"rounds) with N closed-loop HTTP clients; sweep rows: latency alone only"), ""]
+             f"{config.throughput_seconds:g} s, one request at a time each: Flide's threads submit through "
+             f"`Engine.submit`, which packs concurrent requests into shared rounds (as `flide serve` does), the "
+             f"baselines run each request on its own; the `http` engine: `flide serve` with N closed-loop HTTP "
+             f"clients; sweep rows: latency alone only"), ""]
     for model in models:
         mine = [r for r in rows if r["model"] == model]
         workloads = sorted(_ordered(r["workload"] for r in mine), key=_workload_key)

@@ -10,9 +10,11 @@ replaying trajectories closed-loop). Engines: `flide+checkpoints` (each step res
 step saved: only the new tail and the questions are computed), `flide` (no checkpoints: the whole history each
 step, each state once), `prefix-cache` (the history once per step with use_cache, the cache copied per question) and
 `pipeline` (transformers' pipeline("decision"): the history once per question). Flide's agent threads submit
-through `Engine.submit` (shared rounds). Checkpoints need the reference kernels today (the GPU variants lack the
-resume companions), so `flide+checkpoints` runs `kernels: reference` eagerly on any device. Rows use the results
-format of `flide bench` (workload `swe_agent`).
+through `Engine.submit` (shared rounds). Both Flide engines run the default kernels (every variant has its resume
+companion, flide/ops/resume.py); rounds that resume or save checkpoints run eagerly, the others replay graphs. The
+checkpoint cache gets `--checkpoint-cache-gb` (an entry holds its prefix's attention keys/values, ~12 KB a token on
+Qwen3.5-0.8B in bf16, plus the GDN states: 32 agents of 20k-token histories need ~8 GB to keep one entry each).
+Rows use the results format of `flide bench` (workload `swe_agent`).
 """
 
 from __future__ import annotations
@@ -37,12 +39,11 @@ from flide.bench.runner import git_commit, hardware_name
 ENGINES = ("flide+checkpoints", "flide", "prefix-cache", "pipeline")
 
 
-def build(name: str, model, tokenizer, device: str):
+def build(name: str, model, tokenizer, device: str, checkpoint_cache_gb: float = 1.0):
     base = {"runtime": {"device": device}}
     if name == "flide+checkpoints":
-        return FlideEngine(model, tokenizer, {**base, "checkpoints": {"enabled": True},
-                                              "kernels": {"fork_attention": "reference", "gated_delta": "reference",
-                                                          "fork_conv": "reference"}}, name=name)
+        return FlideEngine(model, tokenizer, {**base, "checkpoints": {"enabled": True,
+                                                                      "cache_gb": checkpoint_cache_gb}}, name=name)
     if name == "flide":
         return FlideEngine(model, tokenizer, base, name=name)
     return make_engine(name, model, tokenizer)
@@ -105,6 +106,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="at most this many steps per trajectory")
     parser.add_argument("--chars", type=int, default=None, help="cut every message to this many characters")
     parser.add_argument("--agents", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--checkpoint-cache-gb", type=float, default=None,
+                        help="flide+checkpoints' cache budget (default: 16 on CUDA, 1 on the CPU)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -130,7 +133,8 @@ def main() -> None:
         print(json.dumps(rows[-1]), flush=True)
 
     for name in args.engines:
-        engine = build(name, model, tokenizer, args.device)
+        cache_gb = args.checkpoint_cache_gb or (16.0 if args.device.startswith("cuda") else 1.0)
+        engine = build(name, model, tokenizer, args.device, cache_gb)
         replay_alone(engine, tokenizer, trajectories[:1], args.device)  # warm-up (and checkpoints of the first trajectory)
         if name == "flide+checkpoints":
             engine.engine.checkpoints.clear()

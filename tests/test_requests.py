@@ -243,6 +243,14 @@ def test_import_is_lazy():
     assert done.returncode == 0, done.stderr
 
 
+def test_in_process_submit_does_not_import_the_http_stack():
+    """`Engine.submit` uses the scheduler, not the server: in-process use must not import fastapi (on the H200 a
+    fastapi whose own imports failed broke every in-process submit through `flide.serve/__init__`)."""
+    done = _python("import sys; import flide.serve.scheduler; from flide.serve import Overloaded; "
+                   "assert 'fastapi' not in sys.modules, 'fastapi'")
+    assert done.returncode == 0, done.stderr
+
+
 def test_decision_prompt_renders_as_transformers_renders_it():
     """Flide renders transformers' DECISION_PROMPT outside jinja's sandbox (decision_prompt._decision_prompt) and, where
     state and texts are strings, in plain Python (decision_prompt._decision_prompt_text): the same text for every kind of

@@ -14,7 +14,7 @@
 #     bash benchmarks/h200_session.sh rounds     pytest-benchmark of engine rounds (benchmarks/test_gpu_rounds.py) ~5 min
 #     bash benchmarks/h200_session.sh agents     SWE-agent replay (issue 6): slope and steps/s, 0.8B            ~8 min
 #     bash benchmarks/h200_session.sh bench ARGS  python -m flide.bench ARGS (e.g. a config and --engines flide)
-#     bash benchmarks/h200_session.sh verify     GPU tests of the kernels changed since the last device call + question-kernel forms/tiles ~5 min
+#     bash benchmarks/h200_session.sh verify     GPU tests of the question kernel + its forms/tiles at 0.8B's shapes ~6 min
 #     bash benchmarks/h200_session.sh sh 'CMDS'  any commands, after the same set-up (a session's own mix of parts)
 # Logs and results go to $OUT.
 set -u
@@ -123,13 +123,13 @@ agents)
         --agents 1 32 --out "$OUT/agent_steps_0_8b.json" > "$OUT/agent_steps.log" 2>&1
     echo "agents rc=$?"; grep -v DEBUG "$OUT/agent_steps.log" | tail -24 ;;
 verify)
-    # Session 7's first call: the kernels changed after session 6's last call (prefetching question kernel, the
-    # rewritten chunk form, the round-table fork, fla's unfilled final state), then the question kernel's forms and
-    # tiles at 0.8B's shapes, to pick the defaults. Run with SAVE_CACHE=1.
-    timeout 200 python3 -m pytest -q -p no:logging --tb=short tests/gpu/test_gated_delta_gpu.py \
-        -k "round_tables or unfilled or branch_kernel" > "$OUT/gdn_tests.log" 2>&1
+    # A session's first call, after kernel changes: the question kernel's GPU tests (both forms, Qwen shapes), then
+    # its forms and tiles (incl. 32-token chunks) at 0.8B's shapes, to pick the defaults. Run with SAVE_CACHE=1.
+    timeout 150 python3 -m pytest -q -p no:logging --tb=short tests/gpu/test_gated_delta_gpu.py \
+        -k "branch_kernel or unfilled" > "$OUT/gdn_tests.log" 2>&1
     echo "gdn tests rc=$? $(tail -1 "$OUT/gdn_tests.log")" | tee -a "$OUT/summary.txt"
-    timeout 150 python3 benchmarks/ops/bench_gated_delta.py --models 0.8B --streams RACE@bucket 2000+64x40 \
+    timeout ${VERIFY_BENCH_S:-240} python3 benchmarks/ops/bench_gated_delta.py --models 0.8B \
+        --streams ${VERIFY_STREAMS:-RACE@bucket 2000+64x40 sweep1@bucket sweep8@bucket} \
         --no-ceilings --sweep --out "$OUT/ops_gated_delta.json" > "$OUT/ops_gated_delta.log" 2>&1
     echo "gated delta bench rc=$?" | tee -a "$OUT/summary.txt"; grep -o '"impl": "[^"]*".*"ms": [0-9.]*' "$OUT/ops_gated_delta.log" ;;
 sh)

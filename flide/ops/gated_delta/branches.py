@@ -85,7 +85,7 @@ def _branch_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, start_pt
         h = _initial_state(h0_ptr, index_ptr, i_n, i_h, o_k, o_v, k_ok, v_ok, HV, K, V, BK, BV)
         # Each step's loads are issued one step ahead (software prefetch): the chain from one token's state to the
         # next is only the decay, one sum over K and the rank-1 update, and the H200 showed ~2 us a step when each
-        # step also waited for its own q/k/v loads. Same arithmetic, same bits.
+        # step also waited for its own q/k/v loads.
         nq = tl.load(q_ptr + (bos * HK + i_hk) * K + o_k, mask=k_ok, other=0.0)
         nk = tl.load(k_ptr + (bos * HK + i_hk) * K + o_k, mask=k_ok, other=0.0)
         nv = tl.load(v_ptr + (bos * HV + i_h) * V + o_v, mask=v_ok, other=0.0)
@@ -105,10 +105,17 @@ def _branch_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, start_pt
                 # to the input dtype (a no-op for fp32), so states and questions see keys normalised alike
                 b_q = (b_q * (1 / tl.sqrt(tl.sum(b_q * b_q) + 1e-6))).to(q_ptr.dtype.element_ty).to(tl.float32)
                 b_k = (b_k * (1 / tl.sqrt(tl.sum(b_k * b_k) + 1e-6))).to(k_ptr.dtype.element_ty).to(tl.float32)
+            b_q = b_q * scale
             h *= tl.exp(b_g)
-            b_v = (b_v - tl.sum(h * b_k[:, None], 0)) * b_beta
-            h += b_k[:, None] * b_v[None, :]
-            b_o = tl.sum(h * (b_q * scale)[:, None], 0)
+            # o = q . (S + k u^T) = q . S + (q . k) u: both sums over K read the decayed state S, so they run side
+            # by side, and the chain from one token to the next is one sum (k . S) and the rank-1 update; q . k
+            # does not touch the state at all. (q . S_new would put a second sum over K after the update on it.)
+            b_kh = tl.sum(h * b_k[:, None], 0)
+            b_qh = tl.sum(h * b_q[:, None], 0)
+            b_qk = tl.sum(b_q * b_k, 0)
+            b_u = (b_v - b_kh) * b_beta
+            h += b_k[:, None] * b_u[None, :]
+            b_o = b_qh + b_qk * b_u
             tl.store(o_ptr + (t * HV + i_h) * V + o_v, b_o.to(o_ptr.dtype.element_ty), mask=v_ok)
 
 

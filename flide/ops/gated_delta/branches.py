@@ -106,16 +106,18 @@ def _branch_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, start_pt
                 b_q = (b_q * (1 / tl.sqrt(tl.sum(b_q * b_q) + 1e-6))).to(q_ptr.dtype.element_ty).to(tl.float32)
                 b_k = (b_k * (1 / tl.sqrt(tl.sum(b_k * b_k) + 1e-6))).to(k_ptr.dtype.element_ty).to(tl.float32)
             b_q = b_q * scale
-            h *= tl.exp(b_g)
-            # o = q . (S + k u^T) = q . S + (q . k) u: both sums over K read the decayed state S, so they run side
-            # by side, and the chain from one token to the next is one sum (k . S) and the rank-1 update; q . k
-            # does not touch the state at all. (q . S_new would put a second sum over K after the update on it.)
+            # With S the state before this token and e = exp(g): S' = e S + k u^T, u = beta (v - e (k . S)), and
+            # o = q . S' = e (q . S) + (q . k) u. Both sums over K read S itself, side by side, so the chain from one
+            # token to the next is one sum (k . S) and one fused multiply-add over the state (S' = e S + k u^T);
+            # q . k does not touch the state. (Decaying S first, then updating it, then q . S' put two passes over
+            # the state and two sums, one after the other, on that chain.)
+            decay = tl.exp(b_g)
             b_kh = tl.sum(h * b_k[:, None], 0)
             b_qh = tl.sum(h * b_q[:, None], 0)
             b_qk = tl.sum(b_q * b_k, 0)
-            b_u = (b_v - b_kh) * b_beta
-            h += b_k[:, None] * b_u[None, :]
-            b_o = b_qh + b_qk * b_u
+            b_u = (b_v - decay * b_kh) * b_beta
+            h = h * decay + b_k[:, None] * b_u[None, :]
+            b_o = decay * b_qh + b_qk * b_u
             tl.store(o_ptr + (t * HV + i_h) * V + o_v, b_o.to(o_ptr.dtype.element_ty), mask=v_ok)
 
 

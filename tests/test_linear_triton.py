@@ -43,9 +43,9 @@ if not INTERPRETED:
 
         from flide.ops.linear import triton as lt
 
-        kernel = lt._linear_kernel
-        assert isinstance(kernel, JITFunction) and not isinstance(kernel, (Autotuner, Heuristics))
-        assert [p.name for p in kernel.params if p.do_not_specialize] == ["M"]
+        for kernel in (lt._linear_kernel, lt._linear_tma_kernel):
+            assert isinstance(kernel, JITFunction) and not isinstance(kernel, (Autotuner, Heuristics))
+            assert [p.name for p in kernel.params if p.do_not_specialize] == ["M"]
 
     def test_cpu_tensors_outside_the_interpreter_are_refused():
         pytest.importorskip("triton")
@@ -199,6 +199,48 @@ else:
         small = lt.linear(x[3:10], weight, b, config=Config(32, 64, 16, 8, 4, 2))
         torch.testing.assert_close(small, full[3:10], atol=1e-5, rtol=1e-5)
         assert not torch.equal(small, full[3:10])
+
+    # -----------------------------------------------------------------------------------------------------------------
+    # the persistent TMA form (Config.tma): fp16 here (the interpreter's bf16 descriptor loads are wrong)
+    # -----------------------------------------------------------------------------------------------------------------
+
+    TMA = Config(16, 16, 16, 2, 4, 2, tma=True)
+
+    TMA_CASES = [(1, 16, 16), (5, 40, 48), (37, 24, 40), (70, 56, 72)]  # (M, N, K): K tails, partial tiles
+
+    @pytest.mark.parametrize("m,n,k", TMA_CASES, ids=[f"M{m}-N{n}-K{k}" for m, n, k in TMA_CASES])
+    def test_linear_tma_form_matches_f_linear(m, n, k, monkeypatch):
+        """Partial row / column tiles and K tails come in as zeros from the descriptors; more tiles than programs
+        (4 under the interpreter), so programs walk several; within one fp16 rounding of float64."""
+        x, weight, b = operands(m, n, k, seed=m + n, dtype=torch.float16)
+        assert lt._tma_eligible(x, weight, n)
+        launched = []
+        monkeypatch.setattr(lt, "_launch_tma", lambda *a, _f=lt._launch_tma: launched.append(1) or _f(*a))
+        out = lt.linear(x, weight, b, config=TMA)
+        assert launched and out.dtype == torch.float16 and out.shape == (m, n)
+        torch.testing.assert_close(out.double(), want64(x, weight, b), atol=1e-3, rtol=2 ** -10)
+
+    def test_linear_tma_form_rows_are_batch_invariant(row_invariant_dot):
+        x, weight, b = operands(80, 48, 64, seed=21, dtype=torch.float16)
+        full = lt.linear(x, weight, b, config=TMA)
+        for lo, hi in SLICES:
+            assert torch.equal(lt.linear(x[lo:hi], weight, b, config=TMA), full[lo:hi]), (lo, hi)
+
+    def test_linear_tma_eligibility_does_not_depend_on_the_batch():
+        """Row slices of an eligible x stay eligible (whole row strides); unaligned layouts never are (a column
+        slice at an odd offset, rows of 70 fp16 elements: 140 bytes), fp32 never is: those take the pointer kernel,
+        for every M alike."""
+        x, weight, _ = operands(40, 32, 64, seed=3, dtype=torch.float16)
+        assert all(lt._tma_eligible(x[lo:hi], weight, 32) for lo, hi in [(0, 1), (3, 40), (17, 18)])
+        wide = randn(40, 80, seed=4, dtype=torch.float16)
+        assert not lt._tma_eligible(wide[:, 3:67], weight, 32)
+        assert not lt._tma_eligible(randn(40, 70, seed=5, dtype=torch.float16),
+                                    randn(32, 70, seed=6, dtype=torch.float16), 32)
+        assert not lt._tma_eligible(x.float(), weight.float(), 32)
+        assert not lt._tma_eligible(x, weight, 36)  # output rows of 72 bytes
+        # an ineligible layout still answers, through the pointer kernel
+        out = lt.linear(wide[:, 3:67], weight, None, config=TMA)
+        torch.testing.assert_close(out.double(), want64(wide[:, 3:67], weight, None), atol=1e-3, rtol=2 ** -10)
 
     # -----------------------------------------------------------------------------------------------------------------
     # errors

@@ -141,3 +141,48 @@ def test_replays_in_a_cuda_graph():
         eager = lt.linear(x2, weight, b)
         assert torch.equal(out, eager)
         torch.testing.assert_close(out.double(), want64(x2, weight, b), **TOLERANCE[torch.bfloat16])
+
+
+# ---- the persistent TMA form (Config.tma), with and without warp specialisation: not the default yet ----
+TMA_CONFIGS = [lt.Config(128, 128, 64, 8, 8, 3, tma=True), lt.Config(128, 128, 64, 8, 8, 3, tma=True,
+                                                                      warp_specialize=True)]
+TMA_IDS = ["tma", "tma-ws"]
+
+
+@pytest.mark.parametrize("config", TMA_CONFIGS, ids=TMA_IDS)
+@pytest.mark.parametrize("m,n,k", [(1, 1024, 1024), (255, 6144, 1024), (1000, 9728, 2560), (300, 104, 72)],
+                         ids=["M1", "M255", "M1000", "M300-N104-K72"])
+def test_tma_form_matches_f_linear(config, m, n, k):
+    x, weight, b = operands(m, n, k, torch.bfloat16, seed=m + n, bias=True)
+    assert lt._tma_eligible(x, weight, n)
+    out = lt.linear(x, weight, b, config=config)
+    torch.testing.assert_close(out.double(), want64(x, weight, b), **TOLERANCE[torch.bfloat16])
+
+
+@pytest.mark.parametrize("config", TMA_CONFIGS, ids=TMA_IDS)
+@pytest.mark.parametrize("k,n", [(1024, 3584), (2560, 9728)], ids=["K1024-N3584", "K2560-N9728"])
+def test_tma_form_rows_are_batch_invariant(config, k, n):
+    x, weight, b = operands(T, n, k, torch.bfloat16, seed=k + n + 1)
+    full = lt.linear(x, weight, b, config=config)
+    for m in ROWS:
+        for o in offsets(m):
+            assert torch.equal(lt.linear(x[o:o + m], weight, b, config=config), full[o:o + m]), (m, o)
+
+
+@pytest.mark.parametrize("config", TMA_CONFIGS, ids=TMA_IDS)
+def test_tma_form_replays_in_a_cuda_graph(config):
+    """The descriptors are kernel parameters built at launch: captured once, replayed with new values."""
+    k, n = 1024, 3584
+    x, weight, b = operands(4096, n, k, torch.bfloat16, seed=17)
+    static = x.clone()
+    for _ in range(2):
+        lt.linear(static, weight, b, config=config)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = lt.linear(static, weight, b, config=config)
+    x2, _, _ = operands(4096, n, k, torch.bfloat16, seed=18)
+    static.copy_(x2)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, lt.linear(x2, weight, b, config=config))

@@ -48,6 +48,14 @@ class Config:
     group_m: int  # tile rows per group of the swizzled program order (L2 reuse; no effect on the bits)
     num_warps: int
     num_stages: int
+    # The persistent form (`_linear_tma_kernel`): one program per SM walks output tiles, x / weight tiles come in by
+    # the tensor-memory accelerator (Hopper's TMA: bulk copies into shared memory, no per-thread address math), with
+    # warp specialisation optionally (loads and products in separate warps). The same sums in the same order as the
+    # pointer kernel's form of the tile (K from 0 upward in BLOCK_K steps, fp32 accumulator); only which program
+    # computes which tile, and when, differs. 16-bit inputs whose rows the TMA can address only (`_tma_eligible`,
+    # which depends on the layer's layout, never on M); others take the pointer kernel.
+    tma: bool = False
+    warp_specialize: bool = False
 
 
 def default_config(dtype: torch.dtype) -> Config:
@@ -113,6 +121,78 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K,
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
+@triton.jit(do_not_specialize=["M"])
+def _linear_tma_kernel(x_desc, w_desc, out_desc, b_ptr, M, N, K, stride_b, NUM_PROGRAMS,
+                       HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       GROUP_M: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+    # Persistent: program p computes tiles p, p + NUM_PROGRAMS, ... in the pointer kernel's grouped order. Every
+    # tile's sums are those of the pointer kernel's program for it: K from 0 upward, one BLOCK_K step at a time.
+    # Out-of-range rows, columns and the K tail arrive as zeros from the descriptors (no masks), and the store
+    # clips to [M, N]: a row's result depends on nothing but its own inputs.
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_in_group = GROUP_M * num_pid_n
+    k_steps = tl.cdiv(K, BLOCK_K)
+    for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS, flatten=True,
+                         warp_specialize=WARP_SPECIALIZE):
+        group_id = tile // num_pid_in_group
+        first_pid_m = group_id * GROUP_M
+        group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
+        pid_in_group = tile % num_pid_in_group
+        row = (first_pid_m + pid_in_group % group_size_m) * BLOCK_M
+        col = (pid_in_group // group_size_m) * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(k_steps):
+            a = x_desc.load([row, k * BLOCK_K])
+            b = w_desc.load([col, k * BLOCK_K])
+            acc = tl.dot(a, b.T, acc)
+        if HAS_BIAS:
+            rn = col + tl.arange(0, BLOCK_N)
+            acc = acc + tl.load(b_ptr + rn * stride_b, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        out_desc.store([row, col], acc.to(out_desc.dtype))
+
+
+def _tma_eligible(x: torch.Tensor, weight: torch.Tensor, n: int) -> bool:
+    """Whether the TMA can address x, weight and a contiguous [M, n] output: 16-bit elements, rows contiguous, row
+    strides and base addresses 16-byte aligned. None of it depends on M or on which rows of a larger tensor x is
+    (a row offset moves the base by whole row strides), so a layer takes one form whatever the batch."""
+    size = x.element_size()
+    return (x.dtype in (torch.bfloat16, torch.float16) and x.stride(1) == 1 and weight.stride(1) == 1
+            and (x.stride(0) * size) % 16 == 0 and (weight.stride(0) * size) % 16 == 0 and (n * size) % 16 == 0
+            and x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0)
+
+
+_PROGRAMS: dict[int, int] = {}
+
+
+def _programs(device: torch.device) -> int:
+    """Programs of the persistent form: one per SM (4 under the CPU interpreter)."""
+    if device.type != "cuda":
+        return 4
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _PROGRAMS:
+        _PROGRAMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _PROGRAMS[index]
+
+
+def _launch_tma(x, weight, bias, out, cfg: Config) -> None:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    M, K = x.shape
+    N = weight.shape[0]
+    x_desc = TensorDescriptor(x, [M, K], [x.stride(0), 1], [cfg.block_m, cfg.block_k])
+    w_desc = TensorDescriptor(weight, [N, K], [weight.stride(0), 1], [cfg.block_n, cfg.block_k])
+    out_desc = TensorDescriptor(out, [M, N], [N, 1], [cfg.block_m, cfg.block_n])
+    tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
+    programs = min(tiles, _programs(x.device))
+    _linear_tma_kernel[(programs,)](
+        x_desc, w_desc, out_desc, bias if bias is not None else x, M, N, K,
+        bias.stride(0) if bias is not None else 0, programs,
+        HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m, WARP_SPECIALIZE=cfg.warp_specialize, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
            config: Config | None = None) -> torch.Tensor:
     """`torch.nn.functional.linear` with batch-invariant bits: x [M, K] (any strides, M may be 0), weight [N, K],
@@ -141,6 +221,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
     cfg = config or default_config(x.dtype)
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
+        return out
+    if cfg.tma and K > 0 and _tma_eligible(x, weight, N):
+        _launch_tma(x, weight, bias, out, cfg)
         return out
     grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n),)
     _linear_kernel[grid](

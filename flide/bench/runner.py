@@ -476,8 +476,8 @@ def merge_rows(old: list[dict], new: list[dict]) -> list[dict]:
 
 
 def write_results(rows: list[dict], config: BenchConfig, out_dir: str | Path | None = None,
-                  merge: bool = False) -> dict[str, Path]:
-    """Writes <name>.json, <name>.md and (matplotlib installed) <name>.png; returns their paths."""
+                  merge: bool = False, draw: bool = True) -> dict[str, Path]:
+    """Writes <name>.json, <name>.md and (matplotlib installed, `draw`) <name>.png; returns their paths."""
     from .report import fidelity_markdown, fidelity_plot, markdown, plot
 
     if config.mode == "fidelity":
@@ -490,7 +490,7 @@ def write_results(rows: list[dict], config: BenchConfig, out_dir: str | Path | N
     paths["json"].write_text(json.dumps(rows, indent=1) + "\n", encoding="utf-8")
     paths["md"].write_text(markdown(rows, config), encoding="utf-8")
     png = folder / f"{config.name}.png"
-    if plot(rows, config, png):
+    if draw and plot(rows, config, png):
         paths["png"] = png
     return paths
 
@@ -561,9 +561,9 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     merge = args.merge or bool(args.workloads or args.engines)
 
-    def checkpoint(rows: list[dict]) -> None:  # the results so far, after every cell
+    def checkpoint(rows: list[dict]) -> None:  # the results so far (JSON and markdown), after every cell
         try:
-            write_results(rows, config, args.out, merge=merge)
+            write_results(rows, config, args.out, merge=merge, draw=False)
         except Exception:  # a report that cannot be drawn yet must not stop the run; the final write says why
             logger.exception("writing the results so far failed")
 

@@ -464,8 +464,24 @@ def test_readout(variant, bias):
     if b is not None:
         logits = logits + b.double()
     want = logits.gather(1, option_index).float()
-    assert got.shape == option_index.shape and got.dtype == weight.dtype
+    assert got.shape == option_index.shape and got.dtype == torch.float32
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("variant", ["selective", "invariant"])
+def test_readout_of_a_bf16_head_is_not_rounded_to_bf16(variant):
+    """A bf16 model's option scores: the bf16 hidden rows and head rows multiplied and summed in fp32, returned in
+    fp32 (within fp32 rounding of float64), not rounded to bf16 as the head's own logits are (that rounding moves
+    a logit of 8-16 by up to 0.03)."""
+    op = impl("readout", variant)
+    hidden, rows, weight, b, option_index = readout_inputs(True, seed=3)
+    hidden, weight, b = (hidden * 4).bfloat16(), weight.bfloat16(), b.bfloat16()
+    got = op(hidden, rows, weight, b, option_index)
+    logits = (hidden[rows].double() @ weight.double().T + b.double()).gather(1, option_index)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), logits, atol=1e-5, rtol=1e-6)
+    rounded = logits.to(torch.bfloat16).double()
+    assert (rounded - logits).abs().max() > 1e-3  # what a bf16 readout would have lost
 
 
 # ---------------------------------------------------------------------------------------------------------------------

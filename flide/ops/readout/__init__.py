@@ -30,17 +30,17 @@ def readout_invariant(hidden: torch.Tensor, rows: torch.Tensor, weight: torch.Te
 
 @readout_selective.register_fake
 def _(hidden, rows, weight, bias, option_index):
-    return weight.new_empty(option_index.shape)
+    return weight.new_empty(option_index.shape, dtype=torch.float32)
 
 
 @readout_invariant.register_fake
 def _(hidden, rows, weight, bias, option_index):
-    return weight.new_empty(option_index.shape)
+    return weight.new_empty(option_index.shape, dtype=torch.float32)
 
 
 @readout_full.register_fake
 def _(hidden, rows, weight, bias, option_index):
-    return weight.new_empty(option_index.shape)
+    return weight.new_empty(option_index.shape, dtype=torch.float32)
 
 
 # Read by the model (flide.models.adapt): whether the last layer may run at the readout rows only.

@@ -2,6 +2,12 @@
 
 A causal LM scores option j of a question by the logit of its label token; a decision head (Jev) by row
 `offset[type] + j` of its projection. Both are a gather of head rows: `option_index[r, j]` names the row.
+
+The selective and invariant readouts return float32 scores whatever the model's dtype: a bf16 model's hidden state
+and head rows are bf16, their products are exact in fp32 and summed in fp32, and the scores are never rounded back
+to bf16. Rounding a logit of magnitude 8-16 to bf16 moves it by up to 0.03 (half an ulp of 0.0625): ~3 % of an
+option's probability, on the order of everything else that bf16 changes in the answer (transformers' pipeline does
+round its logits so). It costs nothing: R x L dot products.
 """
 
 from __future__ import annotations
@@ -16,21 +22,23 @@ def readout_selective(hidden: torch.Tensor, rows: torch.Tensor, weight: torch.Te
     Args:
         hidden: [N, H] final hidden states; rows: [R] int64 rows of hidden to read.
         weight: [Vocab, H] head weight; bias: [Vocab] or None; option_index: [R, L] int64 head rows per readout row.
-    Returns: [R, L] scores in the weight's dtype.
+    Returns: [R, L] float32 scores (the hidden state taken in the weight's dtype, as the head would; see the module
+    docstring).
     """
-    h = hidden[rows].to(weight.dtype)  # [R, H]
-    w = weight[option_index]  # [R, L, H]
+    h = hidden[rows].to(weight.dtype).float()  # [R, H]
+    w = weight[option_index].float()  # [R, L, H]
     scores = torch.bmm(w, h[:, :, None])[..., 0]
     if bias is not None:
-        scores = scores + bias[option_index]
+        scores = scores + bias[option_index].float()
     return scores
 
 
 def readout_full(hidden: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                  option_index: torch.Tensor) -> torch.Tensor:
-    """The whole head over every row of `hidden`, then the options read out (the ablation of selective readout)."""
+    """The whole head over every row of `hidden`, then the options read out (the ablation of selective readout):
+    the model's own head, logits in its dtype (rounded to bf16 in a bf16 model, as transformers' are), as float32."""
     logits = torch.nn.functional.linear(hidden.to(weight.dtype), weight, bias)  # [N, Vocab]
-    return logits[rows].gather(1, option_index)
+    return logits[rows].gather(1, option_index).float()
 
 
 def readout_invariant(hidden: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -41,7 +49,7 @@ def readout_invariant(hidden: torch.Tensor, rows: torch.Tensor, weight: torch.Te
 
     On CUDA the sums are the fixed-tile Triton GEMM against a column of ones (`flide.ops.linear.triton`); on the CPU
     a last-dim `sum` (vectorised in an order fixed by the hidden size; never split across threads at these sizes)."""
-    h = hidden[rows].float()  # [R, H]
+    h = hidden[rows].to(weight.dtype).float()  # [R, H]: as selective reads it
     products = weight[option_index].float() * h[:, None, :]  # [R, L, H]
     R, L, H = products.shape
     if products.is_cuda:
@@ -53,4 +61,4 @@ def readout_invariant(hidden: torch.Tensor, rows: torch.Tensor, weight: torch.Te
         scores = products.sum(-1)
     if bias is not None:
         scores = scores + bias[option_index].float()
-    return scores.to(weight.dtype)
+    return scores  # float32, as selective's

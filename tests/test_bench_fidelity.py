@@ -199,6 +199,7 @@ def test_concurrent_answers_random_rounds():
     ({"mode": "quality"}, "`mode`: must be one of speed, fidelity"),
     ({"mode": "fidelity", "engines": ["flide", "http"]}, "the http engine measures speed"),
     ({"final_norm_scale": 0}, "`final_norm_scale`: must be a number > 0"),
+    ({"final_norm_scale": "auto"}, "`auto` picks a scale for answer fidelity: only with `mode: fidelity`"),
     ({"fidelity": {"threads": 4}}, "fidelity.threads; valid keys of `fidelity`: stability_threads"),
     ({"fidelity": {"stability_copies": 0}}, "`fidelity.stability_copies`: must be an integer >= 1"),
     ({"fidelity": {"top_probability_range": [0.5]}}, "`fidelity.top_probability_range`: must be [low, high]"),
@@ -217,7 +218,7 @@ def test_shipped_fidelity_configs():
     assert values["mode"] == "fidelity" and values["dtype"] == "bfloat16" and values["device"] == "cuda"
     assert set(values["workloads"]) == {"race", "multirc", "quality"}
     assert set(values["engines"]) == {"flide", "pipeline", "prefix-cache", "delimiter"}
-    assert values["final_norm_scale"] > 1
+    assert values["final_norm_scale"] == "auto"
     config = config_from_dict({**values, "models": ["tiny:qwen3_5_text"], "tokenizer": None, "data_dir": None})
     assert config.fidelity.stability_threads == 64
 
@@ -328,6 +329,29 @@ def test_reference_cache_keys_on_weights_and_requests(tmp_path):
     assert weights_fingerprint(model) != fingerprint
     (tmp_path / "grid.reference.json").write_text("{not json")
     assert ReferenceCache(tmp_path, "grid").get(key) is None  # unreadable: ignored (and rewritten on the next put)
+
+
+def test_final_norm_scale_auto(tmp_path):
+    """`final_norm_scale: auto` picks the candidate whose typical top probability is nearest 0.7 (the tiny random
+    model answers almost uniformly at scale 1), records it per workload, and the reference and engines run with
+    it: their mean top probability moves up from the unscaled model's, Flide still equal to the reference."""
+    from flide.bench import main
+    from flide.bench.fidelity import AUTO_SCALES
+
+    values = _with_data(yaml.safe_load((REPO / "configs/bench/cpu_fidelity.yaml").read_text()), tmp_path)
+    values = {**values, "name": "auto_scale", "models": ["tiny:qwen3_5_text"], "workloads": ["race"],
+              "engines": ["flide"], "ablations": {}, "final_norm_scale": "auto", "limits": {"race": 3}}
+    path = tmp_path / "auto_scale.yaml"
+    path.write_text(yaml.safe_dump(values))
+    assert main([str(path), "--out", str(tmp_path / "out")]) == 0
+    rows = json.loads((tmp_path / "out" / "auto_scale.json").read_text())
+    got = {(r["workload"], r["engine"], r["metric"]): r["value"] for r in rows}
+    scale = got[("race", "-", "final_norm_scale")]
+    assert scale in AUTO_SCALES and scale > 1
+    assert got[("race", "reference", "mean_top_probability")] > 0.4  # 4 options: ~0.25 when unscaled
+    assert got[("race", "flide", "tv_points")] < 1e-3
+    report = (tmp_path / "out" / "auto_scale.md").read_text()
+    assert f"final_norm_scale: auto: {scale:g}" in report
 
 
 def test_top_probability_helper(capsys, tmp_path):

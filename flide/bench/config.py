@@ -15,7 +15,8 @@ the valid ones; `flide:`, each ablation and `http.flide` are checked as Flide co
 `mode: speed` (the default) measures latency and throughput (runner.py); `mode: fidelity` measures answers against a
 float32 reference (fidelity.py). `final_norm_scale: S` multiplies the final norm's gain by S (every logit by S), so a
 random-weight model answers with peaked probabilities instead of almost uniform ones (`--top-probability` reports
-the mean top probability for candidate scales). The `http` engine (speed mode) serves the model with `flide serve`
+the mean top probability for candidate scales); `final_norm_scale: auto` (fidelity mode) picks S per model at the
+start of the run (fidelity.pick_final_norm_scale) and records it. The `http` engine (speed mode) serves the model with `flide serve`
 and drives it with closed-loop HTTP clients; `http:` holds its options. Relative paths are taken from the repository root; a path
 may be a list of candidates, the first that exists wins (so one file works here, where the data is in ../shared, and
 on a machine where it was copied into the repository). No environment variable changes anything.
@@ -121,7 +122,8 @@ class BenchConfig:
     seed: int = 0  # random weights
     notes: str = ""  # printed at the top of the markdown table (what the numbers mean, or don't)
     mode: str = "speed"  # speed: latency and throughput; fidelity: answers against a float32 reference
-    final_norm_scale: float | None = None  # the final norm's gain x this (peaked answers from random weights)
+    # the final norm's gain x this (peaked answers from random weights); "auto": picked per model (fidelity mode)
+    final_norm_scale: float | str | None = None
     http: HttpOptions = field(default_factory=HttpOptions)
     fidelity: FidelityOptions = field(default_factory=FidelityOptions)
 
@@ -392,7 +394,11 @@ def config_from_dict(values: dict[str, Any]) -> BenchConfig:
     if mode not in MODES:
         _fail("mode", f"must be one of {', '.join(MODES)}, got {mode!r}.")
     kw["mode"] = mode
-    if values.get("final_norm_scale") is not None:
+    if values.get("final_norm_scale") == "auto":
+        if mode != "fidelity":
+            _fail("final_norm_scale", "`auto` picks a scale for answer fidelity: only with `mode: fidelity`.")
+        kw["final_norm_scale"] = "auto"
+    elif values.get("final_norm_scale") is not None:
         kw["final_norm_scale"] = _number(values["final_norm_scale"], "final_norm_scale")
     engines = kw.get("engines", BenchConfig.engines)
     kw["http"] = _http_options(values.get("http"), kw.get("workloads", WORKLOADS))

@@ -283,6 +283,11 @@ def fidelity_markdown(rows: list[dict], config: BenchConfig) -> str:
     hardware = ", ".join(_ordered(r["hardware"] for r in rows)) or "-"
     commits = ", ".join(_ordered(r["commit"] for r in rows)) or "-"
     scale = config.final_norm_scale
+    if scale == "auto":  # the picked scales, from the rows
+        picked = _ordered(f"{r['value']:g}" for r in rows if r["metric"] == "final_norm_scale")
+        scale_text = f"auto: {', '.join(picked) or 'not picked yet'}"
+    else:
+        scale_text = f"{scale:g}" if scale else ""
     low, high = config.fidelity.top_probability_range
     out += [f"- hardware: {hardware}", f"- commit: {commits}; written {datetime.date.today().isoformat()}",
             (f"- engines in {config.dtype}; Flide config overrides: "
@@ -291,8 +296,10 @@ def fidelity_markdown(rows: list[dict], config: BenchConfig) -> str:
              "each question in its own forward pass; TF32 off; transformers' torch path for the Gated DeltaNet and "
              "its conv (fla / causal-conv1d kernels replaced when installed: with fla the float32 pipeline itself "
              "drifts by up to 3e-3)"),
-            f"- random weights; final_norm_scale: {scale:g} (the final norm's gain x {scale:g}, so answers are peaked "
-            f"like a trained model's; picked with `python -m flide.bench CONFIG --top-probability ...`)"
+            (f"- random weights; final_norm_scale: {scale_text} (the final norm's gain x that, so answers are peaked "
+             f"like a trained model's; " + ("picked at the start of the run, the candidate whose typical top "
+                                           "probability is nearest 0.7)" if scale == "auto" else
+                                           "picked with `python -m flide.bench CONFIG --top-probability ...`)"))
             if scale else "- random weights, final norm as drawn (answers close to uniform: no final_norm_scale)",
             ("- Agr.: % of questions with the reference's top answer; TV: mean total variation distance (points, "
              "x100); P99: 99th percentile of the largest change of one option's probability (points); Flip: % of "
@@ -372,7 +379,7 @@ def fidelity_plot(rows: list[dict], config: BenchConfig, path: str | Path) -> bo
         ax.axis("off")
     title = f"{config.name}: answers against a float32 reference ({', '.join(_ordered(r['hardware'] for r in rows))})"
     if config.final_norm_scale:
-        title += f"\nfinal_norm_scale {config.final_norm_scale:g}"
+        title += f"\nfinal_norm_scale {config.final_norm_scale}"
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -115,7 +115,7 @@ def load_model(spec: str, config: BenchConfig):
     else:
         model = random_model(spec, dtype=dtype, device=str(device), seed=config.seed)
         tokenizer, name = load_tokenizer(config.tokenizer), Path(spec).stem
-    if config.final_norm_scale not in (None, 1.0):
+    if config.final_norm_scale not in (None, 1.0, "auto"):  # auto: fidelity.run picks it once the model is built
         FinalNormScale(model).set(config.final_norm_scale)
     return model, tokenizer, name
 
@@ -533,7 +533,7 @@ def main(argv: list[str] | None = None) -> int:
     engines = args.engines or config.engine_names()
     print(f"{config.name} ({config.mode}): models {', '.join(config.models)}\n  workloads {', '.join(workloads)}\n"
           f"  engines {', '.join(engines)}\n  concurrency {', '.join(map(str, config.concurrency))}; {config.dtype} on "
-          f"{config.device}" + (f"; final_norm_scale {config.final_norm_scale:g}" if config.final_norm_scale else ""),
+          f"{config.device}" + (f"; final_norm_scale {config.final_norm_scale}" if config.final_norm_scale else ""),
           file=sys.stderr)
     if args.dry_run:
         return 0

@@ -77,6 +77,11 @@ class RuntimeConfig:
     # what compiles the graphs: inductor (torch.compile mode="reduce-overhead": fused kernels, minutes to compile) or
     # cudagraphs (torch.compile backend="cudagraphs": the eager kernels captured as they are, seconds to start)
     compiler: str = "inductor"
+    # how cuBLAS may sum the bf16/fp16 GEMMs of Flide's forward passes (flide/precision.py): torch: as the process
+    # has it (torch's default: split-K partials may be added in reduced precision); fp32: partials added in fp32;
+    # single_pass: no split-K at all, every output summed in one pass over K (a row's bits then depend on the
+    # kernel cuBLAS picks for the bucket, not on how K was split; slower for small buckets with large K)
+    gemm_reductions: str = "torch"
     # the prompt piece cache (flide/piece_cache.py): tokens of state and template pieces seen before, so a history
     # sent again (agents, conversations) is not tokenized again; its bound in characters (~2 bytes of ids each), 0: off
     piece_cache_chars: int = 1 << 23
@@ -145,6 +150,7 @@ _CHOICES = {
     ("runtime", "tokenization"): ("auto", "split", "full"),
     ("runtime", "graphs"): ("auto", "on", "off"),
     ("runtime", "compiler"): ("inductor", "cudagraphs"),
+    ("runtime", "gemm_reductions"): ("torch", "fp32", "single_pass"),
 }
 
 

@@ -19,6 +19,7 @@ from .config import FlideConfig, load_config
 from .graphs.buckets import exact_shape, plan_rounds
 from .loading import DTYPES
 from .piece_cache import PieceCache
+from .precision import gemm_reductions
 from .requests import PreparedRequest, PromptTokenizer, RequestError, tokenize_request
 from .round import Footprint, Round, build_round, footprint
 
@@ -133,7 +134,8 @@ class Engine:
 
         runner = GraphRunner(self.flat, self.config.capacities, self.max_options, self.device, self.pad_id,
                              compiler=self.config.runtime.compiler, batch_invariant=self.kernels.batch_invariant)
-        runner.capture()
+        with gemm_reductions(self.config.runtime.gemm_reductions, self.device):  # the graphs record cuBLAS's picks
+            runner.capture()
         return runner
 
     @property
@@ -230,6 +232,10 @@ class Engine:
     # ---- rounds ----
     def run(self, prepared: list[PreparedRequest]) -> list[dict]:
         """Answers prepared requests in as few flat rounds as the capacities allow."""
+        with gemm_reductions(self.config.runtime.gemm_reductions, self.device):
+            return self._run(prepared)
+
+    def _run(self, prepared: list[PreparedRequest]) -> list[dict]:
         answers: list[dict] = [{} for _ in prepared]
         needs: list[Footprint] = [footprint(p) for p in prepared]
         # Eager rounds take their own size; with graphs a round takes its bucket's shape and replays its graph, and

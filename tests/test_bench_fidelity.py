@@ -331,7 +331,7 @@ def test_reference_cache_keys_on_weights_and_requests(tmp_path):
     assert ReferenceCache(tmp_path, "grid").get(key) is None  # unreadable: ignored (and rewritten on the next put)
 
 
-def test_final_norm_scale_auto(tmp_path):
+def test_final_norm_scale_auto(tmp_path, monkeypatch):
     """`final_norm_scale: auto` picks the candidate whose typical top probability is nearest 0.7 (the tiny random
     model answers almost uniformly at scale 1), records it per workload, and the reference and engines run with
     it: their mean top probability moves up from the unscaled model's, Flide still equal to the reference."""
@@ -352,6 +352,22 @@ def test_final_norm_scale_auto(tmp_path):
     assert got[("race", "flide", "tv_points")] < 1e-3
     report = (tmp_path / "out" / "auto_scale.md").read_text()
     assert f"final_norm_scale: auto: {scale:g}" in report
+
+    # a later part of the grid takes the scale (and the reference) the first part left beside its results
+    from flide.bench import fidelity
+
+    def again_(what):
+        def fail(*args, **kwargs):
+            raise AssertionError(f"the {what} was computed again instead of read from the first part")
+        return fail
+
+    monkeypatch.setattr(fidelity, "pick_final_norm_scale", again_("scale"))
+    monkeypatch.setattr(fidelity, "reference_answers", again_("reference"))
+    assert main([str(path), "--out", str(tmp_path / "out"), "--engines", "flide"]) == 0
+    again = {(r["workload"], r["engine"], r["metric"]): r["value"]
+             for r in json.loads((tmp_path / "out" / "auto_scale.json").read_text())}
+    assert again[("race", "-", "final_norm_scale")] == scale
+    assert again[("race", "flide", "tv_points")] == got[("race", "flide", "tv_points")]
 
 
 def test_top_probability_helper(capsys, tmp_path):

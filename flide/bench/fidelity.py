@@ -242,13 +242,15 @@ def transformers_torch_path() -> Iterator[list[str]]:
 
 
 def weights_fingerprint(model) -> str:
-    """A short hash of the model's weights (every parameter's and buffer's float64 sum and shape): the reference's
-    cache key, so that answers saved for other weights (another seed, device or final_norm_scale) are never reused."""
+    """A short hash of the model's weights (each distinct parameter's shape and float64 sum, in sorted order): the
+    reference's cache key, so that answers saved for other weights (another seed, device or final_norm_scale) are
+    never reused. Names and buffers are left out: patching a model for Flide (an engine built before or after the
+    reference) may re-register its modules, never change a weight."""
     import torch
 
     with torch.no_grad():
-        sums = [(name, tuple(t.shape), float(t.detach().double().sum()))
-                for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_floating_point()]
+        unique = {t.data_ptr(): t for t in model.parameters() if t.is_floating_point()}
+        sums = sorted((tuple(t.shape), float(t.detach().double().sum())) for t in unique.values())
     return hashlib.sha256(repr(sums).encode()).hexdigest()[:16]
 
 
@@ -277,7 +279,11 @@ class ReferenceCache:
         return (entry["answers"], entry["replaced"]) if entry else None
 
     def put(self, key: str, answers: list[dict], replaced: list[str]) -> None:
-        self.entries[key] = {"answers": answers, "replaced": replaced}
+        self.put_value(key, {"answers": answers, "replaced": replaced})
+
+    def put_value(self, key: str, value) -> None:
+        """Any JSON value under key (the reference's answers; `final_norm_scale: auto`'s pick per weights)."""
+        self.entries[key] = value
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.write_text(json.dumps(self.entries) + "\n", encoding="utf-8")
 
@@ -392,13 +398,25 @@ def run(config: BenchConfig, workloads: list[str] | None = None, engines: list[s
 
             for workload, metric, value, unit in facts:
                 add(workload, "-", metric, value, unit)
+            cache = ReferenceCache(reference_dir, config.name) if reference_dir is not None else None
             if config.final_norm_scale == "auto":
-                scale, means = pick_final_norm_scale(model, tokenizer, built, config, log=log)
+                # a part of a grid run in parts takes the scale an earlier part picked for these weights (so every
+                # part scores the same model, and the cached reference still applies)
+                unscaled = f"final_norm_scale:{weights_fingerprint(model)}"
+                scale = cache.entries.get(unscaled) if cache is not None else None
+                if scale is not None:
+                    from .runner import FinalNormScale
+
+                    FinalNormScale(model).set(scale)
+                    log(f"[{model_name}] final_norm_scale auto: {scale:g}, as picked by an earlier part ({cache.path})")
+                else:
+                    scale, means = pick_final_norm_scale(model, tokenizer, built, config, log=log)
+                    log(f"[{model_name}] final_norm_scale auto: {scale:g} (Flide's mean top probability "
+                        + ", ".join(f"{w} {m:.3f}" for w, m in means.items()) + ")")
+                    if cache is not None:
+                        cache.put_value(unscaled, scale)
                 for workload in built:
                     add(workload, "-", "final_norm_scale", scale, "x the final norm's gain (auto)")
-                log(f"[{model_name}] final_norm_scale auto: {scale:g} (Flide's mean top probability "
-                    + ", ".join(f"{w} {m:.3f}" for w, m in means.items()) + ")")
-            cache = ReferenceCache(reference_dir, config.name) if reference_dir is not None else None
             keys, saved = {}, {}
             if cache is not None:
                 fingerprint = weights_fingerprint(model)

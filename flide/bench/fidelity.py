@@ -278,6 +278,10 @@ class ReferenceCache:
         entry = self.entries.get(key)
         return (entry["answers"], entry["replaced"]) if entry else None
 
+    def value(self, key: str):
+        """What `put_value` saved under key, or None."""
+        return self.entries.get(key)
+
     def put(self, key: str, answers: list[dict], replaced: list[str]) -> None:
         self.put_value(key, {"answers": answers, "replaced": replaced})
 
@@ -403,7 +407,7 @@ def run(config: BenchConfig, workloads: list[str] | None = None, engines: list[s
                 # a part of a grid run in parts takes the scale an earlier part picked for these weights (so every
                 # part scores the same model, and the cached reference still applies)
                 unscaled = f"final_norm_scale:{weights_fingerprint(model)}"
-                scale = cache.entries.get(unscaled) if cache is not None else None
+                scale = cache.value(unscaled) if cache is not None else None
                 if scale is not None:
                     from .runner import FinalNormScale
 
@@ -421,7 +425,7 @@ def run(config: BenchConfig, workloads: list[str] | None = None, engines: list[s
             if cache is not None:
                 fingerprint = weights_fingerprint(model)
                 keys = {workload: cache.key(fingerprint, requests) for workload, requests in built.items()}
-                saved = {w: cache.get(k) for w, k in keys.items() if cache.get(k) is not None}
+                saved = {w: entry for w, k in keys.items() if (entry := cache.get(k)) is not None}
                 if saved:
                     log(f"[{model_name}] float32 reference of {', '.join(saved)} from {cache.path}")
             missing = {w: r for w, r in built.items() if w not in saved}
@@ -432,7 +436,7 @@ def run(config: BenchConfig, workloads: list[str] | None = None, engines: list[s
                 if cache is not None:
                     for workload, answers in computed.items():
                         cache.put(keys[workload], answers, replaced)
-            for answers, kernels in saved.values():
+            for _, kernels in saved.values():
                 replaced = sorted(set(replaced) | set(kernels))
             reference = {w: computed[w] if w in computed else saved[w][0] for w in built}
             for workload, answers in reference.items():
@@ -482,6 +486,11 @@ AUTO_SCALES = (1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0)  # candidates of `
 AUTO_TARGET = 0.7  # the typical top probability aimed at (the issue asks for 0.5-0.9, as a trained model answers)
 
 
+def flide_top_probabilities(engine, requests: list[dict]) -> list[float]:
+    """The top probability of each of Flide's answers to `requests`, each request decided alone."""
+    return [top_probability(answer) for request in requests for answer in engine.decide([request])[0].values()]
+
+
 def pick_final_norm_scale(model, tokenizer, built: dict[str, list[dict]], config: BenchConfig, requests: int = 3,
                           log: Callable[[str], None] | None = None) -> tuple[float, dict[str, float]]:
     """`final_norm_scale: auto`: the candidate scale whose typical top probability (the median over workloads of
@@ -500,8 +509,7 @@ def pick_final_norm_scale(model, tokenizer, built: dict[str, list[dict]], config
     try:
         for scale in AUTO_SCALES:
             norm.set(scale)
-            means = {workload: statistics.mean(top_probability(answer) for request in items[:requests]
-                                               for answer in engine.decide([request])[0].values())
+            means = {workload: statistics.mean(flide_top_probabilities(engine, items[:requests]))
                      for workload, items in built.items() if items}
             typical = statistics.median(means.values())
             log(f"  final_norm_scale {scale:g}: typical top probability {typical:.3f}")
@@ -514,6 +522,8 @@ def pick_final_norm_scale(model, tokenizer, built: dict[str, list[dict]], config
         gc.collect()
     norm.set(best[1])
     return best[1], best[2]
+
+
 def top_probability_table(config: BenchConfig, scales: list[float], requests: int = 4,
                           log: Callable[[str], None] | None = None) -> list[tuple[str, float, str, float, float]]:
     """Mean and median top probability of Flide's answers (the benchmark's dtype) on the first `requests` requests of
@@ -535,7 +545,7 @@ def top_probability_table(config: BenchConfig, scales: list[float], requests: in
         for scale in scales:
             norm.set(scale)
             for workload, items in built.items():
-                tops = [top_probability(a) for r in items for a in engine.decide([r])[0].values()]
+                tops = flide_top_probabilities(engine, items)
                 out.append((model_name, scale, workload, statistics.mean(tops), statistics.median(tops)))
                 log(f"[{model_name}] final_norm_scale {scale:g} {workload:10} mean top probability "
                     f"{statistics.mean(tops):.3f} (median {statistics.median(tops):.3f}, {len(tops)} questions)")
@@ -556,6 +566,7 @@ def format_top_probability(table: list[tuple[str, float, str, float, float]]) ->
     return "\n".join(lines) + "\n\n(mean / median top probability of Flide's answers; aim for 0.5-0.9)\n"
 
 
-__all__ = ["QuestionDiff", "compare", "compare_question", "concurrent_answers", "decisions", "distribution",
-           "exact_float32", "format_top_probability", "pick_final_norm_scale", "reference_answers", "run", "stability", "summarize", "top",
-           "top_probability", "top_probability_table", "transformers_torch_path"]
+__all__ = ["QuestionDiff", "ReferenceCache", "compare", "compare_question", "concurrent_answers", "decisions",
+           "distribution", "exact_float32", "flide_top_probabilities", "format_top_probability",
+           "pick_final_norm_scale", "reference_answers", "run", "stability", "summarize", "top", "top_probability",
+           "top_probability_table", "transformers_torch_path", "weights_fingerprint"]

@@ -15,6 +15,17 @@ from __future__ import annotations
 import torch
 
 
+def _gathered(hidden: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, option_index: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h [R, H], w [R, L, H]) in fp32: the read rows of hidden, taken in the weight's dtype as the head would take
+    them, and each row's option rows of the head (both exact in fp32)."""
+    return hidden[rows].to(weight.dtype).float(), weight[option_index].float()
+
+
+def _plus_bias(scores: torch.Tensor, bias: torch.Tensor | None, option_index: torch.Tensor) -> torch.Tensor:
+    return scores + bias[option_index].float() if bias is not None else scores
+
+
 def readout_selective(hidden: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                       option_index: torch.Tensor) -> torch.Tensor:
     """Only the needed logits: R x L dot products instead of R x vocab.
@@ -25,12 +36,8 @@ def readout_selective(hidden: torch.Tensor, rows: torch.Tensor, weight: torch.Te
     Returns: [R, L] float32 scores (the hidden state taken in the weight's dtype, as the head would; see the module
     docstring).
     """
-    h = hidden[rows].to(weight.dtype).float()  # [R, H]
-    w = weight[option_index].float()  # [R, L, H]
-    scores = torch.bmm(w, h[:, :, None])[..., 0]
-    if bias is not None:
-        scores = scores + bias[option_index].float()
-    return scores
+    h, w = _gathered(hidden, rows, weight, option_index)
+    return _plus_bias(torch.bmm(w, h[:, :, None])[..., 0], bias, option_index)
 
 
 def readout_full(hidden: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -49,8 +56,8 @@ def readout_invariant(hidden: torch.Tensor, rows: torch.Tensor, weight: torch.Te
 
     On CUDA the sums are the fixed-tile Triton GEMM against a column of ones (`flide.ops.linear.triton`); on the CPU
     a last-dim `sum` (vectorised in an order fixed by the hidden size; never split across threads at these sizes)."""
-    h = hidden[rows].to(weight.dtype).float()  # [R, H]: as selective reads it
-    products = weight[option_index].float() * h[:, None, :]  # [R, L, H]
+    h, w = _gathered(hidden, rows, weight, option_index)  # as selective reads them
+    products = w * h[:, None, :]  # [R, L, H]
     R, L, H = products.shape
     if products.is_cuda:
         from ..linear import triton as gemm
@@ -59,6 +66,4 @@ def readout_invariant(hidden: torch.Tensor, rows: torch.Tensor, weight: torch.Te
         scores = gemm.linear(products.view(R * L, H), ones, None).view(R, L)
     else:
         scores = products.sum(-1)
-    if bias is not None:
-        scores = scores + bias[option_index].float()
-    return scores  # float32, as selective's
+    return _plus_bias(scores, bias, option_index)  # float32, as selective's

@@ -57,6 +57,13 @@ SWEEP = {"recurrent": [(8, 1), (32, 1), (32, 2), (64, 2), (64, 4)],
          "chunk": [(32, 4), (64, 8), (128, 4), (128, 8), (64, 4, 32), (64, 8, 32), (128, 8, 32)]}
 
 
+def tile_label(tiles: tuple[int, ...] | None) -> str:
+    """`[BV16,w1]` / `[BV64,w4,C32]` for swept tiles; empty for the form's defaults."""
+    if not tiles:
+        return ""
+    return f"[BV{tiles[0]},w{tiles[1]}" + (f",C{tiles[2]}" if len(tiles) > 2 else "") + "]"
+
+
 def stream(requests: int, state: int, questions: int, question: int, bucketed: bool = False):
     preps = [synthetic_request(np.ones(state), [np.ones(question)] * questions) for _ in range(requests)]
     tokens = requests * (state + questions * question)
@@ -123,9 +130,7 @@ def main() -> None:
                 _, finals = fns["fork"]()
                 for form in branches.FORMS:
                     for tiles in (None, *(SWEEP[form] if args.sweep else ())):  # None: the form's default tiles
-                        label = f"questions:{form}" + (f"[BV{tiles[0]},w{tiles[1]}" + (f",C{tiles[2]}" if
-                                                                                        len(tiles) > 2 else "") + "]"
-                                                        if tiles else "")
+                        label = f"questions:{form}{tile_label(tiles)}"
                         fns[label] = partial(branches.branches, q, kk, vv, decay, beta, r.branch_start, r.branch_len,
                                              finals, r.branch_state, scale, True, form=form, tiles=tiles)
             states = int((r.state_len > 0).sum())

@@ -85,7 +85,7 @@ def _branch_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, start_pt
         h = _initial_state(h0_ptr, index_ptr, i_n, i_h, o_k, o_v, k_ok, v_ok, HV, K, V, BK, BV)
         # Each step's loads are issued one step ahead (software prefetch): the chain from one token's state to the
         # next is only the decay, one sum over K and the rank-1 update, and the H200 showed ~2 us a step when each
-        # step also waited for its own q/k/v loads.
+        # step also waited for its own q/k/v loads. Same arithmetic, same bits.
         nq = tl.load(q_ptr + (bos * HK + i_hk) * K + o_k, mask=k_ok, other=0.0)
         nk = tl.load(k_ptr + (bos * HK + i_hk) * K + o_k, mask=k_ok, other=0.0)
         nv = tl.load(v_ptr + (bos * HV + i_h) * V + o_v, mask=v_ok, other=0.0)
@@ -105,19 +105,10 @@ def _branch_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, start_pt
                 # to the input dtype (a no-op for fp32), so states and questions see keys normalised alike
                 b_q = (b_q * (1 / tl.sqrt(tl.sum(b_q * b_q) + 1e-6))).to(q_ptr.dtype.element_ty).to(tl.float32)
                 b_k = (b_k * (1 / tl.sqrt(tl.sum(b_k * b_k) + 1e-6))).to(k_ptr.dtype.element_ty).to(tl.float32)
-            b_q = b_q * scale
-            # With S the state before this token and e = exp(g): S' = e S + k u^T, u = beta (v - e (k . S)), and
-            # o = q . S' = e (q . S) + (q . k) u. Both sums over K read S itself, side by side, so the chain from one
-            # token to the next is one sum (k . S) and one fused multiply-add over the state (S' = e S + k u^T);
-            # q . k does not touch the state. (Decaying S first, then updating it, then q . S' put two passes over
-            # the state and two sums, one after the other, on that chain.)
-            decay = tl.exp(b_g)
-            b_kh = tl.sum(h * b_k[:, None], 0)
-            b_qh = tl.sum(h * b_q[:, None], 0)
-            b_qk = tl.sum(b_q * b_k, 0)
-            b_u = (b_v - decay * b_kh) * b_beta
-            h = h * decay + b_k[:, None] * b_u[None, :]
-            b_o = decay * b_qh + b_qk * b_u
+            h *= tl.exp(b_g)
+            b_v = (b_v - tl.sum(h * b_k[:, None], 0)) * b_beta
+            h += b_k[:, None] * b_v[None, :]
+            b_o = tl.sum(h * (b_q * scale)[:, None], 0)
             tl.store(o_ptr + (t * HV + i_h) * V + o_v, b_o.to(o_ptr.dtype.element_ty), mask=v_ok)
 
 

@@ -50,6 +50,17 @@ def gemm_reductions(mode: str, device: torch.device | str) -> Iterator[None]:
              (torch._C._get_cublas_allow_fp16_reduced_precision_reduction,
               torch._C._set_cublas_allow_fp16_reduced_precision_reduction)]
     saved = [_get(getter) for getter, _ in pairs]
+    # cuBLAS proper has no split-K switch: torch refuses `allow_splitk=False` at the GEMM unless cuBLASLt runs it
+    # (the H200's first `single_pass` run failed there), so that mode also prefers cuBLASLt, restored after
+    library = torch.backends.cuda.preferred_blas_library() if mode == "single_pass" else None
+    if library is not None:
+        try:
+            torch.backends.cuda.preferred_blas_library("cublaslt")
+        except RuntimeError as error:  # a build without cuBLASLt
+            if torch.cuda.is_available():
+                raise ValueError("`runtime.gemm_reductions: single_pass` needs cuBLASLt, which this torch build "
+                                 f"lacks ({error}).") from None
+            library = None  # a CPU build: no GEMM here will read the flags
     try:
         for _, setter in pairs:
             _set(setter, (False, mode != "single_pass"))
@@ -57,3 +68,5 @@ def gemm_reductions(mode: str, device: torch.device | str) -> Iterator[None]:
     finally:
         for (_, setter), value in zip(pairs, saved):
             _set(setter, value)
+        if library is not None:
+            torch.backends.cuda.preferred_blas_library(library)

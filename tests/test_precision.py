@@ -22,10 +22,12 @@ def _pair(value) -> tuple[bool, bool]:
 
 @pytest.mark.parametrize("mode,want", [("fp32", (False, True)), ("single_pass", (False, False))])
 def test_modes_set_and_restore_the_flags(mode, want):
-    before = flags()
+    before, library = flags(), torch.backends.cuda.preferred_blas_library()
     with gemm_reductions(mode, "cuda"):
         assert tuple(_pair(f) for f in flags()) == (want, want)
-    assert flags() == before
+        if mode == "single_pass" and torch.cuda.is_available():  # torch refuses no-split-K outside cuBLASLt
+            assert torch.backends.cuda.preferred_blas_library() == torch._C._BlasBackend.Cublaslt
+    assert flags() == before and torch.backends.cuda.preferred_blas_library() == library
 
 
 def test_restored_after_an_error():

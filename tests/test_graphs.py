@@ -95,3 +95,62 @@ def test_graphs_on_without_cuda_is_a_clear_error():
         load_config({"runtime": {"compiler": "tvm"}})
     # auto on the CPU: eager rounds of their own size, no runner
     assert flide.patch(tiny_model("qwen3_5_text"), tok).runner is None
+
+
+def test_started_rounds_answer_as_run_and_give_their_buffers_back(engines):
+    """`Engine.start` launches a replay without waiting; a second round may start before the first is read (what
+    the serve scheduler's overlap does), each bucket then uses its other host and score buffers, and a third round
+    of a bucket with two unread ones is refused instead of overwriting their buffers."""
+    exact, bucketed, requests = engines
+    expected = exact.decide(requests[:2])
+    first, second, third = ([bucketed.prepare(r) for r in requests[:2]] for _ in range(3))  # one bucket for all
+    shape = plan_rounds([footprint(p) for p in first], bucketed.config.capacities, bucketed.max_options)[0].shape
+    pending = [bucketed.start(first), bucketed.start(second)]
+    assert all(p.launched is not None for p in pending), "graph rounds must be launched, not computed at start"
+    bucket = bucketed.runner.buckets[shape.tokens]
+    assert bucket.busy == [True, True]
+    with pytest.raises(RuntimeError, match="in flight"):
+        bucketed.runner.launch(third, shape)
+    assert bucket.busy == [True, True]  # the refused launch took nothing
+    for p in pending:
+        assert [max_difference(a, b) < 1e-6 for a, b in zip(expected, p.result())] == [True, True]
+    assert bucket.busy == [False, False]
+    assert [max_difference(a, b) < 1e-6 for a, b in zip(expected, bucketed.start(third).result())] == [True, True]
+    assert bucket.busy == [False, False]
+
+
+def test_scheduler_overlapping_rounds_answers_equal_decide(engines):
+    """`serve.overlap_rounds`: the model thread starts the next round before reading the last one's answers; under
+    32 concurrent submitters every answer still equals the request's own."""
+    import dataclasses
+    from concurrent.futures import ThreadPoolExecutor
+
+    from flide.serve.scheduler import Scheduler
+
+    exact, bucketed, requests = engines
+    expected = exact.decide(requests)
+    settings = dataclasses.replace(bucketed.config.serve, overlap_rounds=True, prepare_threads=2)
+    scheduler = Scheduler(bucketed, settings)
+    scheduler.start()
+    started = []
+    start = bucketed.start
+
+    def counting_start(prepared):
+        started.append(len(prepared))
+        return start(prepared)
+
+    bucketed.start = counting_start
+    try:
+        def one(i):
+            ticket = scheduler.admit(f"r{i}")
+            return scheduler.submit(ticket, bucketed.prepare(requests[i % len(requests)])).result(timeout=120)
+
+        with ThreadPoolExecutor(32) as pool:
+            answers = list(pool.map(one, range(64)))
+    finally:
+        del bucketed.start
+        scheduler.stop()
+    for i, answer in enumerate(answers):
+        assert max_difference(expected[i % len(requests)], answer) < 1e-6
+    assert sum(started) == 64 and max(started) > 1, f"rounds of {started}: nothing was packed"
+    assert all(b.busy == [False, False] for b in bucketed.runner.buckets.values())

@@ -404,10 +404,15 @@ class Hooked:
     def __getattr__(self, name):
         return getattr(self._engine, name)
 
-    def run(self, prepared):
+    def run(self, prepared):  # the scheduler's rounds retried one request at a time
         self.rounds.append([q.name for p in prepared for q in p.questions])
         self.hook(prepared)
         return self._engine.run(prepared)
+
+    def start(self, prepared):  # the scheduler's rounds
+        self.rounds.append([q.name for p in prepared for q in p.questions])
+        self.hook(prepared)
+        return self._engine.start(prepared)
 
 
 def gate_hook(**raise_for):

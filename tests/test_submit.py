@@ -21,13 +21,13 @@ def test_concurrent_submissions_share_rounds_and_equal_decide():
     requests = [random_request(rng, max_questions=4, max_words=40) for _ in range(24)]
     alone = [engine.decide(r) for r in requests]
     sizes = []
-    run = engine.run
+    start = engine.start  # the scheduler's rounds
 
-    def counting_run(prepared):
+    def counting_start(prepared):
         sizes.append(len(prepared))
-        return run(prepared)
+        return start(prepared)
 
-    engine.run = counting_run
+    engine.start = counting_start
     prompts = [engine.prompts.copy_for_thread() for _ in range(8)]
     with ThreadPoolExecutor(8) as pool:
         futures = list(pool.map(lambda i: engine.submit(requests[i], prompts[i % 8]), range(len(requests))))

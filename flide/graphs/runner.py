@@ -6,6 +6,9 @@ views of it, marked static for torch.compile). `torch.compile(mode="reduce-overh
 and its cudagraph trees record one CUDA graph per bucket (a warm-up run, a recording run, one replay). A round is
 built straight into its bucket's pinned buffer, moved to the GPU in ONE copy, and the bucket's graph replays; no
 shape, Python int or launch size depends on the round's contents, so nothing recompiles or re-records after capture.
+`launch` enqueues all of that and the copy of the scores back without waiting, and `finish` waits: the serve
+scheduler launches the next round before it reads the previous one's answers, so reading answers and building the
+next round overlap the device's work (each bucket has two pinned buffers, used in turn, for that).
 
 Checkpoints (flide/checkpoints) are not captured: a round that resumes from a checkpoint or saves one runs eagerly
 (`Engine.run` decides before choosing the runner), since its prefix keys, conv windows and snapshots have
@@ -36,7 +39,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -63,10 +66,30 @@ def graph_thread() -> ThreadPoolExecutor:
 @dataclass
 class Bucket:
     shape: Shape
-    host: torch.Tensor  # [packed_size] int64, pinned on CUDA: the round is built here
-    device: torch.Tensor  # the same on the model's device: what the graph reads
+    # two [packed_size] int64 buffers, pinned on CUDA, used in turn: a round is built into one while the copy out of
+    # the other (the round launched before it) may still wait in the stream (see `launch`)
+    hosts: tuple[torch.Tensor, torch.Tensor]
+    device: torch.Tensor  # [packed_size] on the model's device: what the graph reads
     tensors: RoundTensors  # views of `device`, in field order
+    scores: list = field(default_factory=lambda: [None, None])  # per turn: the pinned float32 copy of the scores
+    busy: list = field(default_factory=lambda: [False, False])  # per turn: launched and not yet finished
+    turn: int = 0
     replays: int = 0
+
+    @property
+    def host(self) -> torch.Tensor:
+        return self.hosts[self.turn]
+
+
+@dataclass
+class Launched:
+    """A round whose replay and score copy are enqueued on the device: `GraphRunner.finish` waits for them."""
+
+    round: Round
+    scores: torch.Tensor  # the bucket's pinned buffer of this turn: valid once `done` has passed
+    done: torch.cuda.Event | None  # recorded after the copy (None off CUDA: everything already ran)
+    bucket: Bucket
+    turn: int
 
 
 class GraphRunner:
@@ -85,6 +108,7 @@ class GraphRunner:
         self._thread = graph_thread()
         self.buckets: dict[int, Bucket] = {}
         self._forward: Callable | None = None
+        self._lock = threading.Lock()  # the buckets' busy turns: launches on the graph thread, finishes anywhere
         self.capture_seconds = 0.0
         self.graph_memory_bytes = 0
 
@@ -127,14 +151,14 @@ class GraphRunner:
     def _allocate(self, shape: Shape) -> Bucket:
         size = packed_size(shape)
         pin = self.device.type == "cuda"
-        host = torch.zeros(size, dtype=torch.int64, pin_memory=pin)
+        hosts = (torch.zeros(size, dtype=torch.int64, pin_memory=pin), torch.zeros(size, dtype=torch.int64, pin_memory=pin))
         device = torch.zeros(size, dtype=torch.int64, device=self.device)
         tensors = RoundTensors.from_flat(device, shape)
         if self.compile:
             for _, view in tensors.items():  # noqa: PERF102 (RoundTensors is a dataclass, not a dict)
                 # the graph reads these addresses; unmarked inputs would be copied into graph-owned buffers per call
                 torch._dynamo.mark_static_address(view)
-        return Bucket(shape, host, device, tensors)
+        return Bucket(shape, hosts, device, tensors)
 
     def _compiled_forward(self) -> Callable:
         flat = self.flat
@@ -183,19 +207,67 @@ class GraphRunner:
     def run(self, requests: list[PreparedRequest], shape: Shape) -> tuple[Round, torch.Tensor]:
         """Builds the round into its bucket and replays the bucket's graph: (round, option scores [O, L] float32 CPU).
         `shape` must be a bucket's shape (`plan_rounds(..., exact=False)` gives it for rounds that are not oversized)."""
-        return self._thread.submit(self._run, requests, shape).result()
+        launched = self.launch(requests, shape)
+        return launched.round, self.finish(launched)
 
-    def _run(self, requests: list[PreparedRequest], shape: Shape) -> tuple[Round, torch.Tensor]:
+    def launch(self, requests: list[PreparedRequest], shape: Shape) -> Launched:
+        """Enqueues a round: its build into the bucket's host buffer of this turn, the copy to the device, the replay,
+        and the copy of its scores into pinned memory, without waiting for the device. `finish` waits.
+
+        A bucket has two host buffers and two score buffers: a launch takes a turn whose buffers no unfinished round
+        of the bucket holds, so at most two rounds of one bucket may be in flight (a third launch raises), and neither
+        buffer is rewritten while the stream may still read or write it. The device buffer and the graph's output are
+        rewritten only by later work in the same stream, after this round's."""
+        return self._thread.submit(self._launch, requests, shape).result()
+
+    def _launch(self, requests: list[PreparedRequest], shape: Shape) -> Launched:
         bucket = self.buckets.get(shape.tokens)
         if bucket is None or bucket.shape != shape:
             raise ValueError(f"No captured bucket has the shape {shape}; buckets: {sorted(self.buckets)}.")
-        round_ = build_round(requests, shape, self.pad_id, out=bucket.host)
-        # the host buffer is rebuilt only after this round's scores came back (the .cpu() below waits), so the
-        # asynchronous copy never races the next build
-        bucket.device.copy_(bucket.host, non_blocking=True)
-        return round_, self._replay(bucket)
+        with self._lock:
+            free = [turn for turn in (bucket.turn ^ 1, bucket.turn) if not bucket.busy[turn]]
+            if not free:
+                raise RuntimeError(f"GraphRunner.launch: two rounds of the {shape.tokens}-token bucket are in flight; "
+                                   "finish one first.")
+            bucket.turn = free[0]
+            bucket.busy[bucket.turn] = True
+        turn = bucket.turn
+        try:
+            host = bucket.hosts[turn]
+            round_ = build_round(requests, shape, self.pad_id, out=host)
+            bucket.device.copy_(host, non_blocking=True)
+            scores = self._replay(bucket)
+            out = bucket.scores[turn]
+            if out is None or out.shape != scores.shape:
+                out = torch.empty(scores.shape, dtype=torch.float32, pin_memory=self.device.type == "cuda")
+                bucket.scores[turn] = out
+            # copied out before any later replay can overwrite the graph's output (same stream, in order)
+            out.copy_(scores.float(), non_blocking=True)
+            done = None
+            if self.device.type == "cuda":
+                done = torch.cuda.Event()
+                done.record()
+        except BaseException:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # nothing of this turn may still run when its buffers are reused
+            with self._lock:
+                bucket.busy[turn] = False
+            raise
+        return Launched(round_, out, done, bucket, turn)
+
+    def finish(self, launched: Launched) -> torch.Tensor:
+        """Waits for a launched round's device work: its option scores [O, L] float32 on the CPU (a copy of its own).
+        Call it once per launch, also after an error elsewhere: it gives the round's buffers back."""
+        try:
+            if launched.done is not None:
+                launched.done.synchronize()  # releases the GIL while it waits
+            return launched.scores.clone()
+        finally:
+            with self._lock:
+                launched.bucket.busy[launched.turn] = False
 
     def _replay(self, bucket: Bucket) -> torch.Tensor:
+        """The bucket's graph (or the eager forward) on its device buffer: the scores on the device."""
         with torch.inference_mode():
             if self._forward is not None:
                 torch.compiler.cudagraph_mark_step_begin()  # each round is a new step: the last one's outputs are dead
@@ -203,7 +275,7 @@ class GraphRunner:
             else:
                 scores = self.flat(bucket.tensors)
             bucket.replays += 1
-            return scores.float().cpu()  # copies out before the next replay overwrites the graph's output
+            return scores
 
     def close(self) -> None:
         """Drops the buckets' buffers (the graphs stay with cudagraph trees until the process ends); the shared

@@ -51,6 +51,19 @@ class Ticket:
     future: Future = field(default_factory=Future)  # -> the answers dict, in question order
 
 
+@dataclass(eq=False)
+class Started:
+    """A round the model thread started (`Engine.start`) and has not answered yet."""
+
+    batch: list[Ticket]
+    pending: object  # flide.engine.PendingRound
+    at: float  # perf_counter at its start
+
+    def wait(self) -> None:
+        """Until the device is done with it (a launched graph replay), without reading its answers."""
+        self.pending.wait()
+
+
 class Scheduler:
     """Runs an `Engine`'s rounds on one model thread; see the module docstring."""
 
@@ -169,24 +182,49 @@ class Scheduler:
         return ticket.future
 
     def _loop(self) -> None:
+        pending: Started | None = None  # with overlap_rounds: the round on the device, its answers not yet read
+        overlap = self.settings.overlap_rounds
         while True:
             with self._cond:
-                while not self._ready and not self._stopping:
+                while not self._ready and not self._stopping and pending is None:
                     self._cond.wait()
-                if self._stopping:
+                if self._stopping and pending is None:
                     return
-                batch = self._take()
+            if pending is not None:
+                # the next round is taken once the device is done with this one: it packs what arrived meanwhile,
+                # as without overlap; launching it at once would send half-filled rounds while clients still wait
+                try:
+                    pending.wait()
+                except Exception:  # noqa: BLE001 (a device error: its `result()` raises it again, answered there)
+                    pass
+            with self._cond:
+                batch = self._take() if self._ready and not self._stopping else []
+            started = None
             if batch:
                 try:
-                    self._run(batch)
+                    started = self._start(batch)  # enqueued behind the round on the device, if any
+                    if not overlap and started is not None:
+                        self._finish(started)
+                        started = None
                 except BaseException as error:  # never leave a future unanswered, never let the thread die quietly
-                    logger.exception("scheduler: round handling failed")
-                    for ticket in batch:
-                        if not ticket.future.done():
-                            ticket.future.set_exception(error if isinstance(error, Exception) else Overloaded(
-                                "the model thread stopped."))
+                    self._fail(batch, error)
                     if not isinstance(error, Exception):
                         raise
+            if pending is not None:
+                try:
+                    self._finish(pending)  # its answers while the device runs the next round
+                except BaseException as error:
+                    self._fail(pending.batch, error)
+                    if not isinstance(error, Exception):
+                        raise
+            pending = started
+
+    def _fail(self, batch: list[Ticket], error: BaseException) -> None:
+        logger.error("scheduler: round handling failed", exc_info=error)
+        for ticket in batch:
+            if not ticket.future.done():
+                ticket.future.set_exception(error if isinstance(error, Exception) else Overloaded(
+                    "the model thread stopped."))
 
     def _take(self) -> list[Ticket]:
         """The longest prefix of the waiting requests that fits one round (called holding the lock)."""
@@ -211,7 +249,9 @@ class Scheduler:
                 batch.append(ticket)
         return batch
 
-    def _run(self, batch: list[Ticket]) -> None:
+    def _start(self, batch: list[Ticket]) -> Started | None:
+        """Starts a round (`Engine.start`): a graph replay is only enqueued. None when it failed to start: then its
+        requests are answered here (503 after an out-of-memory, else each alone)."""
         import torch
 
         start = time.perf_counter()
@@ -219,24 +259,42 @@ class Scheduler:
             self.metrics.queue_wait.observe(start - ticket.ready_at)
         self.metrics.running.set(len(batch))
         try:
-            answers = self._forward([t.prepared for t in batch])
+            return Started(batch, self.engine.start([t.prepared for t in batch]), start)
         except torch.OutOfMemoryError:
             self._out_of_memory(batch)
         except Exception as error:
-            self.metrics.round_failures.labels("error").inc()
-            if len(batch) == 1:
-                logger.exception("scheduler: request %s failed in its round", batch[0].request_id)
-                batch[0].future.set_exception(error)
-                return
-            logger.warning("scheduler: a round of %d requests raised %s: %s; running them one at a time",
-                           len(batch), type(error).__name__, error)
-            for ticket in batch:
-                self._run_alone(ticket)
+            self._failed_round(batch, error)
+        self.metrics.running.set(0)
+        return None
+
+    def _finish(self, started: Started) -> None:
+        """A started round's answers to its futures (waits for the device if it still runs), and its metrics."""
+        import torch
+
+        batch = started.batch
+        try:
+            answers = started.pending.result()
+        except torch.OutOfMemoryError:
+            self._out_of_memory(batch)
+        except Exception as error:
+            self._failed_round(batch, error)
         else:
+            self._observe([t.prepared for t in batch], started.at)
             for ticket, answer in zip(batch, answers):
                 ticket.future.set_result(answer)
         finally:
             self.metrics.running.set(0)
+
+    def _failed_round(self, batch: list[Ticket], error: Exception) -> None:
+        self.metrics.round_failures.labels("error").inc()
+        if len(batch) == 1:
+            logger.error("scheduler: request %s failed in its round", batch[0].request_id, exc_info=error)
+            batch[0].future.set_exception(error)
+            return
+        logger.warning("scheduler: a round of %d requests raised %s: %s; running them one at a time",
+                       len(batch), type(error).__name__, error)
+        for ticket in batch:
+            self._run_alone(ticket)
 
     def _run_alone(self, ticket: Ticket) -> None:
         import torch
@@ -265,6 +323,10 @@ class Scheduler:
         """One round (`prepared` fits one by construction) -> answers, and its metrics."""
         start = time.perf_counter()
         answers = self.engine.run(prepared)
+        self._observe(prepared, start)
+        return answers
+
+    def _observe(self, prepared: list[PreparedRequest], start: float) -> None:
         tokens = sum(p.stream_tokens - p.cached_tokens for p in prepared)  # resumed checkpoints not recomputed
         m = self.metrics
         m.round_seconds.observe(time.perf_counter() - start)
@@ -272,4 +334,3 @@ class Scheduler:
         m.round_requests.observe(len(prepared))
         m.round_tokens.observe(tokens)
         m.tokens_computed.inc(tokens)
-        return answers

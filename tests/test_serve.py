@@ -32,7 +32,7 @@ from flide.config import ServeConfig
 from flide.models.tiny import tiny_model, tiny_tokenizer
 from flide.serve import create_app
 from flide.testing import max_difference
-from flide.serve.body import TOP_LEVEL_KEYS, ApiError, check_value
+from flide.serve.body import TOP_LEVEL_KEYS, ApiError, check_value, needs_check
 from flide.testing import SUPPORT_TICKET as GOOD
 
 REPO = Path(__file__).resolve().parent.parent
@@ -323,6 +323,30 @@ bodies = st.one_of(
 content_types = st.sampled_from(["application/json"] * 6 + [None, "application/json; charset=utf-8",
                                                              "application/vnd.api+json", "text/plain",
                                                              "multipart/form-data; boundary=x", "", "*/*"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(value=st.recursive(st.text(max_size=8) | st.integers() | st.none(),
+                          lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=4),
+                                                                                            children, max_size=3),
+                          max_leaves=20),
+       depth=st.integers(1, 6))
+def test_the_body_walk_is_skipped_only_where_it_cannot_find_anything(value, depth):
+    """`parse_body` walks the parsed body (nesting, unpaired surrogates) only when `needs_check` says its bytes could
+    hold an offender: whatever the walk rejects, `needs_check` must flag, for any encoding of the value."""
+    for ascii_only in (True, False):
+        body = json.dumps(value, ensure_ascii=ascii_only).encode("utf-8", "surrogatepass")
+        try:
+            check_value(json.loads(body.decode("utf-8", "surrogatepass")), depth)
+        except ApiError:
+            assert needs_check(body, depth), body
+
+
+def test_needs_check_on_plain_and_offending_bodies():
+    assert not needs_check(b'{"state": "a \\u00e9 [b]", "questions": {"q": {"type": "noul"}}}', 64)
+    assert needs_check(b'{"state": "\\ud83d"}', 64) and needs_check(b'{"state": "\\uDFFF"}', 64)
+    assert not needs_check(b'{"state": "\\ue000"}', 64)
+    assert needs_check(b"[[[]]]", 2) and not needs_check(b"[[[]]]", 3)
 
 
 def engine_verdict(engine, body: bytes):

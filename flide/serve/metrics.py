@@ -42,7 +42,7 @@ class Metrics:
                                                             "the answered requests (the baseline's work).", registry=r)
         self.queue_depth = Gauge("flide_queue_depth", "Requests admitted and not yet in a round (being prepared or "
                                                       "waiting).", registry=r)
-        self.running = Gauge("flide_running_requests", "Requests in the round now running.", registry=r)
+        self.running = Gauge("flide_running_requests", "Requests in rounds started and not yet answered.", registry=r)
 
     def watch_checkpoints(self, cache) -> None:
         """Exports a `flide.checkpoints.CheckpointCache`'s counters (read at each scrape); once per registry."""

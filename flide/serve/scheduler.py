@@ -2,7 +2,12 @@
 into the next one.
 
     admit (queue bound) -> prepare (thread pool: validate, render, tokenize) -> submit -> model thread: take the
-    longest prefix of the waiting requests that fits one round (`plan_rounds`), `engine.run` it, answer each future
+    longest prefix of the waiting requests that fits one round (`plan_rounds`), `engine.start` it, answer each future
+
+- With `serve.overlap_rounds`, once the device has finished a round the model thread takes and launches the next one
+  first and then reads the finished round's answers and sets its futures, so that host work runs under the next
+  round's GPU work. The next round is taken only when the device is done (not at once), so it packs what arrived
+  meanwhile, as without overlap.
 
 - Only the model thread touches the model, so rounds never overlap and need no lock. Preparing runs in a pool whose
   threads each own a copy of the prompt tokenizer (`PromptTokenizer.copy_for_thread`): transformers' fast
@@ -257,14 +262,14 @@ class Scheduler:
         start = time.perf_counter()
         for ticket in batch:
             self.metrics.queue_wait.observe(start - ticket.ready_at)
-        self.metrics.running.set(len(batch))
+        self.metrics.running.inc(len(batch))  # counted until `_finish` (two rounds with overlap_rounds)
         try:
             return Started(batch, self.engine.start([t.prepared for t in batch]), start)
         except torch.OutOfMemoryError:
             self._out_of_memory(batch)
         except Exception as error:
             self._failed_round(batch, error)
-        self.metrics.running.set(0)
+        self.metrics.running.dec(len(batch))
         return None
 
     def _finish(self, started: Started) -> None:
@@ -283,7 +288,7 @@ class Scheduler:
             for ticket, answer in zip(batch, answers):
                 ticket.future.set_result(answer)
         finally:
-            self.metrics.running.set(0)
+            self.metrics.running.dec(len(batch))
 
     def _failed_round(self, batch: list[Ticket], error: Exception) -> None:
         self.metrics.round_failures.labels("error").inc()

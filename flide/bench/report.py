@@ -44,7 +44,7 @@ def _workload_key(workload: str):
 
 
 _METRIC_ORDER = ("tokens_per_request", "latency_p50_ms", "latency_p90_ms", "requests_per_s", "latency_p50_ms@",
-                 "peak_memory_gib")
+                 "peak_memory_gib", "peak_reserved_gib")
 # Metrics of the http engine only: its own table ("HTTP server"), not one table each
 _HTTP_METRICS = ("http_max_abs_diff", "latency_p99_ms@", "errors@", "answered@", "mean_round_requests@",
                  "client_cpu_share@")
@@ -110,7 +110,8 @@ def markdown(rows: list[dict], config: BenchConfig) -> str:
         titles = {"latency_p50_ms": "Latency of one request alone, median (ms)",
                   "latency_p90_ms": "Latency of one request alone, p90 (ms)",
                   "tokens_per_request": "Tokens computed per request",
-                  "peak_memory_gib": "Peak GPU memory (GiB, weights included)"}
+                  "peak_memory_gib": "Peak GPU memory allocated during the runs (GiB, weights included)",
+                  "peak_reserved_gib": "Peak GPU memory reserved (GiB: weights, CUDA graphs' pools, allocator cache)"}
         for metric in metrics:
             if metric.startswith("requests_per_s@"):
                 title = f"Requests/s, concurrency {metric.split('@')[1]}"

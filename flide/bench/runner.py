@@ -14,7 +14,8 @@ and every engine (+ one `flide:<name>` per ablation), it measures:
   `max_throughput_seconds`: the run waits for every request in flight, and a device runs them mostly one by one;
 - `latency_p50_ms@N` (ms): the median request latency inside that run;
 - `peak_memory_gib` (GiB): `torch.cuda.max_memory_allocated` over the engine's runs of the workload, weights included
-  (CUDA only);
+  (CUDA only); `peak_reserved_gib`: `torch.cuda.max_memory_reserved` over them: what the process holds from the GPU,
+  the captured graphs' memory pools included (issue 8's memory goal is about this one);
 
 plus, per workload (engine `-`): requests, questions_per_request, state_tokens_per_request. Sweep workloads
 (`sweep/q<n>`) are measured alone only (their point is latency against the question count). A cell that fails (an
@@ -271,6 +272,7 @@ def measure(engine, requests: list[dict], config: BenchConfig, timer: Timer, poo
             del clones
     if cuda:
         out.append(("peak_memory_gib", torch.cuda.max_memory_allocated(device) / 2**30, "GiB"))
+        out.append(("peak_reserved_gib", torch.cuda.max_memory_reserved(device) / 2**30, "GiB"))
     return out
 
 

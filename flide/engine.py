@@ -135,8 +135,37 @@ class Engine:
         runner = GraphRunner(self.flat, self.config.capacities, self.max_options, self.device, self.pad_id,
                              compiler=self.config.runtime.compiler, batch_invariant=self.kernels.batch_invariant)
         with gemm_reductions(self.config.runtime.gemm_reductions, self.device):  # the graphs record cuBLAS's picks
+            self.tune_kernels()
             runner.capture()
         return runner
+
+    def tune_kernels(self) -> None:
+        """One eager round of a typical mix, run before the graphs are captured. Kernels that autotune at their first
+        call pick their configs then, for the rest of the process: fla's chunked gated delta kernels key their
+        configs by head sizes only, not by the stream, and the capture's first call is an empty round, on which
+        every config returns at once and the pick would be noise (their grid, e.g. how many programs split a long
+        state's scan, decides how fast a long state runs). The mix: one long state with 8 questions, and RACE-like
+        requests (240-token states, 4 questions each), within the largest bucket and the request capacity."""
+        import numpy as np
+
+        from .testing import synthetic_request
+
+        caps = self.config.capacities
+        budget = max(caps.buckets)
+        rng = np.random.default_rng(0)
+        vocab = self.flat.text_model.embed_tokens.num_embeddings
+
+        def ids(n: int) -> np.ndarray:
+            return rng.integers(0, vocab, size=n)
+
+        long_state, question = min(2048, budget // 4), min(48, budget // 16)
+        requests = [synthetic_request(ids(long_state), [ids(question) for _ in range(8)])]
+        used = long_state + 8 * question
+        while len(requests) < min(caps.requests, 7) and used + 480 <= budget // 2:
+            requests.append(synthetic_request(ids(240), [ids(60) for _ in range(4)]))
+            used += 480
+        planned = plan_rounds([footprint(r) for r in requests], caps, self.max_options, exact=True)[0]
+        self.forward(build_round([requests[i] for i in planned.requests], planned.shape, self.pad_id))
 
     @property
     def device(self) -> torch.device:

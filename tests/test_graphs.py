@@ -154,3 +154,17 @@ def test_scheduler_overlapping_rounds_answers_equal_decide(engines):
         assert max_difference(expected[i % len(requests)], answer) < 1e-6
     assert sum(started) == 64 and max(started) > 1, f"rounds of {started}: nothing was packed"
     assert all(b.busy == [False, False] for b in bucketed.runner.buckets.values())
+
+
+@pytest.mark.parametrize("buckets,requests", [([256, 512, 1024, 2048], 8), ([256], 1), ([16384], 64)])
+def test_tune_kernels_runs_a_typical_round_within_the_capacities(buckets, requests):
+    """`Engine.tune_kernels` (run before a CUDA capture, so that autotuned kernels pick their configs on real work):
+    one eager round that fits any capacities, from a single small bucket to the largest."""
+    engine = flide.patch(tiny_model("qwen3_5_text"), tiny_tokenizer(),
+                         config={"capacities": {"buckets": buckets, "requests": requests}})
+    seen = []
+    forward = engine.forward
+    engine.forward = lambda round_: seen.append(round_) or forward(round_)
+    engine.tune_kernels()
+    assert len(seen) == 1 and 0 < seen[0].used_tokens <= max(buckets)
+    assert len(seen[0]._requests) <= requests

@@ -269,7 +269,7 @@ class Engine:
         that replays a captured graph is only enqueued on the device here and `result()` waits for it; anything else
         (eager rounds, checkpoint work, requests that need several rounds) runs here. The serve scheduler starts the
         next round before it reads the last one's answers, so that host work overlaps the device's; at most two
-        started rounds may wait for their `result()` at once (GraphRunner.launch)."""
+        started rounds of one bucket may wait for their `result()` at once (GraphRunner.launch)."""
         with gemm_reductions(self.config.runtime.gemm_reductions, self.device):
             graphs = self.runner is not None
             planned = plan_rounds([footprint(p) for p in prepared], self.config.capacities, self.max_options,
@@ -370,7 +370,7 @@ class Engine:
 
 class PendingRound:
     """A started round (`Engine.start`): `result()` -> the answers of the requests given, in their order. For a
-    launched graph replay it waits for the device, once (it must be called: the runner counts rounds in flight)."""
+    launched graph replay it waits for the device, once (it must be called: it gives the bucket's buffers back)."""
 
     def __init__(self, engine: Engine | None, requests: list[PreparedRequest], order: list[int], size: int):
         self.engine, self.requests, self.order, self.size = engine, requests, order, size

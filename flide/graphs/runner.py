@@ -249,7 +249,10 @@ class GraphRunner:
                 done.record()
         except BaseException:
             if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)  # nothing of this turn may still run when its buffers are reused
+                try:  # nothing of this turn may still run when its buffers are reused
+                    torch.cuda.synchronize(self.device)
+                except Exception:  # noqa: BLE001 (a device error: the original error is the one to raise)
+                    pass
             with self._lock:
                 bucket.busy[turn] = False
             raise

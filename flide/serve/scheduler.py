@@ -214,6 +214,8 @@ class Scheduler:
                 except BaseException as error:  # never leave a future unanswered, never let the thread die quietly
                     self._fail(batch, error)
                     if not isinstance(error, Exception):
+                        if pending is not None:  # the thread stops: the round on the device is answered too
+                            self._fail(pending.batch, error)
                         raise
             if pending is not None:
                 try:

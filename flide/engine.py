@@ -275,18 +275,21 @@ class Engine:
             planned = plan_rounds([footprint(p) for p in prepared], self.config.capacities, self.max_options,
                                   exact=not graphs)
             if len(planned) != 1:
-                return PendingRound.done(self._run(prepared))
+                return PendingRound.done(self._run(prepared, planned))
             return self._start_round(prepared, planned[0].requests, planned[0], graphs)
 
-    def _run(self, prepared: list[PreparedRequest]) -> list[dict]:
+    def _run(self, prepared: list[PreparedRequest], plans: list | None = None) -> list[dict]:
+        """`plans`: `plan_rounds` of `prepared` as `_run` makes it, when the caller has it already."""
         answers: list[dict] = [{} for _ in prepared]
-        needs: list[Footprint] = [footprint(p) for p in prepared]
         # Eager rounds take their own size; with graphs a round takes its bucket's shape and replays its graph, and
         # only a request larger than every bucket runs eagerly in a shape of its own (the same flat forward)
         graphs = self.runner is not None
+        if plans is None:
+            needs: list[Footprint] = [footprint(p) for p in prepared]
+            plans = plan_rounds(needs, self.config.capacities, self.max_options, exact=not graphs)
         # With checkpoints the plan is conservative (whole states); what a round resumes is looked up when it is
         # built, so a request resumes from what an earlier round of this call saved, and the round then shrinks
-        for planned in plan_rounds(needs, self.config.capacities, self.max_options, exact=not graphs):
+        for planned in plans:
             requests = [prepared[i] for i in planned.requests]
             got = self._start_round(requests, range(len(requests)), planned, graphs).result()
             for index, answer in zip(planned.requests, got):

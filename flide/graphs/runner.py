@@ -151,7 +151,7 @@ class GraphRunner:
     def _allocate(self, shape: Shape) -> Bucket:
         size = packed_size(shape)
         pin = self.device.type == "cuda"
-        hosts = (torch.zeros(size, dtype=torch.int64, pin_memory=pin), torch.zeros(size, dtype=torch.int64, pin_memory=pin))
+        hosts = tuple(torch.zeros(size, dtype=torch.int64, pin_memory=pin) for _ in range(2))
         device = torch.zeros(size, dtype=torch.int64, device=self.device)
         tensors = RoundTensors.from_flat(device, shape)
         if self.compile:

@@ -59,7 +59,9 @@ def separate(module: nn.Module) -> None:
             if type(layer) is nn.Linear:
                 for tensor in (layer.weight, layer.bias):
                     # a view of a larger buffer (`.data` re-pointed by `fuse`: no autograd view to ask `_base`)
-                    if tensor is not None and tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size():
+                    if tensor is None:
+                        continue
+                    if tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size():
                         tensor.data = tensor.detach().clone()
 
 

@@ -73,22 +73,23 @@ def default_config(dtype: torch.dtype) -> Config:
     raise ValueError(f"linear (triton): unsupported dtype {dtype}; expected float32, bfloat16 or float16")
 
 
+@triton.jit
+def _grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """(tile row, tile column) of output tile number `tile` in the grouped order: GROUP_M tile rows at a time,
+    column by column inside the group (L2 reuse; no effect on the bits). Both forms of the kernel walk tiles so."""
+    num_pid_in_group = GROUP_M * num_pid_n
+    first_pid_m = (tile // num_pid_in_group) * GROUP_M
+    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
+    pid_in_group = tile % num_pid_in_group
+    return first_pid_m + pid_in_group % group_size_m, pid_in_group // group_size_m
+
+
 @triton.jit(do_not_specialize=["M"])
 def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K,
                    stride_xm, stride_xk, stride_wn, stride_wk, stride_b, stride_om, stride_on,
                    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr):
-    # Grouped program order: GROUP_M tile rows at a time, column by column inside the group
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_pid_in_group = GROUP_M * num_pid_n
-    group_id = pid // num_pid_in_group
-    first_pid_m = group_id * GROUP_M
-    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
-    pid_in_group = pid % num_pid_in_group
-    pid_m = first_pid_m + (pid_in_group % group_size_m)
-    pid_n = pid_in_group // group_size_m
+    pid_m, pid_n = _grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
 
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -131,16 +132,12 @@ def _linear_tma_kernel(x_desc, w_desc, out_desc, b_ptr, M, N, K, stride_b, NUM_P
     # clips to [M, N]: a row's result depends on nothing but its own inputs.
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_pid_in_group = GROUP_M * num_pid_n
     k_steps = tl.cdiv(K, BLOCK_K)
     for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS, flatten=True,
                          warp_specialize=WARP_SPECIALIZE):
-        group_id = tile // num_pid_in_group
-        first_pid_m = group_id * GROUP_M
-        group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
-        pid_in_group = tile % num_pid_in_group
-        row = (first_pid_m + pid_in_group % group_size_m) * BLOCK_M
-        col = (pid_in_group // group_size_m) * BLOCK_N
+        pid_m, pid_n = _grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
+        row = pid_m * BLOCK_M
+        col = pid_n * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k in range(k_steps):
             a = x_desc.load([row, k * BLOCK_K])

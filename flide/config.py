@@ -104,8 +104,9 @@ class ServeConfig:
     prepare_processes: int = 0
     retry_after_s: int = 1  # the Retry-After header of 503 answers
     # the model thread starts the next round (a graph replay) before it reads the last round's answers, so answering
-    # and building overlap the device's work (flide/serve/scheduler.py); off until timed on the H200
-    overlap_rounds: bool = False
+    # and building overlap the device's work (flide/serve/scheduler.py). H200, 0.8B, RACE over HTTP: 264 -> 329 req/s
+    # at 8 clients, 350 -> 389 at 64 (benchmarks/results/h200_http_overlap.md)
+    overlap_rounds: bool = True
 
 
 @dataclass(frozen=True)

@@ -46,28 +46,30 @@ export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache
 # Triton's own cache (our kernels and fla's) inside it, so one archive holds every compiled kernel
 export TRITON_CACHE_DIR=/tmp/inductor-cache/triton-jit
 # Compile caches travel between calls: a machine starts bare, and capturing 0.8B's 10 buckets took ~100 s of
-# compiling on each. With SAVE_CACHE=1 a call leaves $OUT/inductor.tgz (if under 15 MiB: files come back up to 16);
-# copy it to .cache/inductor.tgz here (git-excluded) and carry ".cache" with ".whl": later calls unpack it first.
+# compiling on each. With SAVE_CACHE=1 a call leaves $OUT/inductor.txz (if under 15 MiB: files come back up to 16);
+# copy it to .cache/inductor.txz here (git-excluded) and carry ".cache" with ".whl": later calls unpack it first.
 # Valid while the device's torch / triton / GPU stay the same (their versions are in the cache keys).
-# A cache over 15 MiB comes back in 15 MiB parts (inductor.tgz.part-aa, -ab, ...): join them here with
-# `cat inductor.tgz.part-* > .cache/inductor.tgz` (session 8's cache was 32 MB, too large for one file).
-if [ -f .cache/inductor.tgz ]; then tar xzf .cache/inductor.tgz -C /tmp && echo "compile cache: $(du -sh /tmp/inductor-cache | cut -f1) unpacked"; fi
+# A cache over 15 MiB comes back in 15 MiB parts (inductor.txz.part-aa, -ab, ...): join them here with
+# `cat inductor.txz.part-* > .cache/inductor.txz` (session 9's: 17 MB in xz, 39 MB in gzip).
+for c in .cache/inductor.txz .cache/inductor.tgz; do
+    if [ -f "$c" ]; then tar xf "$c" -C /tmp && echo "compile cache: $(du -sh /tmp/inductor-cache | cut -f1) unpacked from $c"; break; fi
+done
 save_cache() {
     [ -n "${SAVE_CACHE:-}" ] || return 0
-    tar czf "$OUT/inductor.tgz" -C /tmp inductor-cache
-    size=$(stat -c %s "$OUT/inductor.tgz")
-    if [ "$size" -gt $((60 * 1024 * 1024)) ]; then echo "compile cache $size bytes: too large to come back"; rm -f "$OUT/inductor.tgz"
+    tar cf - -C /tmp inductor-cache | xz -T0 -6 > "$OUT/inductor.txz"
+    size=$(stat -c %s "$OUT/inductor.txz")
+    if [ "$size" -gt $((60 * 1024 * 1024)) ]; then echo "compile cache $size bytes: too large to come back"; rm -f "$OUT/inductor.txz"
     elif [ "$size" -gt $((15 * 1024 * 1024)) ]; then
-        split -b $((15 * 1024 * 1024)) "$OUT/inductor.tgz" "$OUT/inductor.tgz.part-" && rm -f "$OUT/inductor.tgz"
-        echo "compile cache saved: $size bytes in $(ls "$OUT"/inductor.tgz.part-* | wc -l) parts"
+        split -b $((15 * 1024 * 1024)) "$OUT/inductor.txz" "$OUT/inductor.txz.part-" && rm -f "$OUT/inductor.txz"
+        echo "compile cache saved: $size bytes in $(ls "$OUT"/inductor.txz.part-* | wc -l) parts"
     else echo "compile cache saved: $size bytes"; fi
 }
 # At most 8 files come back from $OUT: with BUNDLE=1 everything a call wrote (logs, JSON, markdown, plots) goes back
 # as one $OUT/results.tgz instead (the compile cache stays beside it); unpack it here with tar xzf.
 bundle() {
     [ -n "${BUNDLE:-}" ] || return 0
-    (cd "$OUT" && find . -type f ! -name 'inductor.tgz*' ! -name results.tgz | tar czf results.tgz -T - && \
-        find . -type f ! -name 'inductor.tgz*' ! -name results.tgz -delete && echo "bundled: $(du -h results.tgz | cut -f1)")
+    (cd "$OUT" && find . -type f ! -name 'inductor.t?z*' ! -name results.tgz | tar czf results.tgz -T - && \
+        find . -type f ! -name 'inductor.t?z*' ! -name results.tgz -delete && echo "bundled: $(du -h results.tgz | cut -f1)")
 }
 finish() { bundle; save_cache; }
 trap finish EXIT

@@ -97,8 +97,13 @@ AUTO = {
     # our Triton kernel before flex: on the H200 (2026-11-30, random Qwen3.5-0.8B, bf16, graphs, one request alone)
     # its attention took 2.98 ms of a QuALITY replay (8k tokens) where flex took 5.70, and the same or less on RACE,
     # MultiRC and the sweep; flex also compiles once per stream size class (the 16,384 bucket stalled capture for
-    # > 3 min), where the Triton kernel compiled once captured all 8 default buckets in 49 s
-    "fork_attention": {"cuda": ("triton", "flex", "reference")},
+    # > 3 min), where the Triton kernel compiled once captured all 8 default buckets in 49 s.
+    # Its batch-invariant form first (key tiles start at each row's trunk and fork, not at absolute stream positions):
+    # on the H200 (2026-11-30, 0.8B, bf16, final norm x12) it took the default mode's Stab. from 95.7 / 98.4 / 100 %
+    # to 100 / 100 / 100 % (RACE / MultiRC / QuALITY; TV 3.10 -> 3.00 points on RACE) for 1-2 % of RACE's speed
+    # (504.6 -> 498.7 req/s at 64 submitters, latency alone 7.07 -> 7.21 ms): where a request sits in the stream no
+    # longer changes its bits (results/h200_fidelity_0_8b.md, h200_qwen3_5_0_8b.md)
+    "fork_attention": {"cuda": ("triton_invariant", "triton", "flex", "reference")},
     "gated_delta": {"cuda": ("fla", "reference")},
     # the Triton conv: one launch for the whole stream (the reference gathers windows in several ops); its GPU
     # tests (tests/gpu/test_fork_conv_gpu.py, 32 cases vs the reference) pass on the H200 (2026-11-30)

@@ -42,6 +42,8 @@ def main() -> None:
     parser.add_argument("--chars", type=int, default=None)
     parser.add_argument("--engine", default="flide+checkpoints", choices=("flide+checkpoints", "flide"))
     parser.add_argument("--top", type=int, default=30, help="lines of each cProfile table")
+    parser.add_argument("--torch-profile", action="store_true",
+                        help="also trace the last step with torch.profiler: device time by kernel vs the step's wall")
     args = parser.parse_args()
 
     if args.model.startswith("tiny:"):
@@ -84,6 +86,21 @@ def main() -> None:
             profile.disable()
             counters = engine.checkpoints.stats() if getattr(engine, "checkpoints", None) is not None else {}
             print(f"{tokens:6d}  {prepare_ms:10.2f}  {run_ms:6.2f}  {counters}", flush=True)
+    if args.torch_profile:
+        from torch.profiler import ProfilerActivity, profile as trace
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.startswith("cuda") else [])
+        engine.checkpoints.clear() if getattr(engine, "checkpoints", None) is not None else None
+        for state in trajectories[-1][:-1]:  # the last trajectory again, so its last step resumes as it did
+            step(state)
+        with trace(activities=activities) as traced:
+            prepare_ms, run_ms = step(trajectories[-1][-1])
+        events = traced.key_averages()
+        device_us = sum(e.self_device_time_total for e in events)
+        print(f"--- torch.profiler, last step: prepare {prepare_ms:.2f} ms, run {run_ms:.2f} ms, device kernels "
+              f"{device_us / 1e3:.2f} ms ---")
+        print(events.table(sort_by="self_device_time_total" if args.device.startswith("cuda") else
+                           "self_cpu_time_total", row_limit=25, max_name_column_width=60))
     for key in ("cumulative", "tottime"):
         text = io.StringIO()
         pstats.Stats(profile, stream=text).sort_stats(key).print_stats(args.top)

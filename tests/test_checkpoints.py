@@ -480,3 +480,35 @@ def test_engine_resumes_exactly_through_the_extended_stream_companions(monkeypat
         if step:
             assert sum(engine.usage(p).cached_tokens > 0 for p in prepared) >= 3
     assert engine.checkpoints.stats()["hits"] >= 9
+
+
+def test_companions_derive_their_round_tables_once(monkeypatch):
+    """The layers of one forward pass the same table tensors: inside `per_round_tables` (one forward) a companion
+    derives the extended stream once (its host syncs and small ops), again once a table is written in place, and
+    outside it on every call."""
+    from flide.ops import resume
+
+    calls = []
+    extend = resume._extend
+    monkeypatch.setattr(resume, "_extend", lambda *a: calls.append(1) or extend(*a))
+    g = torch.Generator().manual_seed(7)
+    m, n, questions = 128, 130, [5, 1, 3]
+    full, cut = _fork_stream(g, m, n, questions)
+    T = len(full[0])
+    pre = (torch.zeros(T - m, dtype=torch.long), torch.full((T - m,), m, dtype=torch.long))
+    companion = resume.attention_with_prefix(fork_attention_reference)
+    outputs = []
+    with resume.per_round_tables():
+        for layer in range(3):  # three layers: their own q/k/v and prefix rows, the round's tables
+            q, k, v = (torch.randn(T, h, 8, generator=g) for h in (4, 2, 2))
+            args = (q[m:], k[m:], v[m:], *cut, k[:m], v[:m], *pre, 0.3)
+            outputs.append((companion(*args), fork_attention_prefix_reference(*args)))
+        assert len(calls) == 1
+        pre[1].add_(0)  # an in-place write: the tables may have changed
+        companion(*args)
+        assert len(calls) == 2
+    for got, want in outputs:
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    companion(*args)
+    companion(*args)
+    assert len(calls) == 4

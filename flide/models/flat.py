@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ..ops.gated_delta import ForkTables, fork_tables
+from ..ops.resume import per_round_tables
 from ..round import RoundTensors
 from .fused import fuse, project
 from .layers import FlatContext
@@ -110,7 +111,14 @@ class FlatModel(nn.Module):
 
     def forward(self, r: RoundTensors, checkpoints=None) -> torch.Tensor:
         """`checkpoints`: the round's `flide.checkpoints.RoundCheckpoints` (bound), or None. With it every layer
-        runs eagerly with its own part of the checkpoint work in its context."""
+        runs eagerly with its own part of the checkpoint work in its context, and the resume companions derive
+        their extended streams from the round's tables once for all layers (`per_round_tables`)."""
+        if checkpoints is None:
+            return self._forward(r)
+        with per_round_tables():
+            return self._forward(r, checkpoints)
+
+    def _forward(self, r: RoundTensors, checkpoints=None) -> torch.Tensor:
         m = self.text_model
         h = m.embed_tokens(r.input_ids)  # [T, H]
         cos, sin = m.rotary_emb(h[None], r.positions[None])

@@ -25,13 +25,55 @@ Every companion has the signature of the reference one it replaces (`registry.re
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
+from contextlib import contextmanager
 
 import torch
 
 from ..config import GDN_CHUNK
 
 PAD_TO = 256  # extended streams are padded to a multiple of this: fewer distinct shapes for per-shape kernels (flex)
+
+
+_SCOPE = threading.local()  # .entries: {id(_PerRound): entry} of the forward pass running in this thread
+
+
+@contextmanager
+def per_round_tables():
+    """Scope of one forward pass over one round: inside it companions derive their round tables once (`_PerRound`);
+    outside it (a companion called on its own) they derive them on every call. Entered by `FlatModel.forward` for
+    rounds with checkpoint work."""
+    outer = getattr(_SCOPE, "entries", None)
+    _SCOPE.entries = {}
+    try:
+        yield
+    finally:
+        _SCOPE.entries = outer
+
+
+class _PerRound:
+    """What a companion derives from its round's tables (layouts, indices, host syncs), kept for the next layer.
+
+    Every layer of one forward passes the same table tensors (the round's, bound once), so inside
+    `per_round_tables` the derivation runs once per round instead of once per layer: on the H200 a resumed agent
+    step spent most of its ~150 ms over the GPU's work in per-layer host work (benchmarks/profile_agent_steps.py).
+    Keyed by the tables' identity (the entry holds them, so their ids cannot be reused while it lives) and, where
+    tensors track one, their version counters (inference tensors do not: the scope, one forward pass in which
+    nothing writes the tables, is what makes the entry valid)."""
+
+    def get(self, tables: tuple[torch.Tensor, ...], extra, derive: Callable):
+        entries = getattr(_SCOPE, "entries", None)
+        if entries is None:
+            return derive()
+        versions = tuple(0 if t.is_inference() else t._version for t in tables)
+        entry = entries.get(id(self))
+        if (entry is not None and all(a is b for a, b in zip(entry[0], tables)) and entry[1] == versions
+                and entry[2] == extra):
+            return entry[3]
+        value = derive()
+        entries[id(self)] = (tables, versions, extra, value)
+        return value
 
 
 def _extend(seg_lo: torch.Tensor, trunk_lo: torch.Tensor, trunk_hi: torch.Tensor, starts: list[int],
@@ -86,15 +128,24 @@ def _resumed_starts(seg_lo: torch.Tensor, trunk_lo: torch.Tensor, trunk_hi: torc
 def attention_with_prefix(op: Callable) -> Callable:
     """The `fork_attention_prefix` companion built on a plain fork attention variant `op`."""
 
-    def fork_attention_prefix(q, k, v, seg_lo, trunk_lo, trunk_hi, pk, pv, pre_lo, pre_hi, scale):
+    memo = _PerRound()
+
+    def derive(seg_lo, trunk_lo, trunk_hi, pre_lo, pre_hi):
         resumed = pre_hi > pre_lo
         if not bool(resumed.any()):
-            return op(q, k, v, seg_lo, trunk_lo, trunk_hi, scale)
+            return None
         starts, token = _resumed_starts(seg_lo, trunk_lo, trunk_hi, resumed)
         spans = torch.stack([pre_lo[token], pre_hi[token]], 1).tolist()
-        rows, inserted, new_seg, new_lo, new_hi, n = _extend(seg_lo, trunk_lo, trunk_hi, starts,
-                                                              [hi - lo for lo, hi in spans])
-        prefix = torch.cat([torch.arange(lo, hi, device=q.device) for lo, hi in spans])
+        extended = _extend(seg_lo, trunk_lo, trunk_hi, starts, [hi - lo for lo, hi in spans])
+        prefix = torch.cat([torch.arange(lo, hi, device=seg_lo.device) for lo, hi in spans])
+        return extended, prefix
+
+    def fork_attention_prefix(q, k, v, seg_lo, trunk_lo, trunk_hi, pk, pv, pre_lo, pre_hi, scale):
+        tables = (seg_lo, trunk_lo, trunk_hi, pre_lo, pre_hi)
+        derived = memo.get(tables, None, lambda: derive(*tables))
+        if derived is None:
+            return op(q, k, v, seg_lo, trunk_lo, trunk_hi, scale)
+        (rows, inserted, new_seg, new_lo, new_hi, n), prefix = derived
         q2 = q.new_zeros(n, *q.shape[1:])
         k2, v2 = k.new_zeros(n, *k.shape[1:]), v.new_zeros(n, *v.shape[1:])
         q2[rows], k2[rows], v2[rows] = q, k, v
@@ -107,14 +158,21 @@ def attention_with_prefix(op: Callable) -> Callable:
 def conv_with_window(op: Callable) -> Callable:
     """The `fork_conv_window` companion built on a plain fork conv variant `op`."""
 
-    def fork_conv_window(x, weight, seg_lo, trunk_lo, trunk_hi, window, win_index, silu):
+    memo = _PerRound()
+
+    def derive(seg_lo, trunk_lo, trunk_hi, win_index, width):
         resumed = win_index >= 0
         if not bool(resumed.any()):
-            return op(x, weight, seg_lo, trunk_lo, trunk_hi, silu)
+            return None
         starts, token = _resumed_starts(seg_lo, trunk_lo, trunk_hi, resumed)
-        width = window.shape[1]  # W - 1
-        rows, inserted, new_seg, new_lo, new_hi, n = _extend(seg_lo, trunk_lo, trunk_hi, starts,
-                                                              [width] * len(starts))
+        return _extend(seg_lo, trunk_lo, trunk_hi, starts, [width] * len(starts)), token
+
+    def fork_conv_window(x, weight, seg_lo, trunk_lo, trunk_hi, window, win_index, silu):
+        tables, width = (seg_lo, trunk_lo, trunk_hi, win_index), window.shape[1]  # W - 1
+        derived = memo.get(tables, width, lambda: derive(*tables, width))
+        if derived is None:
+            return op(x, weight, seg_lo, trunk_lo, trunk_hi, silu)
+        (rows, inserted, new_seg, new_lo, new_hi, n), token = derived
         x2 = x.new_zeros(n, x.shape[1])
         x2[rows] = x
         x2[inserted] = window[win_index[token]].reshape(-1, x.shape[1]).to(x.dtype)
@@ -127,27 +185,36 @@ def gated_delta_with_snapshot(op: Callable) -> Callable:
     """The `gated_delta_snapshot` companion built on a plain gated delta variant `op` (the level-major contract:
     the segments of a call contiguous and in stream order, unused rows last)."""
 
-    def gated_delta_snapshot(q, k, v, g, beta, seg_start, seg_len, initial_state, initial_index, snapshot_chunk,
-                             scale, use_qk_l2norm):
+    memo = _PerRound()
+
+    def derive(seg_start, seg_len, initial_index, snapshot_chunk):
         snap = snapshot_chunk >= 0
         before = torch.where(snap, torch.minimum(snapshot_chunk * GDN_CHUNK, seg_len), seg_len)
         rest = seg_len - before
         # call 1: each segment as [before its snapshot][the rest, from zero: dropped]
-        starts1 = torch.stack([seg_start, seg_start + before], 1).flatten()
-        lens1 = torch.stack([before, rest], 1).flatten()
-        index1 = torch.stack([initial_index, torch.full_like(initial_index, -1)], 1).flatten()
+        call1 = (torch.stack([seg_start, seg_start + before], 1).flatten(), torch.stack([before, rest], 1).flatten(),
+                 torch.stack([initial_index, torch.full_like(initial_index, -1)], 1).flatten())
+        tails = torch.nonzero(rest > 0).flatten()
+        if tails.numel() == 0:
+            return snap, call1, None
+        # call 2: the rests again, gathered into a short stream, from their snapshots
+        spans = torch.stack([seg_start[tails] + before[tails], rest[tails]], 1).tolist()
+        rows = torch.cat([torch.arange(a, a + n, device=seg_start.device) for a, n in spans])
+        tail_len = rest[tails]
+        call2 = (tails, rows, tail_len.cumsum(0) - tail_len, tail_len,
+                 torch.arange(tails.numel(), device=seg_start.device))
+        return snap, call1, call2
+
+    def gated_delta_snapshot(q, k, v, g, beta, seg_start, seg_len, initial_state, initial_index, snapshot_chunk,
+                             scale, use_qk_l2norm):
+        tables = (seg_start, seg_len, initial_index, snapshot_chunk)
+        snap, (starts1, lens1, index1), call2 = memo.get(tables, None, lambda: derive(*tables))
         o, final1 = op(q, k, v, g, beta, starts1, lens1, initial_state, index1, scale, use_qk_l2norm)
         at_snapshot = final1[0::2]  # the state after `before` tokens: the snapshot, or the final state
         snapshot = torch.where(snap[:, None, None, None], at_snapshot, torch.zeros_like(at_snapshot))
-        tails = torch.nonzero(rest > 0).flatten()
-        if tails.numel() == 0:
+        if call2 is None:
             return o, at_snapshot, snapshot
-        # call 2: the rests again, gathered into a short stream, from their snapshots
-        spans = torch.stack([seg_start[tails] + before[tails], rest[tails]], 1).tolist()
-        rows = torch.cat([torch.arange(a, a + n, device=q.device) for a, n in spans])
-        tail_len = rest[tails]
-        tail_start = tail_len.cumsum(0) - tail_len
-        index2 = torch.arange(tails.numel(), device=q.device)
+        tails, rows, tail_start, tail_len, index2 = call2
         o2, final2 = op(q[rows], k[rows], v[rows], g[rows], beta[rows], tail_start, tail_len, at_snapshot[tails],
                         index2, scale, use_qk_l2norm)
         o = o.clone()
@@ -159,4 +226,4 @@ def gated_delta_with_snapshot(op: Callable) -> Callable:
     return gated_delta_snapshot
 
 
-__all__ = ["attention_with_prefix", "conv_with_window", "gated_delta_with_snapshot"]
+__all__ = ["attention_with_prefix", "conv_with_window", "gated_delta_with_snapshot", "per_round_tables"]

@@ -512,3 +512,38 @@ def test_companions_derive_their_round_tables_once(monkeypatch):
     companion(*args)
     companion(*args)
     assert len(calls) == 4
+
+
+def test_fla_call_tables_once_per_round(monkeypatch):
+    """fla's gated delta derives its call tables (cu_seqlens, chunk list, chunk offsets) from the segment tensors:
+    inside `per_round_tables` once per (segments, length), for each of a layer's two calls, as every call derived
+    them before; `run` gets exactly those (the kernels need CUDA: checked here through `run`'s arguments)."""
+    from flide.ops import resume
+    from flide.ops.gated_delta import fla
+
+    seen = []
+    monkeypatch.setattr(fla, "run", lambda *args: seen.append(args) or (args[0], None))
+    T, Hv, K = 256, 2, 8
+    q, k, v = torch.randn(T, 1, K), torch.randn(T, 1, K), torch.randn(T, Hv, K)
+    g, beta = -torch.rand(T, Hv), torch.rand(T, Hv)
+    none = torch.zeros(0, Hv, K, K)
+    calls = [(seg(0, 100, 230), seg(100, 130, 20)), (seg(0, 70), seg(70, 90))]
+
+    def layer():
+        for start, length in calls:
+            fla.gated_delta(q, k, v, g, beta, start, length, none, torch.full_like(start, -1), 0.3, True)
+
+    with resume.per_round_tables():
+        for _ in range(3):
+            layer()
+    layer()  # outside: derived anew
+    assert len(seen) == 8
+    for n, args in enumerate(seen):
+        start, length = calls[n % 2]
+        cu_seqlens, chunk_indices, offsets = args[5], args[6], args[10]
+        want = fla.bounds(start, length)
+        assert torch.equal(cu_seqlens, want)
+        assert torch.equal(chunk_indices, fla.chunk_table(want, T // 64 + start.shape[0] + 1))
+        assert torch.equal(offsets, fla.chunk_offsets(want))
+    assert seen[0][5] is seen[2][5] is seen[4][5] and seen[1][5] is seen[3][5] is seen[5][5]
+    assert seen[6][5] is not seen[0][5]

@@ -36,12 +36,12 @@ from ..config import GDN_CHUNK
 PAD_TO = 256  # extended streams are padded to a multiple of this: fewer distinct shapes for per-shape kernels (flex)
 
 
-_SCOPE = threading.local()  # .entries: {id(_PerRound): entry} of the forward pass running in this thread
+_SCOPE = threading.local()  # .entries: {(memo, tables, extra) ids: entry} of the forward pass running in this thread
 
 
 @contextmanager
 def per_round_tables():
-    """Scope of one forward pass over one round: inside it companions derive their round tables once (`_PerRound`);
+    """Scope of one forward pass over one round: inside it companions derive their round tables once (`PerRound`);
     outside it (a companion called on its own) they derive them on every call. Entered by `FlatModel.forward` for
     rounds with checkpoint work."""
     outer = getattr(_SCOPE, "entries", None)
@@ -52,27 +52,29 @@ def per_round_tables():
         _SCOPE.entries = outer
 
 
-class _PerRound:
+class PerRound:
     """What a companion derives from its round's tables (layouts, indices, host syncs), kept for the next layer.
 
     Every layer of one forward passes the same table tensors (the round's, bound once), so inside
-    `per_round_tables` the derivation runs once per round instead of once per layer: on the H200 a resumed agent
-    step spent most of its ~150 ms over the GPU's work in per-layer host work (benchmarks/profile_agent_steps.py).
-    Keyed by the tables' identity (the entry holds them, so their ids cannot be reused while it lives) and, where
-    tensors track one, their version counters (inference tensors do not: the scope, one forward pass in which
+    `per_round_tables` the derivation runs once per round instead of once per layer. On the H200 a resumed agent
+    step of 0.8B took ~150 ms more than its GPU work, on the host; its cProfile (benchmarks/profile_agent_steps.py)
+    showed these per-layer derivations among the costs, with a host sync or more each.
+    Keyed by the tables' identity (the entry holds them, so their ids cannot be reused while it lives; a companion
+    with two calls a layer, as the gated delta snapshot, keeps an entry for each) and, where tensors track one, by
+    their version counters (inference tensors do not: the scope, one forward pass in which
     nothing writes the tables, is what makes the entry valid)."""
 
     def get(self, tables: tuple[torch.Tensor, ...], extra, derive: Callable):
         entries = getattr(_SCOPE, "entries", None)
         if entries is None:
             return derive()
+        key = (id(self), tuple(id(t) for t in tables), extra)
         versions = tuple(0 if t.is_inference() else t._version for t in tables)
-        entry = entries.get(id(self))
-        if (entry is not None and all(a is b for a, b in zip(entry[0], tables)) and entry[1] == versions
-                and entry[2] == extra):
-            return entry[3]
+        entry = entries.get(key)
+        if entry is not None and entry[1] == versions:
+            return entry[2]
         value = derive()
-        entries[id(self)] = (tables, versions, extra, value)
+        entries[key] = (tables, versions, value)  # holding the tables keeps their ids from being reused
         return value
 
 
@@ -128,7 +130,7 @@ def _resumed_starts(seg_lo: torch.Tensor, trunk_lo: torch.Tensor, trunk_hi: torc
 def attention_with_prefix(op: Callable) -> Callable:
     """The `fork_attention_prefix` companion built on a plain fork attention variant `op`."""
 
-    memo = _PerRound()
+    memo = PerRound()
 
     def derive(seg_lo, trunk_lo, trunk_hi, pre_lo, pre_hi):
         resumed = pre_hi > pre_lo
@@ -158,7 +160,7 @@ def attention_with_prefix(op: Callable) -> Callable:
 def conv_with_window(op: Callable) -> Callable:
     """The `fork_conv_window` companion built on a plain fork conv variant `op`."""
 
-    memo = _PerRound()
+    memo = PerRound()
 
     def derive(seg_lo, trunk_lo, trunk_hi, win_index, width):
         resumed = win_index >= 0
@@ -185,7 +187,7 @@ def gated_delta_with_snapshot(op: Callable) -> Callable:
     """The `gated_delta_snapshot` companion built on a plain gated delta variant `op` (the level-major contract:
     the segments of a call contiguous and in stream order, unused rows last)."""
 
-    memo = _PerRound()
+    memo = PerRound()
 
     def derive(seg_start, seg_len, initial_index, snapshot_chunk):
         snap = snapshot_chunk >= 0

@@ -21,6 +21,7 @@ import os
 import torch
 
 from ...config import GDN_CHUNK
+from ..resume import PerRound
 
 
 @functools.lru_cache(maxsize=1)
@@ -126,13 +127,22 @@ def chunk_table(cu_seqlens: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.stack([seq, chunk], 1).to(cu_seqlens.dtype)
 
 
+# a call's tables from its segments: in a checkpoint round's forward (`per_round_tables`) derived once for the
+# round's GDN layers, whose calls all pass the same segment tensors (the resume companion's, memoised too)
+_CALL_TABLES = PerRound()
+
+
+def _call_tables(seg_start: torch.Tensor, seg_len: torch.Tensor, T: int):
+    cu_seqlens = bounds(seg_start, seg_len)
+    return cu_seqlens, chunk_table(cu_seqlens, T // GDN_CHUNK + seg_start.shape[0] + 1), chunk_offsets(cu_seqlens)
+
+
 def gated_delta(q, k, v, g, beta, seg_start, seg_len, initial_state, initial_index, scale: float,
                 use_qk_l2norm: bool):
     """Same arguments and results as `reference.gated_delta`, on CUDA tensors (see the module docstring)."""
     T = q.shape[0]
-    N = seg_start.shape[0]
-    cu_seqlens = bounds(seg_start, seg_len)
-    chunk_indices = chunk_table(cu_seqlens, T // GDN_CHUNK + N + 1)
+    cu_seqlens, chunk_indices, offsets = _CALL_TABLES.get((seg_start, seg_len), T,
+                                                          lambda: _call_tables(seg_start, seg_len, T))
     h0 = None  # no initial states (the fork's state call): fla starts every sequence from zero, nothing to fill
     if initial_state.shape[0] > 0:
         # one gather from the states plus a zero row (index -1 and the trailing empty sequence read it)
@@ -141,7 +151,7 @@ def gated_delta(q, k, v, g, beta, seg_start, seg_len, initial_state, initial_ind
         zero_row = torch.full_like(initial_index[:1], initial_state.shape[0])
         rows = torch.cat([torch.where(initial_index >= 0, initial_index, zero_row), zero_row])
         h0 = source[rows]
-    return run(q, k, v, g, beta, cu_seqlens, chunk_indices, h0, scale, use_qk_l2norm)[:2]
+    return run(q, k, v, g, beta, cu_seqlens, chunk_indices, h0, scale, use_qk_l2norm, offsets)[:2]
 
 
 def gated_delta_states(q, k, v, g, beta, cu_seqlens, chunk_indices, offsets, scale: float, use_qk_l2norm: bool):

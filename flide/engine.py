@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from concurrent.futures import Future
@@ -16,7 +17,7 @@ from typing import Any
 import torch
 
 from .config import FlideConfig, load_config
-from .graphs.buckets import exact_shape, plan_rounds
+from .graphs.buckets import exact_shape, holds, plan_rounds
 from .loading import DTYPES
 from .piece_cache import PieceCache
 from .precision import gemm_reductions
@@ -272,7 +273,7 @@ class Engine:
         started rounds of one bucket may wait for their `result()` at once (GraphRunner.launch)."""
         with gemm_reductions(self.config.runtime.gemm_reductions, self.device):
             graphs = self.runner is not None
-            planned = plan_rounds([footprint(p) for p in prepared], self.config.capacities, self.max_options,
+            planned = plan_rounds([self.footprint(p) for p in prepared], self.config.capacities, self.max_options,
                                   exact=not graphs)
             if len(planned) != 1:
                 return PendingRound.done(self._run(prepared, planned))
@@ -285,10 +286,10 @@ class Engine:
         # only a request larger than every bucket runs eagerly in a shape of its own (the same flat forward)
         graphs = self.runner is not None
         if plans is None:
-            needs: list[Footprint] = [footprint(p) for p in prepared]
+            needs: list[Footprint] = [self.footprint(p) for p in prepared]
             plans = plan_rounds(needs, self.config.capacities, self.max_options, exact=not graphs)
-        # With checkpoints the plan is conservative (whole states); what a round resumes is looked up when it is
-        # built, so a request resumes from what an earlier round of this call saved, and the round then shrinks
+        # With checkpoints the plan counts what the cache holds now (`footprint`); what a round resumes is looked up
+        # again when it is built, so a request also resumes from what an earlier round of this call saved
         for planned in plans:
             requests = [prepared[i] for i in planned.requests]
             got = self._start_round(requests, range(len(requests)), planned, graphs).result()
@@ -303,7 +304,11 @@ class Engine:
         for request, cached in zip(requests, work.cached_tokens if work is not None else [0] * len(requests)):
             request.cached_tokens = cached
         pending = PendingRound(self, requests, list(order), len(prepared))
-        if graphs and not planned.oversized and work is None:
+        # a checkpoint planned for but evicted before the build leaves the whole state to compute: the bucket may
+        # then be too small, and the round runs eagerly in a shape of its own
+        if graphs and not planned.oversized and work is None and (
+                self.checkpoints is None or holds(planned.shape, sum(map(footprint, requests[1:]),
+                                                                     footprint(requests[0])))):
             pending.launched = self.runner.launch(requests, planned.shape)
             return pending
         if work is not None:  # resumes or saves: eagerly (the captured graphs know no checkpoints)
@@ -319,6 +324,17 @@ class Engine:
             pending.round = build_round(requests, planned.shape, self.pad_id)
             pending.scores = self.forward(pending.round)
         return pending
+
+    def footprint(self, request: PreparedRequest) -> Footprint:
+        """What `request` needs of a round: with checkpoints, without the state tokens it would resume now (a long
+        agent history whose last step saved a checkpoint needs a round's room for its new tail, not the whole)."""
+        need = footprint(request)
+        if self.checkpoints is None:
+            return need
+        from .checkpoints import resumable_tokens
+
+        skipped = resumable_tokens(self.checkpoints, request)
+        return dataclasses.replace(need, tokens=need.tokens - skipped) if skipped else need
 
     def _checkpoint_work(self, requests: list[PreparedRequest]):
         """The round's checkpoint work (`RoundCheckpoints`), or None without checkpoints or when there is none."""

@@ -87,6 +87,14 @@ class PreparedRequest:
         return self.stream_tokens
 
     @cached_property
+    def trunk_hashes(self) -> list[list[bytes]]:
+        """Per trunk, the chained hashes of its 64-token-aligned prefixes (`flide.checkpoints.prefix_hashes`): the
+        checkpoint cache's keys, computed once whether planning or building a round asks first."""
+        from .checkpoints.cache import prefix_hashes
+
+        return [prefix_hashes(tokens) for tokens in self.trunks]
+
+    @cached_property
     def round_layout(self):
         """This request's part of a round, relative to its own start (`flide.round.RequestLayout`): made once, by
         `Engine.prepare` after it has set each branch's `options` (or else on the request's first round), and reused

@@ -547,3 +547,27 @@ def test_fla_call_tables_once_per_round(monkeypatch):
         assert torch.equal(offsets, fla.chunk_offsets(want))
     assert seen[0][5] is seen[2][5] is seen[4][5] and seen[1][5] is seen[3][5] is seen[5][5]
     assert seen[6][5] is not seen[0][5]
+
+
+def test_resumed_steps_share_rounds_their_whole_histories_would_not_fit():
+    """Planning counts what a request will compute: agents' steps whose histories are over the largest bucket (each
+    alone in a round of its own when counted whole) share rounds once they resume, and stay exact."""
+    from flide.round import footprint
+
+    model, tok = tiny_model("qwen3_5_text"), tiny_tokenizer()
+    engine = flide.Engine(model, tok, {"runtime": {"graphs": "off"}, "capacities": {"buckets": [256, 512, 1024]},
+                                       "checkpoints": {"enabled": True, "min_state_tokens": 64}})
+    fresh = _engine(model, tok, False)
+    talks = [conversation(seed, 6, words=60) for seed in (1, 2, 3, 4)]
+    forwards = []
+    forward = engine.forward
+    engine.forward = lambda *args, **kwargs: forwards.append(1) or forward(*args, **kwargs)
+    for step in range(6):
+        prepared = [engine.prepare(talk[step]) for talk in talks]
+        before = len(forwards)
+        got = engine.run(prepared)
+    assert all(footprint(p).tokens > 1024 for p in prepared)  # whole: each larger than every bucket
+    assert all(engine.footprint(p).tokens < footprint(p).tokens for p in prepared)
+    assert len(forwards) - before < len(prepared)  # resumed: some share a round
+    for talk, answer in zip(talks, got):
+        assert max_difference(fresh.decide(talk[-1]), answer) <= ATOL

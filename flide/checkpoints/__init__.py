@@ -7,6 +7,7 @@ the engine owns one cache (`Engine.checkpoints`).
 """
 
 from .cache import Checkpoint, CheckpointCache, Segments, prefix_hashes
-from .plan import LayerCheckpoint, RoundCheckpoints
+from .plan import LayerCheckpoint, RoundCheckpoints, resumable_tokens
 
-__all__ = ["Checkpoint", "CheckpointCache", "LayerCheckpoint", "RoundCheckpoints", "Segments", "prefix_hashes"]
+__all__ = ["Checkpoint", "CheckpointCache", "LayerCheckpoint", "RoundCheckpoints", "Segments", "prefix_hashes",
+           "resumable_tokens"]

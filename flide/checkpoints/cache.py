@@ -110,6 +110,16 @@ class CheckpointCache:
             self.misses += 1
             return None
 
+    def peek(self, tokens: np.ndarray, hashes: list[bytes], max_length: int) -> int:
+        """The length of the longest saved (verified) prefix of `tokens` no longer than `max_length`, 0 when none,
+        without counting or touching the LRU order: what planning a round expects `lookup` to resume."""
+        with self._lock:
+            for m in sorted((m for m in self._lengths if m <= max_length), reverse=True):
+                entry = self._entries.get((m, hashes[m // GDN_CHUNK - 1]))
+                if entry is not None and np.array_equal(entry.tokens, tokens[:m]):
+                    return m
+            return 0
+
     def contains(self, tokens: np.ndarray, hashes: list[bytes], m: int) -> bool:
         """Whether tokens[:m] is saved (verified), without counting or touching the LRU order."""
         with self._lock:

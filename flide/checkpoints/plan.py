@@ -20,7 +20,6 @@ import torch
 from ..config import GDN_CHUNK, CheckpointConfig
 from ..requests import PreparedRequest
 from ..round import RequestLayout, Round
-from . import cache as cache_module
 from .cache import Checkpoint, CheckpointCache, Segments
 
 
@@ -55,7 +54,7 @@ class RoundCheckpoints:
             limits = _read_limits(request)
             for t, tokens in enumerate(request.trunks):
                 n = len(tokens)
-                work = _Trunk(r, t, tokens, cache_module.prefix_hashes(tokens) if n > GDN_CHUNK else [])
+                work = _Trunk(r, t, tokens, request.trunk_hashes[t] if n > GDN_CHUNK else [])
                 if n > GDN_CHUNK:  # the shortest checkpoint is 64 tokens, and a resumed segment keeps one at least
                     work.resume = cache.lookup(tokens, work.hashes, min(n - 1, limits.get(t, n)))
                 m = (n - config.margin_tokens) // GDN_CHUNK * GDN_CHUNK
@@ -175,6 +174,18 @@ class LayerCheckpoint:
         for n, w in enumerate(work.saves):
             end = int(work.state_start[w.row]) + w.save_at - w.skip  # >= 64 tokens into the segment: all in stream
             work._saved[n].append((snapshot[w.row].clone(), conv_in[end - (width - 1): end].clone()))
+
+
+def resumable_tokens(cache: CheckpointCache, request: PreparedRequest) -> int:
+    """State tokens of `request` that a round built now would resume from `cache` instead of computing (what
+    `RoundCheckpoints` would skip): planning packs rounds by what they will compute, so agents' steps whose long
+    histories resume share a round instead of each running alone as larger than every bucket."""
+    limits, skipped = _read_limits(request), 0
+    for t, tokens in enumerate(request.trunks):
+        n = len(tokens)
+        if n > GDN_CHUNK:
+            skipped += cache.peek(tokens, request.trunk_hashes[t], min(n - 1, limits.get(t, n)))
+    return skipped
 
 
 def _read_limits(request: PreparedRequest) -> dict[int, int]:

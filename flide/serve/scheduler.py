@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from ..config import ServeConfig
 from ..graphs.buckets import plan_rounds
 from ..requests import PreparedRequest
-from ..round import Footprint, footprint
+from ..round import Footprint
 from .metrics import Metrics
 
 logger = logging.getLogger("flide.serve")
@@ -178,7 +178,7 @@ class Scheduler:
     # ---- rounds (the model thread) ----
     def submit(self, ticket: Ticket, prepared: PreparedRequest) -> Future:
         """Queues a prepared request for the next round; the future gets its answers."""
-        ticket.prepared, ticket.need, ticket.ready_at = prepared, footprint(prepared), time.perf_counter()
+        ticket.prepared, ticket.need, ticket.ready_at = prepared, self.engine.footprint(prepared), time.perf_counter()
         with self._cond:
             if self._stopping:
                 raise Overloaded("the server is shutting down.")

@@ -74,6 +74,30 @@ def test_linear_layers_are_swapped_and_put_back():
     assert sorted(model.state_dict()) == keys
 
 
+def test_projections_of_one_input_run_as_one_invariant_gemm(monkeypatch):
+    """Batch-invariant mode fuses q/k/v, the Gated DeltaNet's input projections and gate/up as the default mode does,
+    through the invariant op over the stacked weight (its sums do not depend on N); the plain transformers forward of
+    the patched model is unchanged."""
+    model, tok = tiny_model("qwen3_5_text"), tiny_tokenizer()
+    ids = torch.tensor([[5, 9, 14, 3, 7]])
+    with torch.no_grad():
+        before = model(ids).logits
+    engine = flide.patch(model, tok, config=INVARIANT)
+    blocks = engine.flat.blocks
+    assert all(b.mlp_sizes is not None for b in blocks)
+    assert all((getattr(b.mixer, "in_sizes", None) or getattr(b.mixer, "qkv_sizes", None)) for b in blocks)
+    widths = []
+    op = registry.resolve("linear", "blocked")
+    # a data descriptor on the class is looked up before the instances' own `op`: every call is seen
+    counted = property(lambda self: lambda x, w, b: widths.append(w.shape[0]) or op(x, w, b))
+    monkeypatch.setattr(FlideLinear, "op", counted, raising=False)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, before, atol=1e-5, rtol=1e-5)
+    engine.decide(random_request(random.Random(3), max_questions=2, max_words=20))
+    fused_widths = {sum(b.mlp_sizes) for b in blocks}
+    assert fused_widths & set(widths)  # a fused GEMM ran through the op
+
+
 @pytest.fixture(scope="module", params=list(MODELS))
 def case(request):
     model, tok = MODELS[request.param](), tiny_tokenizer()

@@ -48,7 +48,8 @@ def swap_mixers(text_model: nn.Module, ops: dict) -> None:
             original = getattr(layer.self_attn, "original", layer.self_attn)
             layer.self_attn = FlideAttention(original, ops["fork_attention"])
         else:
-            raise ValueError(f"Decoder layer {index} ({type(layer).__name__}) has neither attention nor Gated DeltaNet.")
+            raise ValueError(f"Decoder layer {index} ({type(layer).__name__}) has neither attention nor Gated "
+                             "DeltaNet.")
 
 
 def adapt(model: nn.Module, tokenizer, kernels: KernelConfig) -> FlatModel:
@@ -66,9 +67,8 @@ def adapt(model: nn.Module, tokenizer, kernels: KernelConfig) -> FlatModel:
         separate(text_model)
     swap_linears(text_model, None if kernels.linear == "torch" else ops["linear"])
     flat = FlatModel(text_model, head, ops["readout"], selective=ops["readout"].gathers_rows_first)
-    if kernels.linear == "torch":  # the model's own layers: projections of one input as one GEMM each (fused.py)
-        for block in flat.blocks:
-            block.fuse_projections()
+    for block in flat.blocks:  # projections of one input as one GEMM each (fused.py), also through an invariant op
+        block.fuse_projections()
     return flat
 
 

@@ -10,8 +10,9 @@ Memory is not doubled: the fused weight is the storage, and each original `nn.Li
 view of its rows, so the model's parameters, state_dict keys and values, and its plain transformers forward are
 unchanged. The fused tensor is a non-persistent buffer of the Flide module that holds it (absent from state_dict):
 `model.to(...)` converts it with the parameters (they stop being views then, and both hold the same values).
-Used only with the model's own linear layers (`kernels.linear: torch`); batch-invariant mode runs each projection
-through its invariant op instead.
+With the model's own linear layers (`kernels.linear: torch`) the fused GEMM is `F.linear`; in batch-invariant mode
+(the projections are `FlideLinear`s of one invariant op) it is that op over the stacked weight, whose sums do not
+depend on N: every projection keeps the bits it has alone.
 """
 
 from __future__ import annotations
@@ -25,7 +26,15 @@ def fuse(owner: nn.Module, linears: list[nn.Linear], name: str) -> list[int] | N
     """Gives `owner` a buffer `<name>_weight` (and `<name>_bias`) holding the weights of `linears` stacked by rows,
     the linears' parameters re-pointed to views of it; returns the output sizes, or None (nothing changed) when the
     layers cannot share one GEMM (not all plain nn.Linear, other inputs, dtypes or devices, bias on some only)."""
-    if len(linears) < 2 or not all(type(layer) is nn.Linear for layer in linears):
+    from .layers import FlideLinear  # (layers.py imports this module)
+
+    if len(linears) < 2:
+        return None
+    # all the model's own layers, or all run through one op (batch-invariant mode's FlideLinear: its kernels sum
+    # each output element over K in an order that depends on neither M nor N, so one GEMM over the stacked weight
+    # gives every projection the bits it gets alone)
+    if not (all(type(layer) is nn.Linear for layer in linears)
+            or all(type(layer) is FlideLinear and layer.op is linears[0].op for layer in linears)):
         return None
     first = linears[0].weight
     if any(layer.in_features != linears[0].in_features or layer.weight.dtype != first.dtype
@@ -51,9 +60,10 @@ def fuse(owner: nn.Module, linears: list[nn.Linear], name: str) -> list[int] | N
 
 def separate(module: nn.Module) -> None:
     """Gives every `nn.Linear` under `module` whose weight or bias is a view (of the fused buffer of an engine that
-    patched the model before) a storage of its own. For the modes that run each projection by itself (batch-invariant
-    mode): a compile region's inputs must not alias one another, and torch.compile refuses the views otherwise (seen on
-    the H200 when `flide:batch-invariant` was built after `flide` on one model). The earlier engine keeps its buffer."""
+    patched the model before) a storage of its own, before batch-invariant mode swaps in its `FlideLinear`s: a compile
+    region's inputs must not alias one another, and torch.compile refused such views when a layer ran by itself (seen
+    on the H200 when `flide:batch-invariant` was built after `flide` on one model, before this mode fused its
+    projections too). The earlier engine keeps its buffer."""
     with torch.no_grad():
         for layer in module.modules():
             if type(layer) is nn.Linear:
@@ -71,5 +81,9 @@ def project(owner: nn.Module, name: str, sizes: list[int] | None, linears: list[
     layer's own call."""
     if sizes is None:
         return [layer(x) for layer in linears]
-    out = F.linear(x, getattr(owner, f"{name}_weight"), getattr(owner, f"{name}_bias"))
+    weight, bias = getattr(owner, f"{name}_weight"), getattr(owner, f"{name}_bias")
+    if type(linears[0]) is nn.Linear:
+        out = F.linear(x, weight, bias)
+    else:  # FlideLinear (batch-invariant mode): its op over the stacked weight
+        out = linears[0].op(x.reshape(-1, x.shape[-1]), weight, bias).view(*x.shape[:-1], weight.shape[0])
     return list(out.split(sizes, dim=-1))

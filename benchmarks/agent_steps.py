@@ -94,23 +94,50 @@ def steps_per_second(engine, tokenizer, trajectories: list[list[str]], agents: i
     return done[0] / (time.perf_counter() - start)
 
 
+def markdown(rows: list[dict]) -> str:
+    """The rows as one table: an engine per line, a metric per column (values as measured)."""
+    engines = list(dict.fromkeys(r["engine"] for r in rows))
+    metrics = list(dict.fromkeys(r["metric"] for r in rows))
+    value = {(r["engine"], r["metric"]): r["value"] for r in rows}
+    first = rows[0] if rows else {}
+    out = [f"# Agent steps ({first.get('workload', 'swe_agent')}, {first.get('model', '-')})", "",
+           f"- hardware: {first.get('hardware', '-')}; commit: {', '.join(dict.fromkeys(r['commit'] for r in rows))}",
+           "- every step asks the agent questions of the whole history; slope: least squares of step latency on "
+           "history tokens, each trajectory replayed alone; steps/s: N agent threads, closed loop", "",
+           "| engine | " + " | ".join(metrics) + " |", "| --- |" + " --- |" * len(metrics)]
+    for engine in engines:
+        cells = [value.get((engine, m)) for m in metrics]
+        out.append(f"| {engine} | " + " | ".join("-" if c is None else f"{c:g}" for c in cells) + " |")
+    return "\n".join(out) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", required=True, help="tiny:<model_type> or a config json (random weights)")
+    parser.add_argument("--model", help="tiny:<model_type> or a config json (random weights)")
     parser.add_argument("--tokenizer", default=None)
     parser.add_argument("--data", default=None)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES)
-    parser.add_argument("--trajectories", type=int, default=6)
+    parser.add_argument("--trajectories", type=int, default=6, help="trajectories the agents replay (steps/s)")
+    parser.add_argument("--alone-trajectories", type=int, default=None,
+                        help="of those, how many are replayed one step at a time for the latency against history "
+                             "(default: all); with N agents, give at least N trajectories, else agents replay copies "
+                             "and resume from each other's checkpoints")
     parser.add_argument("--steps", type=int, default=None, help="at most this many steps per trajectory")
     parser.add_argument("--chars", type=int, default=None, help="cut every message to this many characters")
     parser.add_argument("--agents", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--checkpoint-cache-gb", type=float, default=None,
                         help="flide+checkpoints' cache budget (default: 16 on CUDA, 1 on the CPU)")
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", default=None, help="rows as JSON; a markdown table is written beside it (.md)")
+    parser.add_argument("--report", default=None, help="write the markdown of an existing JSON of rows and exit")
     args = parser.parse_args()
+    if args.report:
+        Path(args.report).with_suffix(".md").write_text(markdown(json.loads(Path(args.report).read_text())))
+        return
 
+    if not args.model:
+        parser.error("--model is required (or --report)")
     if args.model.startswith("tiny:"):
         from flide.models.tiny import tiny_model, tiny_tokenizer
 
@@ -138,7 +165,7 @@ def main() -> None:
         replay_alone(engine, tokenizer, trajectories[:1], args.device)  # warm-up (and checkpoints of the first trajectory)
         if name == "flide+checkpoints":
             engine.engine.checkpoints.clear()
-        points = replay_alone(engine, tokenizer, trajectories, args.device)
+        points = replay_alone(engine, tokenizer, trajectories[:args.alone_trajectories], args.device)
         tokens = np.array([p[0] for p in points], dtype=float)
         ms = np.array([p[1] for p in points])
         slope, intercept = np.polyfit(tokens / 1000, ms, 1)
@@ -153,6 +180,7 @@ def main() -> None:
             engine.engine.scheduler().stop()
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))
+        Path(args.out).with_suffix(".md").write_text(markdown(rows))
 
 
 if __name__ == "__main__":

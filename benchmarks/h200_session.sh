@@ -126,7 +126,8 @@ rounds)
     echo "rounds rc=$?"; tail -15 "$OUT/gpu_rounds.log" ;;
 agents)
     timeout 560 python3 benchmarks/agent_steps.py --model shared/models/qwen3_5/configs/qwen3.5-0.8b.json \
-        --tokenizer shared/models/qwen3_5 --data shared/data --dtype bfloat16 --device cuda --trajectories 4 --steps 8 \
+        --tokenizer shared/models/qwen3_5 --data shared/data --dtype bfloat16 --device cuda \
+        --engines flide+checkpoints prefix-cache flide --trajectories 25 --alone-trajectories 3 --steps 8 \
         --agents 1 32 --out "$OUT/agent_steps_0_8b.json" > "$OUT/agent_steps.log" 2>&1
     echo "agents rc=$?"; grep -v DEBUG "$OUT/agent_steps.log" | tail -24 ;;
 verify)

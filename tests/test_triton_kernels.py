@@ -307,6 +307,48 @@ else:
         assert r.branch_len.max() > tiles[2]
         torch.testing.assert_close(out[rows], want[rows], atol=2e-5, rtol=1e-5)
 
+    @pytest.mark.parametrize("l2norm", [True, False])
+    def test_gated_delta_branches_final_states(l2norm):
+        """`segments_with_final` (checkpoint rounds' state rests): outputs and final states of segments from their
+        initial states, equal to the reference's; an empty segment's final state is its initial state, index -1
+        starts from zero; `final` is refused with the chunk form or a wrong shape."""
+        tokens, Hk, Hv, K, V = 90, 1, 2, 24, 40  # K padded to 32, V over partial tiles
+        q, k, v = randn(tokens, Hk, K, seed=11), randn(tokens, Hk, K, seed=12), randn(tokens, Hv, V, seed=13)
+        g = -torch.rand(tokens, Hv, generator=torch.Generator().manual_seed(14)) * 0.5
+        beta = torch.rand(tokens, Hv, generator=torch.Generator().manual_seed(15))
+        init = randn(3, Hv, K, V, seed=16) * 0.1
+        start, length = torch.tensor([0, 30, 30, 70]), torch.tensor([30, 0, 40, 20])
+        index = torch.tensor([2, 0, -1, 1])
+        o, final = delta_branches.segments_with_final(q, k, v, g, beta, start, length, init, index, 0.3, l2norm)
+        want_o, want_final = delta_ref.gated_delta(q, k, v, g, beta, start, length, init, index, 0.3, l2norm)
+        scale = max(1.0, want_o.abs().max().item())
+        torch.testing.assert_close(o, want_o, atol=2e-5 * scale, rtol=1e-5)
+        torch.testing.assert_close(final, want_final, atol=2e-5 * max(1.0, want_final.abs().max().item()), rtol=1e-5)
+        assert torch.equal(final[1], init[0])  # empty: its initial state, untouched
+        args = (q, k, v, g, beta, start, length, init, index, 0.3, l2norm)
+        with pytest.raises(ValueError, match="recurrent form"):
+            delta_branches.branches(*args, form="chunk", final=torch.empty(4, Hv, K, V))
+        with pytest.raises(ValueError, match="recurrent form"):
+            delta_branches.branches(*args, final=torch.empty(3, Hv, K, V))
+
+    def test_gated_delta_branches_snapshot_companion_with_recurrent_rests():
+        """The fla variant's checkpoint companion re-runs the states' rests with `segments_with_final`: with the
+        reference op for the rest of it, its outputs, final states and snapshots equal the reference companion's."""
+        from flide.ops.gated_delta import gated_delta_reference, gated_delta_snapshot_reference
+        from flide.ops.resume import gated_delta_with_snapshot
+
+        T, Hk, Hv, K, V = 300, 2, 4, 16, 16
+        q, k, v = randn(T, Hk, K, seed=21), randn(T, Hk, K, seed=22), randn(T, Hv, V, seed=23)
+        g = -torch.rand(T, Hv, generator=torch.Generator().manual_seed(24))
+        beta = torch.rand(T, Hv, generator=torch.Generator().manual_seed(26))
+        init = randn(1, Hv, K, V, seed=25) * 0.1
+        companion = gated_delta_with_snapshot(gated_delta_reference, rest=delta_branches.segments_with_final)
+        for chunks, index in [([2, -1, 0], [-1, 0, -1]), ([4, 1, -1], [0, -1, -1])]:
+            args = (q, k, v, g, beta, torch.tensor([0, 200, 260]), torch.tensor([200, 60, 40]), init,
+                    torch.tensor(index), torch.tensor(chunks), 0.25, True)
+            for got, want in zip(companion(*args), gated_delta_snapshot_reference(*args)):
+                torch.testing.assert_close(got, want, atol=5e-5, rtol=1e-5)
+
     def test_gated_delta_branches_refuse_bad_tiles():
         x = torch.zeros(4, 1, 16)
         args = (x, x, x, torch.zeros(4, 1), torch.zeros(4, 1), torch.tensor([0]), torch.tensor([4]),

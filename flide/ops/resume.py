@@ -183,9 +183,12 @@ def conv_with_window(op: Callable) -> Callable:
     return fork_conv_window
 
 
-def gated_delta_with_snapshot(op: Callable) -> Callable:
+def gated_delta_with_snapshot(op: Callable, rest: Callable | None = None) -> Callable:
     """The `gated_delta_snapshot` companion built on a plain gated delta variant `op` (the level-major contract:
-    the segments of a call contiguous and in stream order, unused rows last)."""
+    the segments of a call contiguous and in stream order, unused rows last). `rest`: what re-runs the states' rests
+    from their snapshots (same signature and results as `op`; default `op`): short segments, where one launch of a
+    recurrent kernel beats a chunked call's several."""
+    rest = rest or op
 
     memo = PerRound()
 
@@ -217,8 +220,8 @@ def gated_delta_with_snapshot(op: Callable) -> Callable:
         if call2 is None:
             return o, at_snapshot, snapshot
         tails, rows, tail_start, tail_len, index2 = call2
-        o2, final2 = op(q[rows], k[rows], v[rows], g[rows], beta[rows], tail_start, tail_len, at_snapshot[tails],
-                        index2, scale, use_qk_l2norm)
+        o2, final2 = rest(q[rows], k[rows], v[rows], g[rows], beta[rows], tail_start, tail_len, at_snapshot[tails],
+                          index2, scale, use_qk_l2norm)
         o = o.clone()
         o[rows] = o2
         final = at_snapshot.clone()

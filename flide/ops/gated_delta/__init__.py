@@ -67,8 +67,18 @@ gated_delta_fla.register_fake(_fake)  # the same shapes as the reference
 # batch-invariant as far as fla's varlen kernels go: a sequence's chunks start at its own start and each program
 # owns one sequence and head (to be confirmed bitwise on the GPU: tests/gpu/test_batch_invariant_gpu.py)
 register("gated_delta", "fla", available=fla.available, batch_invariant=True)(gated_delta_fla)
-# checkpoints: initial states through the plain op, snapshots as the final states of a split call (ops/resume.py)
-gated_delta_fla_resumable = register_resumable("gated_delta", "fla")(gated_delta_with_snapshot(gated_delta_fla))
+
+
+def _rests_triton(*args):
+    from . import branches  # imported on first use: `import flide` must not need triton
+
+    return branches.segments_with_final(*args)
+
+
+# checkpoints: initial states through the plain op, snapshots as the final states of a split call, the rests after
+# them re-run by our recurrent kernel (ops/resume.py; the rounds are eager and host-bound)
+gated_delta_fla_resumable = register_resumable("gated_delta", "fla")(
+    gated_delta_with_snapshot(gated_delta_fla, rest=_rests_triton))
 
 
 @torch.library.custom_op("flide::gated_delta_fla_states", mutates_args=(), device_types="cuda")

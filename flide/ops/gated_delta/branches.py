@@ -68,14 +68,21 @@ def _initial_state(h0_ptr, index_ptr, i_n, i_h, o_k, o_v, k_ok, v_ok, HV: tl.con
 
 @triton.jit
 def _branch_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, start_ptr, len_ptr, index_ptr, scale,
-                   HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
-                   BV: tl.constexpr, L2NORM: tl.constexpr):
+                   ht_ptr, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                   BV: tl.constexpr, L2NORM: tl.constexpr, STORE_FINAL: tl.constexpr):
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1)
     i_n = i_nh // HV
     i_h = i_nh % HV
     i_hk = i_h // (HV // HK)  # grouped value heads: value head h reads key head h // (HV // HK)
     n = tl.load(len_ptr + i_n)
+    if STORE_FINAL:
+        if n == 0:  # an empty segment's final state is its initial state
+            o_k = tl.arange(0, BK)
+            o_v = i_v * BV + tl.arange(0, BV)
+            h = _initial_state(h0_ptr, index_ptr, i_n, i_h, o_k, o_v, o_k < K, o_v < V, HV, K, V, BK, BV)
+            p_ht = ht_ptr + (i_n * HV + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
+            tl.store(p_ht, h, mask=(o_k < K)[:, None] & (o_v < V)[None, :])
     if n > 0:
         bos = tl.load(start_ptr + i_n).to(tl.int64)
         o_k = tl.arange(0, BK)
@@ -110,6 +117,9 @@ def _branch_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, start_pt
             h += b_k[:, None] * b_v[None, :]
             b_o = tl.sum(h * (b_q * scale)[:, None], 0)
             tl.store(o_ptr + (t * HV + i_h) * V + o_v, b_o.to(o_ptr.dtype.element_ty), mask=v_ok)
+        if STORE_FINAL:  # the state after the segment's last token (checkpoint rounds: a state's rest, ops/resume.py)
+            p_ht = ht_ptr + (i_n * HV + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
+            tl.store(p_ht, h, mask=k_ok[:, None] & v_ok[None, :])
 
 
 @triton.jit
@@ -189,7 +199,8 @@ def _branch_chunk_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, st
 def branches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
              seg_start: torch.Tensor, seg_len: torch.Tensor, initial_state: torch.Tensor, initial_index: torch.Tensor,
              scale: float, use_qk_l2norm: bool, out: torch.Tensor | None = None,
-             form: str = "recurrent", tiles: tuple[int, ...] | None = None) -> torch.Tensor:
+             form: str = "recurrent", tiles: tuple[int, ...] | None = None,
+             final: torch.Tensor | None = None) -> torch.Tensor:
     """o [T, Hv, V] (q's dtype) of every segment, each from `initial_state[initial_index[n]]` (-1: zero). Rows
     outside the segments are left unwritten, as fla's variant leaves them (`gated_delta.combine` selects).
 
@@ -198,9 +209,15 @@ def branches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     it to see that every segment row is written). `form`: `chunk` or `recurrent` (see the module docstring).
     `tiles`: (value columns per program, warps) instead of the form's defaults (the op benchmark's sweep); the chunk
     form takes a third, its chunk size (a power of two >= 16; default CHUNK). A tile choice may change the bits (the
-    sums over K follow the program's layout): batch invariance holds for one fixed choice, as the defaults are."""
+    sums over K follow the program's layout): batch invariance holds for one fixed choice, as the defaults are.
+    `final`: a [N, Hv, K, V] float32 tensor that receives each segment's state after its last token (its initial
+    state for an empty one); the recurrent form only."""
     if form not in FORMS:
         raise ValueError(f"`form` must be one of {FORMS}, got {form!r}")
+    if final is not None and (form != "recurrent" or final.dtype != torch.float32 or not final.is_contiguous()
+                              or tuple(final.shape) != (seg_start.shape[0], v.shape[1], k.shape[2], v.shape[2])):
+        raise ValueError(f"`final` needs the recurrent form and a contiguous float32 [N, Hv, K, V] tensor, got "
+                         f"{form} form, {final.dtype} {tuple(final.shape)}")
     T, HK, K = k.shape
     HV, V = v.shape[1], v.shape[2]
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
@@ -230,7 +247,23 @@ def branches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                                             PRECISION=precision, num_warps=warps)
     else:
         BV, warps = tiles or (min(BLOCK_V, triton.next_power_of_2(V)), NUM_WARPS)
-        _branch_kernel[(triton.cdiv(V, BV), N * HV)](*meta, HK=HK, HV=HV, K=K, V=V, BK=BK, BV=BV,
-                                                      L2NORM=use_qk_l2norm, num_warps=warps,
+        _branch_kernel[(triton.cdiv(V, BV), N * HV)](*meta, final if final is not None else h0, HK=HK, HV=HV, K=K,
+                                                      V=V, BK=BK, BV=BV, L2NORM=use_qk_l2norm,
+                                                      STORE_FINAL=final is not None, num_warps=warps,
                                                       num_stages=NUM_STAGES)
     return o
+
+
+def segments_with_final(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                        seg_start: torch.Tensor, seg_len: torch.Tensor, initial_state: torch.Tensor,
+                        initial_index: torch.Tensor, scale: float,
+                        use_qk_l2norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o [T, Hv, V], final [N, Hv, K, V] float32) of short segments from their initial states, as the gated delta
+    variants return them, in one launch of the recurrent kernel. For a checkpoint round's state rests (the ~64-128
+    tokens after a snapshot, ops/resume.py): fla's chunked call costs ~8 launches and its Python wrappers for them,
+    in an eager round where the host is the bottleneck."""
+    final = torch.empty(seg_start.shape[0], v.shape[1], k.shape[2], v.shape[2], dtype=torch.float32,
+                        device=q.device)
+    return branches(q, k, v, g, beta, seg_start, seg_len, initial_state, initial_index, scale, use_qk_l2norm,
+                    final=final), final
+

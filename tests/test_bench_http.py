@@ -192,6 +192,11 @@ def test_http_engine_through_the_runner(tmp_path, started):
         assert got[("race", "http", f"errors@{n}")]["unit"] == "requests (none)"
         assert 0 < value[("race", "http", f"latency_p50_ms@{n}")] <= value[("race", "http", f"latency_p99_ms@{n}")]
         assert 1 <= value[("race", "http", f"mean_round_requests@{n}")] <= n
+        # the server's slow tails from its histograms' 0.25 s bucket: present, counts, and (tiny requests) most
+        # prepares fast, which a misread bucket (every prepare counted) would break
+        answered = value[("race", "http", f"answered@{n}")]
+        assert all(value[("race", "http", f"slow_{w}@{n}")] >= 0 for w in ("rounds", "prepares", "queue_waits"))
+        assert value[("race", "http", f"slow_prepares@{n}")] < answered / 2
     assert value[("race", "http", "mean_round_requests@1")] == 1
     assert len(started) == 1 and not _alive(started[0])
     report = (tmp_path / "out" / "web.md").read_text()

@@ -199,9 +199,17 @@ class HttpEngine:
             worst = max(worst, max_difference(self.local.decide([request])[0], body["answers"]))
         return worst
 
+    # the server's histograms whose slow tail the bench counts per level (`slow_<what>@N`: a latency tail of the
+    # clients, e.g. session 9's p99 of 0.6 s at 32 clients, is then placed: the model thread's rounds, preparing,
+    # or the wait for a round)
+    SLOW = {"rounds": "flide_round_seconds", "prepares": "flide_prepare_seconds",
+            "queue_waits": "flide_queue_wait_seconds"}
+    SLOW_S = 0.25  # one of the histograms' bucket bounds (flide/serve/metrics.py)
+
     def closed_loop(self, requests: list, clients: int, seconds: float):
         """`clients` closed-loop HTTP clients for `seconds` -> (loadgen.LoadResult, mean requests per round of the
-        server meanwhile, from its /metrics)."""
+        server meanwhile, {what: how many of the server's rounds / prepares / queue waits meanwhile took over
+        SLOW_S}), from its /metrics."""
         import json
 
         from .loadgen import closed_loop
@@ -215,7 +223,13 @@ class HttpEngine:
         key_sum, key_count = ("flide_round_requests_sum", ""), ("flide_round_requests_count", "")
         rounds = after.get(key_count, 0.0) - before.get(key_count, 0.0)
         size = (after.get(key_sum, 0.0) - before.get(key_sum, 0.0)) / rounds if rounds else float("nan")
-        return result, size
+
+        def delta(key):
+            return after.get(key, 0.0) - before.get(key, 0.0)
+
+        slow = {what: delta((f"{name}_count", "")) - delta((f"{name}_bucket", f'le="{self.SLOW_S}"'))
+                for what, name in self.SLOW.items()}
+        return result, size, slow
 
     def close(self) -> None:
         if self._connection is not None:

@@ -47,7 +47,7 @@ _METRIC_ORDER = ("tokens_per_request", "latency_p50_ms", "latency_p90_ms", "requ
                  "peak_memory_gib", "peak_reserved_gib")
 # Metrics of the http engine only: its own table ("HTTP server"), not one table each
 _HTTP_METRICS = ("http_max_abs_diff", "latency_p99_ms@", "errors@", "answered@", "mean_round_requests@",
-                 "client_cpu_share@")
+                 "client_cpu_share@", "slow_")
 
 
 def _metric_key(metric: str):
@@ -148,9 +148,11 @@ def _http_table(rows: list[dict], workloads: list[str]) -> list[str]:
     out = ["### HTTP server (`flide serve`, closed-loop clients)", "",
            ("Each client posts a request, waits for its answer, posts the next (keep-alive connection each). Latencies "
             "are of answered requests; errors are non-200 answers and failed connections; mean round: requests per "
-            "round of the server meanwhile (its /metrics); client CPU: busy share of the busiest client process."), "",
-           "| workload | clients | requests/s | p50 ms | p99 ms | answered | errors | mean round | client CPU |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+            "round of the server meanwhile (its /metrics); client CPU: busy share of the busiest client process; "
+            "slow: the server's rounds / prepares / queue waits meanwhile over 0.25 s (where a latency tail comes "
+            "from)."), "",
+           "| workload | clients | requests/s | p50 ms | p99 ms | answered | errors | mean round | client CPU | slow |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for workload, n in levels:
         errors = mine.get((workload, f"errors@{n}"))
         error_text = _fmt(value(workload, f"errors@{n}"))
@@ -160,7 +162,9 @@ def _http_table(rows: list[dict], workloads: list[str]) -> list[str]:
                    f"{_fmt(value(workload, f'latency_p50_ms@{n}'))} | {_fmt(value(workload, f'latency_p99_ms@{n}'))} | "
                    f"{_fmt(value(workload, f'answered@{n}'))} | {error_text} | "
                    f"{_fmt(value(workload, f'mean_round_requests@{n}'))} | "
-                   f"{_fmt(value(workload, f'client_cpu_share@{n}'))} |")
+                   f"{_fmt(value(workload, f'client_cpu_share@{n}'))} | "
+                   + " / ".join(_fmt(value(workload, f"slow_{w}@{n}")) for w in ("rounds", "prepares", "queue_waits"))
+                   + " |")
     checks = [(w, r["value"]) for (w, m), r in mine.items() if m == "http_max_abs_diff"]
     if checks:
         out += ["", "Answers over HTTP against the in-process engine (the first requests, each alone), largest "

@@ -317,7 +317,7 @@ def measure_http(engine, requests: list[dict], config: BenchConfig, timer: Timer
             out.append((f"requests_per_s@{n}", None, (f"skipped: {n} x {alone:.0f} ms alone = {estimate:.0f} s > "
                                                       f"max_throughput_seconds {config.max_throughput_seconds:g}")))
             continue
-        result, round_size = engine.closed_loop(requests, n, options.seconds or config.throughput_seconds)
+        result, round_size, slow = engine.closed_loop(requests, n, options.seconds or config.throughput_seconds)
         out += [(f"requests_per_s@{n}", result.requests_per_s, "requests/s"),
                 (f"latency_p50_ms@{n}", result.percentile(0.5), "ms"),
                 (f"latency_p99_ms@{n}", result.percentile(0.99), "ms"),
@@ -325,6 +325,7 @@ def measure_http(engine, requests: list[dict], config: BenchConfig, timer: Timer
                 (f"answered@{n}", result.answered, "requests"),
                 (f"mean_round_requests@{n}", round_size, "requests"),
                 (f"client_cpu_share@{n}", result.client_cpu_share, "CPU s / s of the busiest client process")]
+        out += [(f"slow_{what}@{n}", count, f"over {engine.SLOW_S:g} s on the server") for what, count in slow.items()]
         if result.error_count:
             log(f"  http @{n}: {result.error_count} failed request(s): {result.describe_errors()}")
         if result.client_cpu_share > 0.8:

@@ -107,6 +107,11 @@ class ServeConfig:
     # and building overlap the device's work (flide/serve/scheduler.py). H200, 0.8B, RACE over HTTP: 264 -> 329 req/s
     # at 8 clients, 350 -> 389 at 64 (benchmarks/results/h200_http_overlap.md)
     overlap_rounds: bool = True
+    # when the scheduler starts (after the model's load, graph capture and warm-up): collect, then gc.freeze() the
+    # heap, so that Python's full collections no longer walk the objects of start-up. A full collection over them
+    # took 370 ms on this CPU (412k objects, tiny model; more after torch.compile): the likely ~0.6 s stalls behind
+    # the p99 of 591 ms at 32 clients on the H200 (session 9). Process-wide: frozen objects are never collected
+    freeze_gc: bool = True
 
 
 @dataclass(frozen=True)

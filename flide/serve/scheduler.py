@@ -23,6 +23,8 @@ into the next one.
 
 from __future__ import annotations
 
+import atexit
+import gc
 import logging
 import queue
 import threading
@@ -42,6 +44,33 @@ logger = logging.getLogger("flide.serve")
 
 class Overloaded(Exception):
     """The server cannot take or finish this request now (queue full, out of memory, shutting down): 503."""
+
+
+# gc.freeze() is process-wide: frozen while any scheduler that froze runs, unfrozen when the last one stops and at
+# exit (frozen objects are never collected, also not at shutdown, where extension objects still alive are then
+# reported as leaks)
+_FREEZE_LOCK = threading.Lock()
+_FREEZERS = 0
+_UNFREEZE_AT_EXIT: list[bool] = []
+
+
+def _freeze_heap() -> None:
+    global _FREEZERS
+    with _FREEZE_LOCK:
+        gc.collect()  # garbage first: what is frozen is never collected
+        gc.freeze()
+        if not _UNFREEZE_AT_EXIT:
+            atexit.register(gc.unfreeze)
+            _UNFREEZE_AT_EXIT.append(True)
+        _FREEZERS += 1
+
+
+def _thaw_heap() -> None:
+    global _FREEZERS
+    with _FREEZE_LOCK:
+        _FREEZERS -= 1
+        if _FREEZERS == 0:
+            gc.unfreeze()
 
 
 @dataclass(eq=False)
@@ -85,11 +114,19 @@ class Scheduler:
         self._copies: queue.SimpleQueue = queue.SimpleQueue()
         self.pool: ThreadPoolExecutor | None = None
         self.workers = None  # a ProcessPreparer with serve.prepare_processes > 0
+        self._froze = False  # whether start() froze the heap (serve.freeze_gc): stop() gives it back
 
     # ---- life ----
     def start(self) -> None:
         """Copies the prompt tokenizer for each prepare thread (here, once: a large vocabulary takes a while to
-        copy), then starts the pool and the model thread."""
+        copy), then starts the pool and the model thread; with `serve.freeze_gc` first collects and freezes the
+        heap built so far (model, tokenizer, compiled graphs), which later full collections then skip."""
+        if self.settings.freeze_gc and not self._froze:
+            start = time.perf_counter()
+            _freeze_heap()
+            self._froze = True
+            logger.info("scheduler: %d objects frozen out of the garbage collector's scans (%.0f ms)",
+                        gc.get_freeze_count(), (time.perf_counter() - start) * 1e3)
         threads = self.settings.prepare_threads
         processes = self.settings.prepare_processes
         if processes:  # the threads only wait on the worker processes (one per process keeps them all busy) and
@@ -125,6 +162,9 @@ class Scheduler:
             self.pool.shutdown(wait=False, cancel_futures=True)
         if self.workers is not None:
             self.workers.close()
+        if self._froze:
+            self._froze = False
+            _thaw_heap()
 
     @property
     def alive(self) -> bool:

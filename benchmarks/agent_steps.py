@@ -49,6 +49,18 @@ def build(name: str, model, tokenizer, device: str, checkpoint_cache_gb: float =
     return make_engine(name, model, tokenizer)
 
 
+def load(spec: str, tokenizer_path: str | None, dtype: str, device: str):
+    """(model, tokenizer, model name) of `tiny:<model_type>` (the tiny tokenizer) or a config json (random weights,
+    the tokenizer at `tokenizer_path`)."""
+    if spec.startswith("tiny:"):
+        from flide.models.tiny import tiny_model, tiny_tokenizer
+
+        return tiny_model(spec[5:]).to(device), tiny_tokenizer(), spec
+    from flide.loading import load_tokenizer, random_model
+
+    return random_model(spec, dtype, device), load_tokenizer(tokenizer_path), Path(spec).stem
+
+
 def sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -138,17 +150,7 @@ def main() -> None:
 
     if not args.model:
         parser.error("--model is required (or --report)")
-    if args.model.startswith("tiny:"):
-        from flide.models.tiny import tiny_model, tiny_tokenizer
-
-        model, tokenizer, model_name = tiny_model(args.model[5:]), tiny_tokenizer(), args.model
-        model = model.to(args.device)
-    else:
-        from flide.loading import load_tokenizer, random_model
-
-        tokenizer = load_tokenizer(args.tokenizer)
-        model = random_model(args.model, args.dtype, args.device)
-        model_name = Path(args.model).stem
+    model, tokenizer, model_name = load(args.model, args.tokenizer, args.dtype, args.device)
     trajectories = workloads.swe_agent(limit=args.trajectories, steps=args.steps, chars=args.chars,
                                        folder=args.data)
     hardware, commit = hardware_name(torch.device(args.device)), git_commit()

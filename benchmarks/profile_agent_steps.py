@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from agent_steps import build, sync  # noqa: E402 (benchmarks/ is on the path when run as a script)
+from agent_steps import build, load, sync  # noqa: E402 (benchmarks/ is on the path when run as a script)
 
 from flide import workloads  # noqa: E402
 
@@ -46,15 +46,7 @@ def main() -> None:
                         help="also trace the last step with torch.profiler: device time by kernel vs the step's wall")
     args = parser.parse_args()
 
-    if args.model.startswith("tiny:"):
-        from flide.models.tiny import tiny_model, tiny_tokenizer
-
-        model, tokenizer = tiny_model(args.model[5:]).to(args.device), tiny_tokenizer()
-    else:
-        from flide.loading import load_tokenizer, random_model
-
-        tokenizer = load_tokenizer(args.tokenizer)
-        model = random_model(args.model, args.dtype, args.device)
+    model, tokenizer, _ = load(args.model, args.tokenizer, args.dtype, args.device)
     trajectories = workloads.swe_agent(limit=args.trajectories, steps=args.steps, chars=args.chars,
                                        folder=args.data)
     if len(trajectories) < 2:
@@ -90,7 +82,8 @@ def main() -> None:
         from torch.profiler import ProfilerActivity, profile as trace
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.startswith("cuda") else [])
-        engine.checkpoints.clear() if getattr(engine, "checkpoints", None) is not None else None
+        if getattr(engine, "checkpoints", None) is not None:
+            engine.checkpoints.clear()
         for state in trajectories[-1][:-1]:  # the last trajectory again, so its last step resumes as it did
             step(state)
         with trace(activities=activities) as traced:

@@ -188,8 +188,7 @@ def gated_delta_with_snapshot(op: Callable, rest: Callable | None = None) -> Cal
     the segments of a call contiguous and in stream order, unused rows last). `rest`: what re-runs the states' rests
     from their snapshots (same signature and results as `op`; default `op`): short segments, where one launch of a
     recurrent kernel beats a chunked call's several."""
-    rest = rest or op
-
+    rerun = rest or op
     memo = PerRound()
 
     def derive(seg_start, seg_len, initial_index, snapshot_chunk):
@@ -220,8 +219,8 @@ def gated_delta_with_snapshot(op: Callable, rest: Callable | None = None) -> Cal
         if call2 is None:
             return o, at_snapshot, snapshot
         tails, rows, tail_start, tail_len, index2 = call2
-        o2, final2 = rest(q[rows], k[rows], v[rows], g[rows], beta[rows], tail_start, tail_len, at_snapshot[tails],
-                          index2, scale, use_qk_l2norm)
+        o2, final2 = rerun(q[rows], k[rows], v[rows], g[rows], beta[rows], tail_start, tail_len, at_snapshot[tails],
+                           index2, scale, use_qk_l2norm)
         o = o.clone()
         o[rows] = o2
         final = at_snapshot.clone()

@@ -51,7 +51,7 @@ class Overloaded(Exception):
 # reported as leaks)
 _FREEZE_LOCK = threading.Lock()
 _FREEZERS = 0
-_UNFREEZE_AT_EXIT: list[bool] = []
+atexit.register(gc.unfreeze)  # a no-op when nothing is frozen
 
 
 def _freeze_heap() -> None:
@@ -59,9 +59,6 @@ def _freeze_heap() -> None:
     with _FREEZE_LOCK:
         gc.collect()  # garbage first: what is frozen is never collected
         gc.freeze()
-        if not _UNFREEZE_AT_EXIT:
-            atexit.register(gc.unfreeze)
-            _UNFREEZE_AT_EXIT.append(True)
         _FREEZERS += 1
 
 

@@ -66,31 +66,36 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def replay_alone(engine, tokenizer, trajectories: list[list[str]], device: str) -> list[tuple[int, float]]:
-    """(history tokens, ms) of every step, each trajectory in order, one step at a time. History tokens: the
-    state's own tokens (the same count for every engine, whatever each computes)."""
+def replay_alone(engine, tokenizer, trajectories: list[list[str]], device: str) -> list[tuple[int, float, int]]:
+    """(history tokens, ms, step index) of every step, each trajectory in order, one step at a time. History
+    tokens: the state's own tokens (the same count for every engine, whatever each computes)."""
     points = []
     for states in trajectories:
-        for state in states:
+        for step, state in enumerate(states):
             request = {"state": state, "questions": workloads.AGENT_QUESTIONS}
             tokens = len(tokenizer(state, add_special_tokens=False).input_ids)
             sync(device)
             start = time.perf_counter()
             engine.decide([request])
             sync(device)
-            points.append((tokens, (time.perf_counter() - start) * 1e3))
+            points.append((tokens, (time.perf_counter() - start) * 1e3, step))
     return points
 
 
-def steps_per_second(engine, tokenizer, trajectories: list[list[str]], agents: int, device: str) -> float:
-    """`agents` threads, agent i replaying trajectories i, i + agents, ... step by step (closed loop)."""
+def steps_per_second(engine, tokenizer, trajectories: list[list[str]], agents: int, device: str,
+                     seconds: float | None = None) -> float:
+    """`agents` threads, agent i replaying trajectories i, i + agents, ... step by step (closed loop). With
+    `seconds`, no agent starts a step after that long (slow baselines): the rate counts the steps finished."""
     clones = [engine.for_thread(tokenizer) for _ in range(agents)]
     done = [0]
     lock = threading.Lock()
+    deadline = [float("inf")]
 
     def agent(i: int) -> None:
         for states in trajectories[i::agents] or [trajectories[i % len(trajectories)]]:
             for state in states:
+                if time.perf_counter() > deadline[0]:
+                    return
                 clones[i].decide([{"state": state, "questions": workloads.AGENT_QUESTIONS}])
                 with lock:
                     done[0] += 1
@@ -98,6 +103,8 @@ def steps_per_second(engine, tokenizer, trajectories: list[list[str]], agents: i
     threads = [threading.Thread(target=agent, args=(i,)) for i in range(agents)]
     sync(device)
     start = time.perf_counter()
+    if seconds is not None:
+        deadline[0] = start + seconds
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -133,9 +140,12 @@ def main() -> None:
     parser.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES)
     parser.add_argument("--trajectories", type=int, default=6, help="trajectories the agents replay (steps/s)")
     parser.add_argument("--alone-trajectories", type=int, default=None,
-                        help="of those, how many are replayed one step at a time for the latency against history "
-                             "(default: all); with N agents, give at least N trajectories, else agents replay copies "
-                             "and resume from each other's checkpoints")
+                        help="of those, how many (the ones with the most steps, for the widest range of history "
+                             "lengths) are replayed one step at a time for the latency against history (default: "
+                             "all); with N agents, give at least N trajectories, else agents replay copies and "
+                             "resume from each other's checkpoints")
+    parser.add_argument("--seconds", type=float, default=None,
+                        help="bound each steps/s run: agents start no step after this long (slow baselines)")
     parser.add_argument("--steps", type=int, default=None, help="at most this many steps per trajectory")
     parser.add_argument("--chars", type=int, default=None, help="cut every message to this many characters")
     parser.add_argument("--agents", type=int, nargs="+", default=[1, 32])
@@ -154,7 +164,15 @@ def main() -> None:
     trajectories = workloads.swe_agent(limit=args.trajectories, steps=args.steps, chars=args.chars,
                                        folder=args.data)
     hardware, commit = hardware_name(torch.device(args.device)), git_commit()
+    alone = sorted(trajectories, key=len, reverse=True)[:args.alone_trajectories]
+    print(f"{len(trajectories)} trajectories, {sum(map(len, trajectories))} steps; replayed alone: "
+          f"{len(alone)}, {sum(map(len, alone))} steps", flush=True)
     rows = []
+
+    def save() -> None:  # after every figure: a run cut short by a time limit keeps what it measured
+        if args.out:
+            Path(args.out).write_text(json.dumps(rows, indent=1))
+            Path(args.out).with_suffix(".md").write_text(markdown(rows))
 
     def row(engine: str, metric: str, value: float, unit: str) -> None:
         rows.append({"workload": "swe_agent", "model": model_name, "engine": engine, "metric": metric,
@@ -165,24 +183,31 @@ def main() -> None:
         cache_gb = args.checkpoint_cache_gb or (16.0 if args.device.startswith("cuda") else 1.0)
         engine = build(name, model, tokenizer, args.device, cache_gb)
         replay_alone(engine, tokenizer, trajectories[:1], args.device)  # warm-up (and checkpoints of the first trajectory)
-        if name == "flide+checkpoints":
-            engine.engine.checkpoints.clear()
-        points = replay_alone(engine, tokenizer, trajectories[:args.alone_trajectories], args.device)
+        clear = engine.engine.checkpoints.clear if name == "flide+checkpoints" else (lambda: None)
+        clear()
+        points = replay_alone(engine, tokenizer, alone, args.device)
         tokens = np.array([p[0] for p in points], dtype=float)
         ms = np.array([p[1] for p in points])
+        resumed = np.array([p[2] > 0 for p in points])  # a trajectory's first step has nothing to resume from
         slope, intercept = np.polyfit(tokens / 1000, ms, 1)
         row(name, "step_latency_p50_ms", statistics.median(ms), "ms")
         row(name, "slope_ms_per_1k_history_tokens", slope, "ms per 1,000 tokens")
         row(name, "intercept_ms", intercept, "ms")
+        if resumed.sum() >= 2:
+            row(name, "later_steps_p50_ms", statistics.median(ms[resumed]), "ms")
+            row(name, "later_steps_slope_ms_per_1k", np.polyfit(tokens[resumed] / 1000, ms[resumed], 1)[0],
+                "ms per 1,000 tokens")
+        row(name, "first_steps_p50_ms", statistics.median(ms[~resumed]), "ms")
+        row(name, "history_tokens_min", tokens.min(), "tokens")
         row(name, "history_tokens_max", tokens.max(), "tokens")
+        save()
         for agents in args.agents:
-            row(name, f"steps_per_s@{agents}", steps_per_second(engine, tokenizer, trajectories, agents, args.device),
-                "steps/s")
+            clear()  # every steps/s run starts cold: no checkpoints from the runs before it
+            rate = steps_per_second(engine, tokenizer, trajectories, agents, args.device, args.seconds)
+            row(name, f"steps_per_s@{agents}", rate, "steps/s")
+            save()
         if name.startswith("flide") and engine.engine._scheduler is not None:
             engine.engine.scheduler().stop()
-    if args.out:
-        Path(args.out).write_text(json.dumps(rows, indent=1))
-        Path(args.out).with_suffix(".md").write_text(markdown(rows))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """flide::linear_* custom ops: the decoder's linear layers, swapped in only when a variant other than `torch` is
 picked (batch-invariant mode picks `blocked` on the CPU, `triton` on CUDA). Variants: `torch` (F.linear: BLAS /
 cuBLAS, kernel chosen per row count), `blocked` (pure torch, rows in fixed blocks: batch-invariant), `triton` (our
-fixed-tile Triton GEMM, no split-K: batch-invariant; CUDA)."""
+fixed-tile Triton GEMM, no split-K: batch-invariant; CUDA), `triton_tma` / `triton_tma_ws` (the same tiles and sums in
+the kernel's persistent form: tiles loaded by Hopper's TMA, without / with warp specialisation; batch-invariant,
+each with its own bits; layers the TMA cannot address take the pointer kernel)."""
 
 from __future__ import annotations
 
@@ -32,9 +34,25 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return kernel.linear(x, weight, bias)
 
 
-for _op in (linear_torch, linear_blocked, linear_triton):
+@torch.library.custom_op("flide::linear_triton_tma", mutates_args=(), device_types="cuda")
+def linear_triton_tma(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    from . import triton as kernel
+
+    return kernel.linear(x, weight, bias, config=kernel.tma_config(x.dtype, warp_specialize=False))
+
+
+@torch.library.custom_op("flide::linear_triton_tma_ws", mutates_args=(), device_types="cuda")
+def linear_triton_tma_ws(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    from . import triton as kernel
+
+    return kernel.linear(x, weight, bias, config=kernel.tma_config(x.dtype, warp_specialize=True))
+
+
+for _op in (linear_torch, linear_blocked, linear_triton, linear_triton_tma, linear_triton_tma_ws):
     _op.register_fake(_fake)
 
 register("linear", "torch")(linear_torch)
 register("linear", "blocked", batch_invariant=True)(linear_blocked)
 register("linear", "triton", available=needs_cuda_triton, batch_invariant=True)(linear_triton)
+register("linear", "triton_tma", available=needs_cuda_triton, batch_invariant=True)(linear_triton_tma)
+register("linear", "triton_tma_ws", available=needs_cuda_triton, batch_invariant=True)(linear_triton_tma_ws)

@@ -73,6 +73,16 @@ def default_config(dtype: torch.dtype) -> Config:
     raise ValueError(f"linear (triton): unsupported dtype {dtype}; expected float32, bfloat16 or float16")
 
 
+def tma_config(dtype: torch.dtype, warp_specialize: bool = False) -> Config:
+    """The default tiles in the persistent TMA form (16-bit dtypes; fp32 keeps the pointer kernel: the TMA path
+    takes 16-bit inputs only). Fixed per dtype, like `default_config`."""
+    cfg = default_config(dtype)
+    if dtype == torch.float32:
+        return cfg
+    return Config(cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m, cfg.num_warps, cfg.num_stages, tma=True,
+                  warp_specialize=warp_specialize)
+
+
 @triton.jit
 def _grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     """(tile row, tile column) of output tile number `tile` in the grouped order: GROUP_M tile rows at a time,

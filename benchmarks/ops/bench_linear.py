@@ -66,8 +66,10 @@ def model_config(name: str) -> tuple[dict, str]:
     return BUILTIN[name], "built-in table"
 
 
-def projections(c: dict) -> list[tuple[str, int, int, int]]:
-    """(name, K, N, layers that have it) for every linear layer of the decoder stack."""
+def projections(c: dict, fused: bool = True) -> list[tuple[str, int, int, int]]:
+    """(name, K, N, layers that have it) for every linear layer of the decoder stack. fused: the GEMMs as the
+    engine runs them (projections of one input stacked into one weight, flide/models/fused.py: q/k/v, the GDN's
+    four input projections, gate/up); else one per nn.Linear."""
     hidden, layers = c["hidden_size"], c["num_hidden_layers"]
     interval = c.get("full_attention_interval", 4)
     attention = sum(1 for i in range(layers) if (i + 1) % interval == 0)
@@ -75,6 +77,16 @@ def projections(c: dict) -> list[tuple[str, int, int, int]]:
     heads, kv, d = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
     hk, hv = c["linear_num_key_heads"], c["linear_num_value_heads"]
     dk, dv = c["linear_key_head_dim"], c["linear_value_head_dim"]
+    inter = c["intermediate_size"]
+    if fused:
+        return [
+            ("attn.qkv_proj", hidden, 2 * heads * d + 2 * kv * d, attention),  # query + output gate, key, value
+            ("attn.o_proj", heads * d, hidden, attention),
+            ("gdn.in_proj", hidden, 2 * hk * dk + 2 * hv * dv + 2 * hv, gdn),  # qkv, z, b, a
+            ("gdn.out_proj", hv * dv, hidden, gdn),
+            ("mlp.gate_up_proj", hidden, 2 * inter, layers),
+            ("mlp.down_proj", inter, hidden, layers),
+        ]
     return [
         ("attn.q_proj", hidden, 2 * heads * d, attention),  # query and output gate
         ("attn.k_proj", hidden, kv * d, attention),
@@ -85,9 +97,9 @@ def projections(c: dict) -> list[tuple[str, int, int, int]]:
         ("gdn.in_proj_b", hidden, hv, gdn),
         ("gdn.in_proj_a", hidden, hv, gdn),
         ("gdn.out_proj", hv * dv, hidden, gdn),
-        ("mlp.gate_proj", hidden, c["intermediate_size"], layers),
-        ("mlp.up_proj", hidden, c["intermediate_size"], layers),
-        ("mlp.down_proj", c["intermediate_size"], hidden, layers),
+        ("mlp.gate_proj", hidden, inter, layers),
+        ("mlp.up_proj", hidden, inter, layers),
+        ("mlp.down_proj", inter, hidden, layers),
     ]
 
 
@@ -171,13 +183,15 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=ROWS, help="batch sizes M")
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--sweep", action="store_true", help="also time the triton kernel's other tiles")
+    parser.add_argument("--unfused", action="store_true",
+                        help="one GEMM per nn.Linear (before session 9's fused projections) instead of the fused ones")
     args = parser.parse_args()
     print(f"triton default bf16 tiles: {lt.default_config(torch.bfloat16)}")
     rows = []
     for model in args.models:
         config, source = model_config(model)
         print(f"{model}: shapes from {source}")
-        for proj, k, n, layers in projections(config):
+        for proj, k, n, layers in projections(config, fused=not args.unfused):
             for m in args.rows:
                 rows += bench_shape(model, proj, m, k, n, layers, args.sweep)
     rows += totals(rows)

@@ -342,12 +342,37 @@ else:
         g = -torch.rand(T, Hv, generator=torch.Generator().manual_seed(24))
         beta = torch.rand(T, Hv, generator=torch.Generator().manual_seed(26))
         init = randn(1, Hv, K, V, seed=25) * 0.1
-        companion = gated_delta_with_snapshot(gated_delta_reference, rest=delta_branches.segments_with_final)
-        for chunks, index in [([2, -1, 0], [-1, 0, -1]), ([4, 1, -1], [0, -1, -1])]:
-            args = (q, k, v, g, beta, torch.tensor([0, 200, 260]), torch.tensor([200, 60, 40]), init,
-                    torch.tensor(index), torch.tensor(chunks), 0.25, True)
-            for got, want in zip(companion(*args), gated_delta_snapshot_reference(*args)):
-                torch.testing.assert_close(got, want, atol=5e-5, rtol=1e-5)
+        # short_tokens: 0, the op for every state's part before its snapshot; 64, the recurrent kernel for the states
+        # whose part is at most 64 tokens, the op for the others (mixed); 1000, the recurrent kernel for all (no op)
+        for short_tokens in (0, 64, 1000):
+            companion = gated_delta_with_snapshot(gated_delta_reference, rest=delta_branches.segments_with_final,
+                                                  short_tokens=short_tokens)
+            for chunks, index in [([2, -1, 0], [-1, 0, -1]), ([4, 1, -1], [0, -1, -1])]:
+                args = (q, k, v, g, beta, torch.tensor([0, 200, 260]), torch.tensor([200, 60, 40]), init,
+                        torch.tensor(index), torch.tensor(chunks), 0.25, True)
+                for got, want in zip(companion(*args), gated_delta_snapshot_reference(*args)):
+                    torch.testing.assert_close(got, want, atol=5e-5, rtol=1e-5)
+
+    def test_gated_delta_snapshot_companion_short_states_keep_their_bits():
+        """A short state's outputs, snapshot and final state come from the recurrent kernel whatever else is in the
+        call: the same bits alone and beside a long state (which takes the op)."""
+        from flide.ops.gated_delta import gated_delta_reference
+        from flide.ops.resume import gated_delta_with_snapshot
+
+        T, Hk, Hv, K, V = 300, 1, 2, 16, 16
+        q, k, v = randn(T, Hk, K, seed=31), randn(T, Hk, K, seed=32), randn(T, Hv, V, seed=33)
+        g = -torch.rand(T, Hv, generator=torch.Generator().manual_seed(34))
+        beta = torch.rand(T, Hv, generator=torch.Generator().manual_seed(35))
+        init = randn(1, Hv, K, V, seed=36) * 0.1
+        companion = gated_delta_with_snapshot(gated_delta_reference, rest=delta_branches.segments_with_final,
+                                              short_tokens=100)
+        # the short state (rows 200-299, snapshot after 64 tokens) alone, then after a 200-token state from zero
+        alone = companion(q[200:], k[200:], v[200:], g[200:], beta[200:], torch.tensor([0]), torch.tensor([100]),
+                          init, torch.tensor([0]), torch.tensor([1]), 0.25, True)
+        both = companion(q, k, v, g, beta, torch.tensor([0, 200]), torch.tensor([200, 100]), init,
+                         torch.tensor([-1, 0]), torch.tensor([-1, 1]), 0.25, True)
+        assert torch.equal(both[0][200:], alone[0])
+        assert torch.equal(both[1][1], alone[1][0]) and torch.equal(both[2][1], alone[2][0])
 
     def test_gated_delta_branches_refuse_bad_tiles():
         x = torch.zeros(4, 1, 16)

@@ -12,7 +12,8 @@
 #     bash benchmarks/h200_session.sh profile    latency alone + kernel profile of one replay, 0.8B     ~5 min
 #     bash benchmarks/h200_session.sh ops        op benchmarks (attention, gated delta, conv) vs floors     ~5 min
 #     bash benchmarks/h200_session.sh rounds     pytest-benchmark of engine rounds (benchmarks/test_gpu_rounds.py) ~5 min
-#     bash benchmarks/h200_session.sh agents     SWE-agent replay (issue 6): slope and steps/s, 0.8B            ~8 min
+#     bash benchmarks/h200_session.sh agents     SWE-agent replay (issue 6): slope and steps/s (MODEL=4b: 4B)   ~4 min
+#     bash benchmarks/h200_session.sh tiles      invariant GEMM tiles vs cuBLAS per fused projection (issue 7)  ~2.5 min
 #     bash benchmarks/h200_session.sh bench ARGS  python -m flide.bench ARGS (e.g. a config and --engines flide)
 #     bash benchmarks/h200_session.sh verify     GPU tests of the question kernel + its forms/tiles at 0.8B's shapes ~6 min
 #     bash benchmarks/h200_session.sh sh 'CMDS'  any commands, after the same set-up (a session's own mix of parts)
@@ -125,11 +126,19 @@ rounds)
         --benchmark-json "$OUT/gpu_rounds.json" > "$OUT/gpu_rounds.log" 2>&1
     echo "rounds rc=$?"; tail -15 "$OUT/gpu_rounds.log" ;;
 agents)
-    timeout 560 python3 benchmarks/agent_steps.py --model shared/models/qwen3_5/configs/qwen3.5-0.8b.json \
+    # MODEL=4b for Qwen3.5-4B; ENGINES to pick (default: with checkpoints, prefix-cache, pipeline); the 3 longest of
+    # the 25 trajectories replayed alone (slope), steps/s runs bounded to 20 s each (slow baselines)
+    model=${MODEL:-0.8b}
+    timeout ${BUDGET_S:-300} python3 benchmarks/agent_steps.py --model shared/models/qwen3_5/configs/qwen3.5-$model.json \
         --tokenizer shared/models/qwen3_5 --data shared/data --dtype bfloat16 --device cuda \
-        --engines flide+checkpoints prefix-cache flide --trajectories 25 --alone-trajectories 3 --steps 8 \
-        --agents 1 32 --out "$OUT/agent_steps_0_8b.json" > "$OUT/agent_steps.log" 2>&1
-    echo "agents rc=$?"; grep -v DEBUG "$OUT/agent_steps.log" | tail -24 ;;
+        --engines ${ENGINES:-flide+checkpoints prefix-cache pipeline} --trajectories 25 --alone-trajectories 3 \
+        --seconds 20 --agents 1 32 --out "$OUT/agent_steps_${model/./_}.json" > "$OUT/agent_steps.log" 2>&1
+    echo "agents rc=$?"; cat "$OUT/agent_steps_${model/./_}.md" ;;
+tiles)
+    # the batch-invariant GEMM's tiles per fused projection shape against cuBLAS (issue 7), 0.8B and 4B, 16,384 rows
+    timeout ${BUDGET_S:-200} python3 benchmarks/ops/bench_linear.py --sweep --rows ${ROWS:-16384} \
+        --out "$OUT/ops_linear_sweep.json" > "$OUT/ops_linear_sweep.log" 2>&1
+    echo "tiles rc=$?"; grep " ms " "$OUT/ops_linear_sweep.log" | tr -s " " | sed "s/qwen3.5-//; s/ TFLOP\/s//" | cut -c1-110 ;;
 verify)
     # A session's first call, after kernel changes: the question kernel's GPU tests (both forms, Qwen shapes), then
     # its forms and tiles (incl. 32-token chunks) at 0.8B's shapes, to pick the defaults. Run with SAVE_CACHE=1.

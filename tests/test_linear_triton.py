@@ -103,6 +103,20 @@ else:
         assert isinstance(kernel, InterpretedFunction)
         assert not isinstance(kernel, (Autotuner, Heuristics))
 
+    def test_linear_tiles_per_layer_shape(monkeypatch):
+        """A layer shape's entry in SHAPE_TILES_16BIT is its config for every M (16-bit only); other shapes and fp32
+        take the dtype's default."""
+        entry = lt.Config(16, 32, 16, 2, 2, 2)
+        monkeypatch.setitem(lt.SHAPE_TILES_16BIT, (24, 48), entry)
+        assert lt.config_for(torch.float16, 24, 48) is entry
+        assert lt.config_for(torch.bfloat16, 24, 48) is entry
+        assert lt.config_for(torch.float16, 24, 32) == lt.default_config(torch.float16)
+        assert lt.config_for(torch.float32, 24, 48) == lt.default_config(torch.float32)
+        weight = torch.randn(24, 48, generator=torch.Generator().manual_seed(3)).half()
+        for m in (1, 5, 40):
+            x = torch.randn(m, 48, generator=torch.Generator().manual_seed(m)).half()
+            assert torch.equal(lt.linear(x, weight, None), lt.linear(x, weight, None, config=entry))
+
     def test_linear_default_configs_are_fixed():
         """One config per dtype, whatever else; no split-K parameter exists to choose."""
         assert lt.default_config(torch.float32) == FP32

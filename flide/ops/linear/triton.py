@@ -73,6 +73,24 @@ def default_config(dtype: torch.dtype) -> Config:
     raise ValueError(f"linear (triton): unsupported dtype {dtype}; expected float32, bfloat16 or float16")
 
 
+# Tiles per layer shape (N, K) for 16-bit inputs, where `benchmarks/ops/bench_linear.py --sweep` (the GEMMs as the
+# engine runs them, on the H200) found better ones than `default_config`. A layer's N and K never change with the
+# batch, so each layer still has one fixed config whatever M is: batch invariance holds per layer as before (a row's
+# bits may differ from those of another config, never between batches). Empty until the sweep has run on the device
+# (session 10's call was refused): every shape takes `default_config`.
+SHAPE_TILES_16BIT: dict[tuple[int, int], Config] = {}
+
+
+def config_for(dtype: torch.dtype, n: int, k: int) -> Config:
+    """The tiles of a layer with `n` outputs and `k` inputs: its entry in `SHAPE_TILES_16BIT` (16-bit dtypes),
+    else `default_config(dtype)`. Never depends on the number of rows."""
+    if dtype in (torch.bfloat16, torch.float16):
+        cfg = SHAPE_TILES_16BIT.get((n, k))
+        if cfg is not None:
+            return cfg
+    return default_config(dtype)
+
+
 def tma_config(dtype: torch.dtype, warp_specialize: bool = False) -> Config:
     """The default tiles in the persistent TMA form (16-bit dtypes; fp32 keeps the pointer kernel: the TMA path
     takes 16-bit inputs only). Fixed per dtype, like `default_config`."""
@@ -207,7 +225,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
     summed in fp32, bias added in fp32, one rounding at the end. CUDA tensors, or CPU tensors under
     TRITON_INTERPRET=1.
 
-    config: tiles (default: `default_config(x.dtype)`); another config gives other (equally valid) bits.
+    config: tiles (default: `config_for(x.dtype, N, K)`, fixed per layer shape); another config gives other (equally
+    valid) bits.
     """
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"linear (triton): x {tuple(x.shape)}, weight {tuple(weight.shape)}: expected [M, K], [N, K]")
@@ -225,7 +244,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
         raise ValueError(f"linear (triton): unsupported dtype {x.dtype}; expected float32, bfloat16 or float16")
     if x.device.type != "cuda" and isinstance(_linear_kernel, JITFunction):
         raise ValueError(f"linear (triton): x is on {x.device}: CUDA tensors, or CPU ones under TRITON_INTERPRET=1")
-    cfg = config or default_config(x.dtype)
+    cfg = config or config_for(x.dtype, N, K)
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
         return out

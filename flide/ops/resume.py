@@ -206,7 +206,7 @@ def gated_delta_with_snapshot(op: Callable, rest: Callable | None = None, short_
         rest = seg_len - before
         short = before <= short_tokens if short_tokens > 0 else torch.zeros_like(snap)
         call1 = short_call = None
-        if not bool(short.all()):
+        if short.numel() == 0 or not bool(short.all()):  # (no segment at all: the op's own empty call)
             # call 1: each segment as [before its snapshot][the rest, from zero: dropped]; a short state's whole
             # segment is the dropped part (its rows come from the short call)
             lead = torch.where(short, torch.zeros_like(before), before)

@@ -126,12 +126,12 @@ rounds)
         --benchmark-json "$OUT/gpu_rounds.json" > "$OUT/gpu_rounds.log" 2>&1
     echo "rounds rc=$?"; tail -15 "$OUT/gpu_rounds.log" ;;
 agents)
-    # MODEL=4b for Qwen3.5-4B; ENGINES to pick (default: with checkpoints, prefix-cache, pipeline); the 3 longest of
+    # MODEL=4b for Qwen3.5-4B; ENGINES to pick (default: with checkpoints, prefix-cache, pipeline); the ALONE (3) longest of
     # the 25 trajectories replayed alone (slope), steps/s runs bounded to 20 s each (slow baselines)
     model=${MODEL:-0.8b}
     timeout ${BUDGET_S:-300} python3 benchmarks/agent_steps.py --model shared/models/qwen3_5/configs/qwen3.5-$model.json \
         --tokenizer shared/models/qwen3_5 --data shared/data --dtype bfloat16 --device cuda \
-        --engines ${ENGINES:-flide+checkpoints prefix-cache pipeline} --trajectories 25 --alone-trajectories 3 \
+        --engines ${ENGINES:-flide+checkpoints prefix-cache pipeline} --trajectories 25 --alone-trajectories ${ALONE:-3} \
         --seconds 20 --agents 1 32 --out "$OUT/agent_steps_${model/./_}.json" > "$OUT/agent_steps.log" 2>&1
     echo "agents rc=$?"; cat "$OUT/agent_steps_${model/./_}.md" ;;
 tiles)

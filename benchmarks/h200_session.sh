@@ -22,7 +22,8 @@ set -u
 part=${1:?usage: h200_session.sh stage|kernels|models|invariant|profile|ops|rounds|agents|bench ...}
 shift
 if [ "$part" = stage ]; then
-    grep -qx '/shared/' .git/info/exclude || echo '/shared/' >> .git/info/exclude
+    mkdir -p .git/info  # a fresh checkout may lack it
+    for p in /shared/ /.cache/; do grep -qxF "$p" .git/info/exclude 2>/dev/null || echo "$p" >> .git/info/exclude; done
     mkdir -p shared/models shared/data
     cp -r ../shared/models/qwen3_5 shared/models/
     for d in race quality multirc swe_agent_trajs; do cp -r ../shared/data/$d shared/data/; done

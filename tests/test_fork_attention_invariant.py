@@ -338,6 +338,74 @@ else:
                                    atol=1e-5, rtol=1e-5)
 
     # -----------------------------------------------------------------------------------------------------------------
+    # (d) checkpoint prefixes: resumed states see their first m keys from pk / pv
+    # -----------------------------------------------------------------------------------------------------------------
+
+    def resume(r, cuts: list[tuple[int, int]]):
+        """The round `r` (full layout) with the first m rows of each state in `cuts` ((segment start a, m), sorted)
+        taken out of the stream, as a round that resumes them from checkpoints: (kept rows of the full stream,
+        seg_lo, trunk_lo, trunk_hi, pre_lo, pre_hi of the resumed stream, the cut rows in pk order)."""
+        T = r.seg_lo.shape[0]
+
+        def new(x: torch.Tensor) -> torch.Tensor:  # a full-stream index in the resumed stream
+            shift = torch.zeros_like(x)
+            for a, m in cuts:
+                shift += torch.where(x >= a + m, m, 0)
+            return x - shift
+
+        keep = torch.ones(T, dtype=torch.bool)
+        pre_lo, pre_hi = torch.zeros(T, dtype=torch.long), torch.zeros(T, dtype=torch.long)
+        cut_rows, offset = [], 0
+        has_trunk = r.trunk_hi > r.trunk_lo
+        for a, m in cuts:
+            keep[a: a + m] = False
+            cut_rows.append(torch.arange(a, a + m))
+            mine = (r.seg_lo == a) | (has_trunk & (r.trunk_lo == a))  # the state's rows and its questions'
+            pre_lo[mine], pre_hi[mine] = offset, offset + m
+            offset += m
+        rows = torch.nonzero(keep).flatten()
+        seg_lo, trunk_lo, trunk_hi = (new(x[rows]) for x in (r.seg_lo, r.trunk_lo, r.trunk_hi))
+        return rows, seg_lo, trunk_lo, trunk_hi, pre_lo[rows], pre_hi[rows], torch.cat(cut_rows)
+
+    def resumed_round(rng: random.Random, m: int):
+        """Other requests around two requests whose states (of m + 3 and m + 20 tokens) resume at m, and the cuts."""
+        targets = [request(rng, m + 3, [4, 1, 9]), request(rng, m + 20, [2, 6])]
+        requests = others(rng, 2) + [targets[0]] + others(rng, 1) + [targets[1]] + others(rng, 1)
+        r, rows = lay_out(requests, pad=5)
+        cuts = [(int(rows[i][0]), m) for i in (2, 4)]
+        return r, cuts
+
+    @pytest.mark.parametrize("m", [32, 48])
+    def test_invariant_prefix_matches_reference_and_fresh_bits(m):
+        """Resumed states (their first m keys as checkpoint rows in pk / pv) among requests without checkpoints: the
+        output equals the reference's `fork_attention_prefix`, and, m being a whole number of key tiles, every kept
+        row has the bits the same row gets in the fresh stream (the same tiles in the same order)."""
+        rng = random.Random(m)
+        hq, hkv, d = 4, 2, 16
+        r, cuts = resumed_round(rng, m)
+        T = r.seg_lo.shape[0]
+        q, k, v = randn(T, hq, d, seed=50), randn(T, hkv, d, seed=51), randn(T, hkv, d, seed=52)
+        fresh = run(q, k, v, r, d ** -0.5, SMALL)
+        rows, seg_lo, trunk_lo, trunk_hi, pre_lo, pre_hi, cut = resume(r, cuts)
+        assert (pre_hi > pre_lo).sum() > 0 and (pre_hi == pre_lo).sum() > 0
+        args = (q[rows], k[rows], v[rows], seg_lo, trunk_lo, trunk_hi)
+        got = kernel.fork_attention(*args, d ** -0.5, config=SMALL, out=poisoned(len(rows), hq, d),
+                                    prefix=(k[cut], v[cut], pre_lo, pre_hi))
+        want = attn_ref.fork_attention_prefix(*args, k[cut], v[cut], pre_lo, pre_hi, d ** -0.5)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        assert torch.equal(got, fresh[rows])
+
+    def test_invariant_prefix_without_prefix_rows_is_the_plain_kernel():
+        """A prefix argument whose ranges are all empty (and an empty pk) changes no bit of any row."""
+        rng = random.Random(3)
+        r, _ = resumed_round(rng, 16)
+        T = r.seg_lo.shape[0]
+        q, k, v = randn(T, 4, 16, seed=60), randn(T, 2, 16, seed=61), randn(T, 2, 16, seed=62)
+        none = torch.zeros(T, dtype=torch.long)
+        got = run(q, k, v, r, 0.25, SMALL, prefix=(k[:0], v[:0], none, none))
+        assert torch.equal(got, run(q, k, v, r, 0.25, SMALL))
+
+    # -----------------------------------------------------------------------------------------------------------------
     # The tiles each program visits
     # -----------------------------------------------------------------------------------------------------------------
 

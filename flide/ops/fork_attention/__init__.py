@@ -96,12 +96,28 @@ fork_attention_triton_invariant.register_fake(_fake)
 register("fork_attention", "triton_invariant", available=needs_cuda_triton,
          batch_invariant=True)(fork_attention_triton_invariant)
 
-# Checkpoints with the fast variants: the prefix keys go back into an extended stream that the plain kernel runs
-# (flide/ops/resume.py; rounds with checkpoint work run eagerly, so the host may look at the metadata). flex's
+
+@torch.library.custom_op("flide::fork_attention_prefix_triton_invariant", mutates_args=(), device_types="cuda")
+def fork_attention_prefix_triton_invariant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_lo: torch.Tensor,
+                                           trunk_lo: torch.Tensor, trunk_hi: torch.Tensor, pk: torch.Tensor,
+                                           pv: torch.Tensor, pre_lo: torch.Tensor, pre_hi: torch.Tensor,
+                                           scale: float) -> torch.Tensor:
+    # The invariant kernel reads the checkpoint rows itself (its prefix phase): no extended stream to build, no host
+    # sync, and a resumed state's key tiles fall where a fresh one's do (its m is a multiple of 64)
+    from . import triton_invariant as kernel
+
+    return kernel.fork_attention(q, k, v, seg_lo, trunk_lo, trunk_hi, scale,
+                                 prefix=(pk.to(q.dtype), pv.to(q.dtype), pre_lo, pre_hi))
+
+
+fork_attention_prefix_triton_invariant.register_fake(_fake_prefix)
+register_resumable("fork_attention", "triton_invariant")(fork_attention_prefix_triton_invariant)
+
+# Checkpoints with the other fast variants: the prefix keys go back into an extended stream that the plain kernel
+# runs (flide/ops/resume.py; rounds with checkpoint work run eagerly, so the host may look at the metadata). flex's
 # companion runs our Triton kernel: flex is compiled per stream length (size classes, seconds each on the H200), and
 # checkpoint rounds, whose extended streams grow with every agent step, would keep compiling; the Triton kernel
 # takes any length without a compile and computes the same attention (both are checked against the reference).
 for _variant, _op in (("segments", fork_attention_segments), ("flex", fork_attention_triton),
-                      ("triton", fork_attention_triton),
-                      ("triton_invariant", fork_attention_triton_invariant)):
+                      ("triton", fork_attention_triton)):
     register_resumable("fork_attention", _variant)(attention_with_prefix(_op))

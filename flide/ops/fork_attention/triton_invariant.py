@@ -149,11 +149,13 @@ def _tile(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d
 
 @triton.jit(do_not_specialize=["T"])
 def _fork_attention_invariant_kernel(q_ptr, k_ptr, v_ptr, o_ptr, seg_lo_ptr, trunk_lo_ptr, trunk_hi_ptr, stats_ptr,
+                                     pk_ptr, pv_ptr, pre_lo_ptr, pre_hi_ptr,
                                      T, qk_scale, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-                                     stride_ot, stride_oh, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                                     stride_ot, stride_oh, stride_pkt, stride_pkh, stride_pvt, stride_pvh,
+                                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                                      HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                      BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr,
-                                     STATS: tl.constexpr):
+                                     STATS: tl.constexpr, HAS_PREFIX: tl.constexpr):
     TOKENS: tl.constexpr = BLOCK_M // GROUP  # tokens per query block; rows past TOKENS * GROUP idle
     EVEN_D: tl.constexpr = (BLOCK_D == HEAD_DIM) and (BLOCK_DV == HEAD_DIM_V)
     BIG: tl.constexpr = (1 << 31) - 1  # past any stream index: "no range"
@@ -170,12 +172,21 @@ def _fork_attention_invariant_kernel(q_ptr, k_ptr, v_ptr, o_ptr, seg_lo_ptr, tru
     trunk_lo = tl.load(trunk_lo_ptr + tok, mask=valid, other=0).to(tl.int32)
     trunk_hi = tl.load(trunk_hi_ptr + tok, mask=valid, other=0).to(tl.int32)
     has_trunk = trunk_hi > trunk_lo
-    single = valid & (seg_lo == tok) & (trunk_hi <= trunk_lo)  # sees only itself (a pad, a state's first token)
-    walk = valid & ((seg_lo != tok) | has_trunk)  # every other real row
+    if HAS_PREFIX:  # checkpoint rows [pre_lo, pre_hi) of pk / pv precede everything else the row sees
+        pre_lo = tl.load(pre_lo_ptr + tok, mask=valid, other=0).to(tl.int32)
+        pre_hi = tl.load(pre_hi_ptr + tok, mask=valid, other=0).to(tl.int32)
+    else:
+        pre_lo = tl.zeros([BLOCK_M], dtype=tl.int32)
+        pre_hi = pre_lo
+    has_prefix = pre_hi > pre_lo
+    single = valid & (seg_lo == tok) & (trunk_hi <= trunk_lo) & (pre_hi <= pre_lo)  # sees only itself (a pad...)
+    walk = valid & ((seg_lo != tok) | has_trunk | has_prefix)  # every other real row
     # Each row's range id in each phase (BIG: no part in that phase); a range's tiles start at its id.
-    # phase 0: the row's state [trunk_lo, trunk_hi); phase 1: its own keys [seg_lo, t]; phase 2: the rows that see
+    # phase 0: the row's checkpoint prefix [pre_lo, pre_hi) in pk / pv (resumed states and their questions only);
+    # phase 1: the row's state [trunk_lo, trunk_hi); phase 2: its own keys [seg_lo, t]; phase 3: the rows that see
     # only themselves, all in one range from the first of them (one key a row: its column in the tile changes
     # nothing, p * v_t / p whatever the column), so a block of pads costs one tile, not one per pad
+    id_p = tl.where(walk & has_prefix, pre_lo, BIG)
     id_a = tl.where(walk & has_trunk, trunk_lo, BIG)
     id_b = tl.where(walk, seg_lo, BIG)
     first_c = tl.min(tl.where(single, tok, BIG), 0)
@@ -191,6 +202,8 @@ def _fork_attention_invariant_kernel(q_ptr, k_ptr, v_ptr, o_ptr, seg_lo_ptr, tru
         q = tl.load(q_ptrs, mask=valid[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
     k_base = k_ptr + kvh.to(tl.int64) * stride_kh
     v_base = v_ptr + kvh.to(tl.int64) * stride_vh
+    pk_base = pk_ptr + kvh.to(tl.int64) * stride_pkh
+    pv_base = pv_ptr + kvh.to(tl.int64) * stride_pvh
 
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -198,27 +211,38 @@ def _fork_attention_invariant_kernel(q_ptr, k_ptr, v_ptr, o_ptr, seg_lo_ptr, tru
     n_tiles = 0
     # One loop over the ranges of all phases, in order (so that every tile runs the same code); `cur` is the
     # current range's id, the next one the smallest id above it in the phase, else the next phase's first
+    first_p = tl.min(id_p, 0)
     first_a = tl.min(id_a, 0)
     first_b = tl.min(id_b, 0)
-    phase = tl.where(first_a < BIG, 0, tl.where(first_b < BIG, 1, 2))
-    cur = tl.where(first_a < BIG, first_a, tl.where(first_b < BIG, first_b, first_c))
+    phase = tl.where(first_p < BIG, 0, tl.where(first_a < BIG, 1, tl.where(first_b < BIG, 2, 3)))
+    cur = tl.where(first_p < BIG, first_p, tl.where(first_a < BIG, first_a, tl.where(first_b < BIG, first_b,
+                                                                                      first_c)))
     while cur < BIG:
-        row_id = tl.where(phase == 0, id_a, tl.where(phase == 1, id_b, id_c))
-        row_lo = tl.where(phase == 2, tok, row_id)
-        row_hi = tl.where(phase == 0, trunk_hi, tok + 1)
+        row_id = tl.where(phase == 0, id_p, tl.where(phase == 1, id_a, tl.where(phase == 2, id_b, id_c)))
+        row_lo = tl.where(phase == 3, tok, row_id)
+        row_hi = tl.where(phase == 0, pre_hi, tl.where(phase == 1, trunk_hi, tok + 1))
         active = row_id == cur
         hi = tl.max(tl.where(active, row_hi, 0), 0)
+        if HAS_PREFIX:  # the prefix phase reads pk / pv; every phase still runs the one `_tile` call below
+            kb = tl.where(phase == 0, pk_base, k_base)
+            vb = tl.where(phase == 0, pv_base, v_base)
+            skt = tl.where(phase == 0, stride_pkt, stride_kt)
+            svt = tl.where(phase == 0, stride_pvt, stride_vt)
+        else:
+            kb, vb, skt, svt = k_base, v_base, stride_kt, stride_vt
         for start in range(cur, hi, BLOCK_N):
-            acc, l_i, m_i = _tile(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d, offs_dv,
+            acc, l_i, m_i = _tile(acc, l_i, m_i, q, kb, vb, skt, svt, offs_n, offs_d, offs_dv,
                                   start, hi, active, row_lo, row_hi, qk_scale, BLOCK_N, HEAD_DIM, HEAD_DIM_V,
                                   EVEN_D, PRECISION)
             if STATS:
                 n_tiles += 1
         nxt = tl.min(tl.where(row_id > cur, row_id, BIG), 0)
-        to_b = (nxt == BIG) & (phase == 0) & (first_b < BIG)
-        to_c = (nxt == BIG) & (phase <= 1) & (to_b == 0)
-        cur = tl.where(to_b, first_b, tl.where(to_c, first_c, nxt))
-        phase = tl.where(to_b, 1, tl.where(to_c, 2, phase))
+        # the phase's last range done: on to the next phase that has one (phase 3 may have none: then cur = BIG)
+        to_a = (nxt == BIG) & (phase == 0) & (first_a < BIG)
+        to_b = (nxt == BIG) & (phase <= 1) & (first_b < BIG) & (to_a == 0)
+        to_c = (nxt == BIG) & (phase <= 2) & (to_a == 0) & (to_b == 0)
+        cur = tl.where(to_a, first_a, tl.where(to_b, first_b, tl.where(to_c, first_c, nxt)))
+        phase = tl.where(to_a, 1, tl.where(to_b, 2, tl.where(to_c, 3, phase)))
 
     l_i = tl.where(l_i > 0, l_i, 1.0)  # idle rows only: every real row sees at least itself
     out = acc / l_i[:, None]
@@ -244,7 +268,8 @@ def _tiles(config: Config | None, head_dim: int, dtype: torch.dtype, group: int)
 
 def fork_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_lo: torch.Tensor, trunk_lo: torch.Tensor,
                    trunk_hi: torch.Tensor, scale: float, *, config: Config | None = None,
-                   out: torch.Tensor | None = None, stats: torch.Tensor | None = None) -> torch.Tensor:
+                   out: torch.Tensor | None = None, stats: torch.Tensor | None = None,
+                   prefix: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Same contract as `reference.fork_attention` ([T, Hq, D] / [T, Hkv, D] / [T, Hkv, Dv] in, [T, Hq, Dv] out in
     q's dtype; scores, softmax and sums in fp32), batch-invariant (module docstring). CUDA tensors, or CPU tensors
     under TRITON_INTERPRET=1.
@@ -253,6 +278,10 @@ def fork_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_lo: to
     output buffer to write into (every element is written). stats: int32 [Hkv * query_blocks(...)] (index kv_head *
     n_query_blocks + block) to receive the number of key tiles each program visited (tests, benchmarks; None
     compiles the counting out).
+    prefix: (pk [P, Hkv, D], pv [P, Hkv, Dv], pre_lo [T], pre_hi [T]): checkpoint keys a row sees before all else,
+    rows [pre_lo[t], pre_hi[t]) of pk / pv (`reference.fork_attention_prefix`'s contract; pk / pv in q's dtype). They
+    are walked in tiles from pre_lo: a state resumed at m (a multiple of 64, GDN chunks) then sees the tiles a fresh
+    one sees, cut at the same places (BLOCK_N divides 64).
     """
     T, Hq, D = q.shape
     Hkv, Dv = k.shape[1], v.shape[2]
@@ -280,15 +309,33 @@ def fork_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_lo: to
         raise ValueError(f"a stream of {T} tokens with key rows of {max(k.stride(0), v.stride(0))} elements "
                          "overflows the kernel's int32 key offsets")
     seg_lo, trunk_lo, trunk_hi = seg_lo.contiguous(), trunk_lo.contiguous(), trunk_hi.contiguous()
+    if prefix is not None:
+        pk, pv, pre_lo, pre_hi = prefix
+        if pk.dim() != 3 or pk.shape[1:] != (Hkv, D) or pv.shape != (pk.shape[0], Hkv, Dv):
+            raise ValueError(f"pk {tuple(pk.shape)}, pv {tuple(pv.shape)}: expected [P, {Hkv}, {D}], [P, {Hkv}, {Dv}]")
+        if pk.dtype != q.dtype or pv.dtype != q.dtype:
+            raise ValueError(f"pk, pv must be {q.dtype} (q's dtype), got {pk.dtype}, {pv.dtype}")
+        for name, m in (("pre_lo", pre_lo), ("pre_hi", pre_hi)):
+            if m.shape != (T,) or m.dtype != torch.int64:
+                raise ValueError(f"{name} must be int64 [{T}], got {m.dtype} {tuple(m.shape)}")
+        if pk.shape[0] * max(pk.stride(0), pv.stride(0), 1) >= 2 ** 31:
+            raise ValueError(f"a prefix of {pk.shape[0]} rows overflows the kernel's int32 key offsets")
+        pk, pv = (x if x.stride(2) == 1 else x.contiguous() for x in (pk, pv))
+        if pk.shape[0] == 0:  # nothing to read: a valid pointer that no tile loads
+            pk, pv = k[:1], v[:1]
+        pre_lo, pre_hi = pre_lo.contiguous(), pre_hi.contiguous()
+    else:
+        pk, pv, pre_lo, pre_hi = k, v, seg_lo, seg_lo
     grid = (triton.cdiv(T, cfg.block_m // group), Hkv)
     if stats is not None and (stats.shape != (grid[0] * grid[1],) or stats.dtype != torch.int32):
         raise ValueError(f"stats must be int32 [{grid[0] * grid[1]}]")
     _fork_attention_invariant_kernel[grid](
-        q, k, v, out, seg_lo, trunk_lo, trunk_hi, stats if stats is not None else seg_lo, T, float(scale) * LOG2E,
+        q, k, v, out, seg_lo, trunk_lo, trunk_hi, stats if stats is not None else seg_lo, pk, pv, pre_lo, pre_hi,
+        T, float(scale) * LOG2E,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        GROUP=group, HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=_pow2_dim(D),
+        pk.stride(0), pk.stride(1), pv.stride(0), pv.stride(1), GROUP=group, HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=_pow2_dim(D),
         BLOCK_DV=_pow2_dim(Dv), PRECISION="ieee" if q.dtype == torch.float32 else "tf32", STATS=stats is not None,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        HAS_PREFIX=prefix is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
 

@@ -174,6 +174,31 @@ class ScoreRecorder:
         self.engine.answers = self._answers
 
 
+def resume_states(seg_lo, trunk_lo, trunk_hi, cuts: list[tuple[int, int]]):
+    """A round's stream metadata (seg_lo, trunk_lo, trunk_hi: [T] int64) with the first m rows of each state in
+    `cuts` ((segment start a, m), sorted by a) taken out, as a round that resumes those states from checkpoints
+    (flide/checkpoints): returns (kept rows of the full stream, seg_lo, trunk_lo, trunk_hi of the resumed stream,
+    checkpoint [kept] int64: the cut each kept row's state resumes from, -1 none). For kernel tests of the resume
+    paths: a resumed row must compute what the same row of the full stream computes."""
+    import torch
+
+    def moved(x):  # a full-stream index in the resumed stream
+        shift = torch.zeros_like(x)
+        for a, m in cuts:
+            shift += torch.where(x >= a + m, m, 0)
+        return x - shift
+
+    T = seg_lo.shape[0]
+    keep = torch.ones(T, dtype=torch.bool)
+    checkpoint = torch.full((T,), -1, dtype=torch.long)
+    has_trunk = trunk_hi > trunk_lo
+    for p, (a, m) in enumerate(cuts):
+        keep[a: a + m] = False
+        checkpoint[(seg_lo == a) | (has_trunk & (trunk_lo == a))] = p  # the state's rows and its questions'
+    rows = torch.nonzero(keep).flatten()
+    return (rows, *(moved(x[rows]) for x in (seg_lo, trunk_lo, trunk_hi)), checkpoint[rows])
+
+
 def run_in_triton_interpreter(test_file: str, select: str, min_passed: int) -> None:
     """Runs the checks of `test_file` selected by `-k select` in a child pytest with TRITON_INTERPRET=1, and fails
     unless at least `min_passed` of them ran and passed with none skipped.

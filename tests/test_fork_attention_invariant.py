@@ -51,7 +51,7 @@ else:
     from flide.ops.fork_attention import triton_invariant as kernel
     from flide.requests import Branch, PreparedRequest
     from flide.round import Shape, build_round
-    from flide.testing import random_round_tensors, synthetic_request
+    from flide.testing import random_round_tensors, resume_states, synthetic_request
 
     def _dot_by_k(self, a, b, d, input_precision, max_num_imprecise_acc):
         """`InterpreterBuilder.create_dot` (np.matmul(a, b) + d, in d's dtype) with each element summed over k in
@@ -341,32 +341,6 @@ else:
     # (d) checkpoint prefixes: resumed states see their first m keys from pk / pv
     # -----------------------------------------------------------------------------------------------------------------
 
-    def resume(r, cuts: list[tuple[int, int]]):
-        """The round `r` (full layout) with the first m rows of each state in `cuts` ((segment start a, m), sorted)
-        taken out of the stream, as a round that resumes them from checkpoints: (kept rows of the full stream,
-        seg_lo, trunk_lo, trunk_hi, pre_lo, pre_hi of the resumed stream, the cut rows in pk order)."""
-        T = r.seg_lo.shape[0]
-
-        def new(x: torch.Tensor) -> torch.Tensor:  # a full-stream index in the resumed stream
-            shift = torch.zeros_like(x)
-            for a, m in cuts:
-                shift += torch.where(x >= a + m, m, 0)
-            return x - shift
-
-        keep = torch.ones(T, dtype=torch.bool)
-        pre_lo, pre_hi = torch.zeros(T, dtype=torch.long), torch.zeros(T, dtype=torch.long)
-        cut_rows, offset = [], 0
-        has_trunk = r.trunk_hi > r.trunk_lo
-        for a, m in cuts:
-            keep[a: a + m] = False
-            cut_rows.append(torch.arange(a, a + m))
-            mine = (r.seg_lo == a) | (has_trunk & (r.trunk_lo == a))  # the state's rows and its questions'
-            pre_lo[mine], pre_hi[mine] = offset, offset + m
-            offset += m
-        rows = torch.nonzero(keep).flatten()
-        seg_lo, trunk_lo, trunk_hi = (new(x[rows]) for x in (r.seg_lo, r.trunk_lo, r.trunk_hi))
-        return rows, seg_lo, trunk_lo, trunk_hi, pre_lo[rows], pre_hi[rows], torch.cat(cut_rows)
-
     def resumed_round(rng: random.Random, m: int):
         """Other requests around two requests whose states (of m + 3 and m + 20 tokens) resume at m, and the cuts."""
         targets = [request(rng, m + 3, [4, 1, 9]), request(rng, m + 20, [2, 6])]
@@ -386,7 +360,12 @@ else:
         T = r.seg_lo.shape[0]
         q, k, v = randn(T, hq, d, seed=50), randn(T, hkv, d, seed=51), randn(T, hkv, d, seed=52)
         fresh = run(q, k, v, r, d ** -0.5, SMALL)
-        rows, seg_lo, trunk_lo, trunk_hi, pre_lo, pre_hi, cut = resume(r, cuts)
+        rows, seg_lo, trunk_lo, trunk_hi, checkpoint = resume_states(r.seg_lo, r.trunk_lo, r.trunk_hi, cuts)
+        # checkpoint p's keys are rows [p * m, (p + 1) * m) of pk: every cut is m rows
+        has = checkpoint >= 0
+        pre_lo = torch.where(has, checkpoint * m, 0)
+        pre_hi = torch.where(has, pre_lo + m, 0)
+        cut = torch.cat([torch.arange(a, a + n) for a, n in cuts])
         assert (pre_hi > pre_lo).sum() > 0 and (pre_hi == pre_lo).sum() > 0
         args = (q[rows], k[rows], v[rows], seg_lo, trunk_lo, trunk_hi)
         got = kernel.fork_attention(*args, d ** -0.5, config=SMALL, out=poisoned(len(rows), hq, d),

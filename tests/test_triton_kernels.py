@@ -41,7 +41,7 @@ else:
     from flide.ops.gated_delta import branches as delta_branches
     from flide.ops.gated_delta import l2norm as delta_l2norm
     from flide.ops.gated_delta import reference as delta_ref
-    from flide.testing import random_round_tensors
+    from flide.testing import random_round_tensors, resume_states
 
     def tiny_round(tokens: int, seed: int, max_state: int = 40, max_question: int = 12, max_questions: int = 6):
         return random_round_tensors(random.Random(seed), tokens, max_requests=6, max_questions=max_questions,
@@ -100,6 +100,31 @@ else:
         want = conv_ref.fork_conv(x16.float(), w16.float(), r.seg_lo, r.trunk_lo, r.trunk_hi, True)
         assert out16.dtype == torch.float16
         torch.testing.assert_close(out16.float(), want, atol=1e-3, rtol=2 ** -10)
+
+    @pytest.mark.parametrize("width", [2, 4])
+    def test_fork_conv_resumes_from_checkpoint_windows(width):
+        """States resumed at m (their first m rows cut out of the stream, the W-1 inputs before m given as checkpoint
+        windows) next to states without checkpoints: equal to the reference's `fork_conv_window`, and every kept row
+        has the bits the same row gets in the full stream (the same inputs reach each tap)."""
+        tokens, channels = 200, 24
+        r = tiny_round(tokens, seed=36 + width, max_state=40)  # seeds with two states over 12 tokens, with questions
+        long = [s for s in range(len(r.state_len)) if int(r.state_len[s]) > 12]
+        assert len(long) >= 2
+        cuts = [(int(r.state_start[s]), 4 + 3 * i) for i, s in enumerate(long[:2])]  # m = 4, 7
+        x, weight = randn(tokens, channels, seed=31), randn(channels, width, seed=32)
+        fresh = conv_triton.fork_conv(x, weight, r.seg_lo, r.trunk_lo, r.trunk_hi, True, block_t=16, block_d=16)
+        rows, seg_lo, trunk_lo, trunk_hi, checkpoint = resume_states(r.seg_lo, r.trunk_lo, r.trunk_hi, cuts)
+        windows = torch.stack([x[a + m - (width - 1): a + m] for a, m in cuts])
+        args = (x[rows], weight, seg_lo, trunk_lo, trunk_hi)
+        out = conv_triton.fork_conv(*args, True, block_t=16, block_d=16, window=(windows, checkpoint),
+                                    out=poisoned(len(rows), channels, dtype=torch.float32))
+        torch.testing.assert_close(out, conv_ref.fork_conv_window(*args, windows, checkpoint, True),
+                                   atol=1e-5, rtol=1e-5)
+        assert torch.equal(out, fresh[rows])
+        none = torch.full_like(checkpoint, -1)  # no window used: the plain kernel's bits
+        plain = conv_triton.fork_conv(*args, True, block_t=16, block_d=16)
+        assert torch.equal(conv_triton.fork_conv(*args, True, block_t=16, block_d=16, window=(windows[:0], none)),
+                           plain)
 
     def test_fork_conv_rejects_bad_metadata():
         x, weight = randn(8, 16, seed=1), randn(16, 4, seed=2)

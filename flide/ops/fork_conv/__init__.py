@@ -7,7 +7,6 @@ import torch
 
 from ..registry import needs_cuda_triton, register, register_resumable
 from . import reference
-from ..resume import conv_with_window
 
 
 @torch.library.custom_op("flide::fork_conv_reference", mutates_args=())
@@ -56,4 +55,18 @@ fork_conv_triton.register_fake(_fake)
 
 register("fork_conv", "triton", available=needs_cuda_triton, batch_invariant=True)(fork_conv_triton)
 # checkpoints: the window rows go back into an extended stream that the plain kernel runs (flide/ops/resume.py)
-register_resumable("fork_conv", "triton")(conv_with_window(fork_conv_triton))
+
+
+@torch.library.custom_op("flide::fork_conv_window_triton", mutates_args=(), device_types="cuda")
+def fork_conv_window_triton(x: torch.Tensor, weight: torch.Tensor, seg_lo: torch.Tensor, trunk_lo: torch.Tensor,
+                            trunk_hi: torch.Tensor, window: torch.Tensor, win_index: torch.Tensor,
+                            silu: bool) -> torch.Tensor:
+    # the Triton kernel reads the checkpoint windows itself: no extended stream, no host sync; a resumed state's
+    # inputs are the values a fresh stream holds there, so its outputs keep a fresh state's bits
+    from . import triton as kernel
+
+    return kernel.fork_conv(x, weight, seg_lo, trunk_lo, trunk_hi, silu, window=(window, win_index))
+
+
+fork_conv_window_triton.register_fake(_fake_window)
+register_resumable("fork_conv", "triton")(fork_conv_window_triton)

@@ -29,9 +29,10 @@ NUM_WARPS = 4
 
 
 @triton.jit
-def _fork_conv_kernel(x_ptr, w_ptr, out_ptr, seg_lo_ptr, trunk_lo_ptr, trunk_hi_ptr, T, D,
-                      stride_xt, stride_xd, stride_wd, stride_ww, stride_ot, stride_od,
-                      W: tl.constexpr, SILU: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+def _fork_conv_kernel(x_ptr, w_ptr, out_ptr, seg_lo_ptr, trunk_lo_ptr, trunk_hi_ptr, win_ptr, win_index_ptr, T, D,
+                      stride_xt, stride_xd, stride_wd, stride_ww, stride_ot, stride_od, stride_win_r, stride_win_d,
+                      W: tl.constexpr, SILU: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+                      HAS_WINDOW: tl.constexpr):
     pid_t = tl.program_id(0)
     pid_d = tl.program_id(1)
     # int64 token indices: row * stride can pass 2**31 in long streams of wide channels
@@ -42,6 +43,8 @@ def _fork_conv_kernel(x_ptr, w_ptr, out_ptr, seg_lo_ptr, trunk_lo_ptr, trunk_hi_
     seg_lo = tl.load(seg_lo_ptr + t, mask=t_ok, other=0)
     trunk_lo = tl.load(trunk_lo_ptr + t, mask=t_ok, other=0)
     trunk_hi = tl.load(trunk_hi_ptr + t, mask=t_ok, other=0)
+    if HAS_WINDOW:  # the checkpoint window each token's (resumed) state continues, -1: none
+        win_index = tl.load(win_index_ptr + t, mask=t_ok, other=-1)
 
     acc = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
     for w in tl.static_range(W):
@@ -56,6 +59,15 @@ def _fork_conv_kernel(x_ptr, w_ptr, out_ptr, seg_lo_ptr, trunk_lo_ptr, trunk_hi_
         ok = (from_stream | from_trunk) & t_ok  # neither: before the state's start, the input is zero
         xv = tl.load(x_ptr + row[:, None] * stride_xt + d[None, :] * stride_xd, mask=ok[:, None] & d_ok[None, :],
                      other=0.0).to(tl.float32)
+        if HAS_WINDOW:
+            # before the start of a resumed state's segment: the checkpoint's last W-1 inputs (window row j of
+            # checkpoint p is row p * (W-1) + j, oldest first), the same values a fresh stream holds there
+            before_state = before - (trunk_hi - trunk_lo)
+            use = (before_state > 0) & (before_state <= W - 1) & (win_index >= 0) & t_ok
+            win_row = win_index * (W - 1) + (W - 1) - before_state
+            xw = tl.load(win_ptr + win_row[:, None] * stride_win_r + d[None, :] * stride_win_d,
+                         mask=use[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+            xv = tl.where(use[:, None], xw, xv)
         wv = tl.load(w_ptr + d * stride_wd + w * stride_ww, mask=d_ok, other=0.0).to(tl.float32)
         acc += xv * wv[None, :]
     if SILU:
@@ -66,11 +78,15 @@ def _fork_conv_kernel(x_ptr, w_ptr, out_ptr, seg_lo_ptr, trunk_lo_ptr, trunk_hi_
 
 def fork_conv(x: torch.Tensor, weight: torch.Tensor, seg_lo: torch.Tensor, trunk_lo: torch.Tensor,
               trunk_hi: torch.Tensor, silu: bool, *, block_t: int = BLOCK_T, block_d: int = BLOCK_D,
-              num_warps: int = NUM_WARPS, out: torch.Tensor | None = None) -> torch.Tensor:
+              num_warps: int = NUM_WARPS, out: torch.Tensor | None = None,
+              window: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Same contract as `reference.fork_conv` (x [T, D], weight [D, W], int64 metadata [T]; [T, D] out in x's
     dtype), except that products and sums run in fp32 whatever the dtypes. CUDA tensors, or CPU tensors under
     TRITON_INTERPRET=1. Every output element is written (`out`, if given: a [T, D] buffer of x's dtype; the tests
-    hand in one filled with NaN to check that)."""
+    hand in one filled with NaN to check that).
+
+    window: (windows [P, W-1, D], win_index [T] int64) as in `reference.fork_conv_window`: the inputs before a
+    resumed state's segment come from its checkpoint's window (read in place: no extended stream)."""
     T, D = x.shape
     W = weight.shape[1]
     if weight.shape[0] != D:
@@ -86,8 +102,19 @@ def fork_conv(x: torch.Tensor, weight: torch.Tensor, seg_lo: torch.Tensor, trunk
         return out
     # contiguous() is free for the usual case and makes the 1-D metadata loads plain offsets
     seg_lo, trunk_lo, trunk_hi = seg_lo.contiguous(), trunk_lo.contiguous(), trunk_hi.contiguous()
+    if window is not None:
+        windows, win_index = window
+        if windows.dim() != 3 or windows.shape[1:] != (W - 1, D):
+            raise ValueError(f"window is {tuple(windows.shape)}, expected [P, {W - 1}, {D}]")
+        if win_index.shape != (T,) or win_index.dtype != torch.int64:
+            raise ValueError(f"win_index must be int64 [{T}], got {win_index.dtype} {tuple(win_index.shape)}")
+        rows = windows.reshape(-1, D) if windows.shape[0] else x[:1]  # none: a valid pointer no tap loads
+        win_index = win_index.contiguous()
+    else:
+        rows, win_index = x, seg_lo
     grid = (triton.cdiv(T, block_t), triton.cdiv(D, block_d))
-    _fork_conv_kernel[grid](x, weight, out, seg_lo, trunk_lo, trunk_hi, T, D,
+    _fork_conv_kernel[grid](x, weight, out, seg_lo, trunk_lo, trunk_hi, rows, win_index, T, D,
                             x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
-                            W=W, SILU=bool(silu), BLOCK_T=block_t, BLOCK_D=block_d, num_warps=num_warps)
+                            rows.stride(0), rows.stride(1), W=W, SILU=bool(silu), BLOCK_T=block_t, BLOCK_D=block_d,
+                            HAS_WINDOW=window is not None, num_warps=num_warps)
     return out

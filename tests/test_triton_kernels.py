@@ -356,6 +356,26 @@ else:
         with pytest.raises(ValueError, match="recurrent form"):
             delta_branches.branches(*args, final=torch.empty(3, Hv, K, V))
 
+    def test_gated_delta_segments_with_snapshot():
+        """`segments_with_snapshot`: outputs and final states as `segments_with_final`'s (same bits), and each
+        segment's state after its first snap_at tokens equal to the reference's final state of that prefix: inside
+        the segment, at 0 (the initial state), at its end (= final), and an empty segment's (its initial state)."""
+        tokens, Hk, Hv, K, V = 90, 1, 2, 24, 40
+        q, k, v = randn(tokens, Hk, K, seed=41), randn(tokens, Hk, K, seed=42), randn(tokens, Hv, V, seed=43)
+        g = -torch.rand(tokens, Hv, generator=torch.Generator().manual_seed(44)) * 0.5
+        beta = torch.rand(tokens, Hv, generator=torch.Generator().manual_seed(45))
+        init = randn(2, Hv, K, V, seed=46) * 0.1
+        start, length = torch.tensor([0, 30, 30, 70]), torch.tensor([30, 0, 40, 20])
+        index, snap_at = torch.tensor([1, 0, -1, 0]), torch.tensor([17, 0, 0, 20])
+        args = (q, k, v, g, beta, start, length, init, index)
+        o, final, states = delta_branches.segments_with_snapshot(*args, snap_at, 0.3, True)
+        o_ref, final_ref = delta_branches.segments_with_final(*args, 0.3, True)
+        assert torch.equal(o[:90], o_ref[:90]) and torch.equal(final, final_ref)
+        _, want = delta_ref.gated_delta(q, k, v, g, beta, start, snap_at, init, index, 0.3, True)
+        torch.testing.assert_close(states, want, atol=2e-5 * max(1.0, want.abs().max().item()), rtol=1e-5)
+        assert torch.equal(states[1], init[0]) and torch.equal(states[2], torch.zeros_like(states[2]))
+        assert torch.equal(states[3], final[3])
+
     def test_gated_delta_branches_snapshot_companion_with_recurrent_rests():
         """The fla variant's checkpoint companion re-runs the states' rests with `segments_with_final`: with the
         reference op for the rest of it, its outputs, final states and snapshots equal the reference companion's."""
@@ -367,10 +387,12 @@ else:
         g = -torch.rand(T, Hv, generator=torch.Generator().manual_seed(24))
         beta = torch.rand(T, Hv, generator=torch.Generator().manual_seed(26))
         init = randn(1, Hv, K, V, seed=25) * 0.1
-        # short_tokens: 0, the op for every state's part before its snapshot; 64, the recurrent kernel for the states
-        # whose part is at most 64 tokens, the op for the others (mixed); 1000, the recurrent kernel for all (no op)
+        # short_tokens: 0, the op for every state's part before its snapshot; 64, the recurrent kernel for the whole
+        # of the states whose part is at most 64 tokens (snapshot in the same pass), the op for the others (mixed);
+        # 1000, the recurrent kernel for all (no op)
         for short_tokens in (0, 64, 1000):
             companion = gated_delta_with_snapshot(gated_delta_reference, rest=delta_branches.segments_with_final,
+                                                  short=delta_branches.segments_with_snapshot,
                                                   short_tokens=short_tokens)
             for chunks, index in [([2, -1, 0], [-1, 0, -1]), ([4, 1, -1], [0, -1, -1])]:
                 args = (q, k, v, g, beta, torch.tensor([0, 200, 260]), torch.tensor([200, 60, 40]), init,
@@ -390,7 +412,7 @@ else:
         beta = torch.rand(T, Hv, generator=torch.Generator().manual_seed(35))
         init = randn(1, Hv, K, V, seed=36) * 0.1
         companion = gated_delta_with_snapshot(gated_delta_reference, rest=delta_branches.segments_with_final,
-                                              short_tokens=100)
+                                              short=delta_branches.segments_with_snapshot, short_tokens=100)
         # the short state (rows 200-299, snapshot after 64 tokens) alone, then after a 200-token state from zero
         alone = companion(q[200:], k[200:], v[200:], g[200:], beta[200:], torch.tensor([0]), torch.tensor([100]),
                           init, torch.tensor([0]), torch.tensor([1]), 0.25, True)

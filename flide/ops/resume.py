@@ -183,80 +183,82 @@ def conv_with_window(op: Callable) -> Callable:
     return fork_conv_window
 
 
-def gated_delta_with_snapshot(op: Callable, rest: Callable | None = None, short_tokens: int = 0) -> Callable:
+def gated_delta_with_snapshot(op: Callable, rest: Callable | None = None, short: Callable | None = None,
+                              short_tokens: int = 0) -> Callable:
     """The `gated_delta_snapshot` companion built on a plain gated delta variant `op` (the level-major contract:
     the segments of a call contiguous and in stream order, unused rows last). `rest`: what re-runs the states' rests
     from their snapshots (same signature and results as `op`; default `op`): short segments, where one launch of a
     recurrent kernel beats a chunked call's several.
 
-    `short_tokens` (with `rest`): a state whose part before its snapshot has at most this many tokens runs that part
-    through `rest` as well, and `op` is called only when some state of the round is longer. Why: a resumed agent
-    step computes a few hundred new tokens per state; in its eager round fla's chunked call cost ~1-2 ms of host
-    time per GDN layer (Python wrappers, autotuner look-ups, a host sync) for ~50 us of GPU work, while the
-    recurrent kernel takes one launch and ~1 us a token. The choice is made per state from its own length, so a
-    state's bits do not depend on what else is in its round (in `op`'s call such a state's rows are computed from
-    zero as a dropped part, and overwritten)."""
+    `short` (with `short_tokens` > 0): what runs whole every state that has at most `short_tokens` tokens before its
+    snapshot, snapshot included (`branches.segments_with_snapshot`'s signature: the segments, their initial states
+    and the tokens before each snapshot -> (o, final, snapshot)); `op` is then called only when some state of the
+    round is longer. Why: a resumed agent step computes a few hundred new tokens per state; in its eager round fla's
+    chunked call and the rests' re-run cost ~1-2 ms of host time per GDN layer (Python wrappers, autotuner
+    look-ups, a host sync, gathers) for ~50 us of GPU work, while the recurrent kernel takes one launch and ~1 us a
+    token. The choice is made per state from its own length, so a state's bits do not depend on what else is in its
+    round (in `op`'s call such a state's rows are computed from zero as a dropped part, and overwritten)."""
     rerun = rest or op
-    short_tokens = short_tokens if rest is not None else 0
+    short_tokens = short_tokens if short is not None else 0
     memo = PerRound()
 
     def derive(seg_start, seg_len, initial_index, snapshot_chunk):
         snap = snapshot_chunk >= 0
         before = torch.where(snap, torch.minimum(snapshot_chunk * GDN_CHUNK, seg_len), seg_len)
         rest = seg_len - before
-        short = before <= short_tokens if short_tokens > 0 else torch.zeros_like(snap)
-        call1 = short_call = None
-        if short.numel() == 0 or not bool(short.all()):  # (no segment at all: the op's own empty call)
+        is_short = before <= short_tokens if short_tokens > 0 else torch.zeros_like(snap)
+        call1 = short_call = call2 = None
+        if is_short.numel() == 0 or not bool(is_short.all()):  # (no segment at all: the op's own empty call)
             # call 1: each segment as [before its snapshot][the rest, from zero: dropped]; a short state's whole
             # segment is the dropped part (its rows come from the short call)
-            lead = torch.where(short, torch.zeros_like(before), before)
+            lead = torch.where(is_short, torch.zeros_like(before), before)
             call1 = (torch.stack([seg_start, seg_start + lead], 1).flatten(),
                      torch.stack([lead, seg_len - lead], 1).flatten(),
                      torch.stack([initial_index, torch.full_like(initial_index, -1)], 1).flatten())
-        if bool(short.any()):
-            which = torch.nonzero(short).flatten()
-            spans = torch.stack([seg_start[which], before[which]], 1).tolist()
+        if bool(is_short.any()):
+            which = torch.nonzero(is_short).flatten()
+            spans = torch.stack([seg_start[which], seg_len[which]], 1).tolist()
             rows = torch.cat([torch.arange(a, a + n, device=seg_start.device) for a, n in spans])
-            short_call = (which, seg_start[which], before[which], initial_index[which], rows)
-        tails = torch.nonzero(rest > 0).flatten()
-        if tails.numel() == 0:
-            return snap, call1, short_call, None
-        # call 2: the rests again, gathered into a short stream, from their snapshots
-        spans = torch.stack([seg_start[tails] + before[tails], rest[tails]], 1).tolist()
-        rows = torch.cat([torch.arange(a, a + n, device=seg_start.device) for a, n in spans])
-        tail_len = rest[tails]
-        call2 = (tails, rows, tail_len.cumsum(0) - tail_len, tail_len,
-                 torch.arange(tails.numel(), device=seg_start.device))
+            short_call = (which, seg_start[which], seg_len[which], initial_index[which], before[which], rows)
+        tails = torch.nonzero((rest > 0) & ~is_short).flatten()
+        if tails.numel():
+            # call 2: the long states' rests again, gathered into a short stream, from their snapshots
+            spans = torch.stack([seg_start[tails] + before[tails], rest[tails]], 1).tolist()
+            rows = torch.cat([torch.arange(a, a + n, device=seg_start.device) for a, n in spans])
+            tail_len = rest[tails]
+            call2 = (tails, rows, tail_len.cumsum(0) - tail_len, tail_len,
+                     torch.arange(tails.numel(), device=seg_start.device))
         return snap, call1, short_call, call2
 
     def gated_delta_snapshot(q, k, v, g, beta, seg_start, seg_len, initial_state, initial_index, snapshot_chunk,
                              scale, use_qk_l2norm):
         tables = (seg_start, seg_len, initial_index, snapshot_chunk)
         snap, call1, short_call, call2 = memo.get(tables, None, lambda: derive(*tables))
-        o = at_snapshot = None
+        o = at_snapshot = final = None
         if call1 is not None:
             starts1, lens1, index1 = call1
             o, final1 = op(q, k, v, g, beta, starts1, lens1, initial_state, index1, scale, use_qk_l2norm)
             at_snapshot = final1[0::2]  # the state after `before` tokens: the snapshot, or the final state
+            final = at_snapshot.clone()  # the long states' rests update it (call 2)
         if short_call is not None:
-            which, starts, lens, index, rows = short_call
-            o_short, final_short = rerun(q, k, v, g, beta, starts, lens, initial_state, index, scale, use_qk_l2norm)
+            which, starts, lens, index, before, rows = short_call
+            o_short, final_short, snap_short = short(q, k, v, g, beta, starts, lens, initial_state, index, before,
+                                                     scale, use_qk_l2norm)
             if o is None:  # every state short: `which` is every segment, in order
-                o, at_snapshot = o_short, final_short
+                o, at_snapshot, final = o_short, snap_short, final_short
             else:
-                o, at_snapshot = o.clone(), at_snapshot.clone()
+                o = o.clone()
                 o[rows] = o_short[rows]
-                at_snapshot[which] = final_short
+                at_snapshot = at_snapshot.clone()
+                at_snapshot[which], final[which] = snap_short, final_short
         snapshot = torch.where(snap[:, None, None, None], at_snapshot, torch.zeros_like(at_snapshot))
-        if call2 is None:
-            return o, at_snapshot, snapshot
-        tails, rows, tail_start, tail_len, index2 = call2
-        o2, final2 = rerun(q[rows], k[rows], v[rows], g[rows], beta[rows], tail_start, tail_len, at_snapshot[tails],
-                           index2, scale, use_qk_l2norm)
-        o = o.clone()
-        o[rows] = o2
-        final = at_snapshot.clone()
-        final[tails] = final2
+        if call2 is not None:
+            tails, rows, tail_start, tail_len, index2 = call2
+            o2, final2 = rerun(q[rows], k[rows], v[rows], g[rows], beta[rows], tail_start, tail_len,
+                               at_snapshot[tails], index2, scale, use_qk_l2norm)
+            o = o.clone()
+            o[rows] = o2
+            final[tails] = final2
         return o, final, snapshot
 
     return gated_delta_snapshot

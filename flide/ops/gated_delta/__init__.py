@@ -75,14 +75,22 @@ def _rests_triton(*args):
     return branches.segments_with_final(*args)
 
 
-# Checkpoint rounds (eager and host-bound): states whose part before the snapshot is short (a resumed agent step's
-# new tokens) run it through our recurrent kernel, one launch for all of them; longer ones (a fresh history) through
-# fla's chunked call, whose snapshots are the final states of a split call; the rests after the snapshots re-run by
-# the recurrent kernel (ops/resume.py). 512 tokens: ~0.5 ms of recurrent GPU time at ~1 us a token, against ~1-2 ms
-# of host time per fla call in an eager round (H200 profile of a resumed 0.8B step, session 10).
+def _short_states_triton(*args):
+    from . import branches
+
+    return branches.segments_with_snapshot(*args)
+
+
+# Checkpoint rounds (eager and host-bound): states with a short part before the snapshot (a resumed agent step's
+# new tokens) run whole, snapshot included, in one launch of our recurrent kernel for all of them; longer ones (a
+# fresh history) through fla's chunked call, whose snapshots are the final states of a split call, their rests
+# after the snapshots re-run by the recurrent kernel (ops/resume.py). 512 tokens: ~0.5 ms of recurrent GPU time at
+# ~1 us a token, against ~1-2 ms of host time per fla call in an eager round (H200 profile of a resumed 0.8B step,
+# session 10).
 RESUME_SHORT_TOKENS = 512
 gated_delta_fla_resumable = register_resumable("gated_delta", "fla")(
-    gated_delta_with_snapshot(gated_delta_fla, rest=_rests_triton, short_tokens=RESUME_SHORT_TOKENS))
+    gated_delta_with_snapshot(gated_delta_fla, rest=_rests_triton, short=_short_states_triton,
+                              short_tokens=RESUME_SHORT_TOKENS))
 
 
 @torch.library.custom_op("flide::gated_delta_fla_states", mutates_args=(), device_types="cuda")

@@ -68,21 +68,31 @@ def _initial_state(h0_ptr, index_ptr, i_n, i_h, o_k, o_v, k_ok, v_ok, HV: tl.con
 
 @triton.jit
 def _branch_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, start_ptr, len_ptr, index_ptr, scale,
-                   ht_ptr, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
-                   BV: tl.constexpr, L2NORM: tl.constexpr, STORE_FINAL: tl.constexpr):
+                   ht_ptr, snap_at_ptr, hs_ptr, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                   V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr,
+                   STORE_FINAL: tl.constexpr, SNAPSHOT: tl.constexpr):
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1)
     i_n = i_nh // HV
     i_h = i_nh % HV
     i_hk = i_h // (HV // HK)  # grouped value heads: value head h reads key head h // (HV // HK)
     n = tl.load(len_ptr + i_n)
-    if STORE_FINAL:
-        if n == 0:  # an empty segment's final state is its initial state
+    if SNAPSHOT:  # the state after the segment's first snap_at tokens (0: its initial state) goes to hs
+        snap_at = tl.load(snap_at_ptr + i_n)
+    else:
+        snap_at = -1
+    if STORE_FINAL or SNAPSHOT:
+        if (n == 0) | (snap_at == 0):  # a state stored before any token: the initial state
             o_k = tl.arange(0, BK)
             o_v = i_v * BV + tl.arange(0, BV)
             h = _initial_state(h0_ptr, index_ptr, i_n, i_h, o_k, o_v, o_k < K, o_v < V, HV, K, V, BK, BV)
-            p_ht = ht_ptr + (i_n * HV + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
-            tl.store(p_ht, h, mask=(o_k < K)[:, None] & (o_v < V)[None, :])
+            at = (i_n * HV + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
+            if STORE_FINAL:
+                if n == 0:  # an empty segment's final state is its initial state
+                    tl.store(ht_ptr + at, h, mask=(o_k < K)[:, None] & (o_v < V)[None, :])
+            if SNAPSHOT:
+                if snap_at == 0:
+                    tl.store(hs_ptr + at, h, mask=(o_k < K)[:, None] & (o_v < V)[None, :])
     if n > 0:
         bos = tl.load(start_ptr + i_n).to(tl.int64)
         o_k = tl.arange(0, BK)
@@ -117,6 +127,10 @@ def _branch_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, start_pt
             h += b_k[:, None] * b_v[None, :]
             b_o = tl.sum(h * (b_q * scale)[:, None], 0)
             tl.store(o_ptr + (t * HV + i_h) * V + o_v, b_o.to(o_ptr.dtype.element_ty), mask=v_ok)
+            if SNAPSHOT:
+                if t == bos + snap_at - 1:  # a checkpoint inside the segment: the same h the next token starts from
+                    p_hs = hs_ptr + (i_n * HV + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
+                    tl.store(p_hs, h, mask=k_ok[:, None] & v_ok[None, :])
         if STORE_FINAL:  # the state after the segment's last token (checkpoint rounds: a state's rest, ops/resume.py)
             p_ht = ht_ptr + (i_n * HV + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
             tl.store(p_ht, h, mask=k_ok[:, None] & v_ok[None, :])
@@ -200,7 +214,8 @@ def branches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
              seg_start: torch.Tensor, seg_len: torch.Tensor, initial_state: torch.Tensor, initial_index: torch.Tensor,
              scale: float, use_qk_l2norm: bool, out: torch.Tensor | None = None,
              form: str = "recurrent", tiles: tuple[int, ...] | None = None,
-             final: torch.Tensor | None = None) -> torch.Tensor:
+             final: torch.Tensor | None = None,
+             snapshot: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """o [T, Hv, V] (q's dtype) of every segment, each from `initial_state[initial_index[n]]` (-1: zero). Rows
     outside the segments are left unwritten, as fla's variant leaves them (`gated_delta.combine` selects).
 
@@ -211,13 +226,24 @@ def branches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     form takes a third, its chunk size (a power of two >= 16; default CHUNK). A tile choice may change the bits (the
     sums over K follow the program's layout): batch invariance holds for one fixed choice, as the defaults are.
     `final`: a [N, Hv, K, V] float32 tensor that receives each segment's state after its last token (its initial
-    state for an empty one); the recurrent form only."""
+    state for an empty one); the recurrent form only.
+    `snapshot`: (snap_at [N] int64, states [N, Hv, K, V] float32): each segment's state after its first snap_at[n]
+    tokens (0: its initial state; at most its length) goes to states[n] (a checkpoint inside a segment, in the same
+    pass); the recurrent form only."""
     if form not in FORMS:
         raise ValueError(f"`form` must be one of {FORMS}, got {form!r}")
     if final is not None and (form != "recurrent" or final.dtype != torch.float32 or not final.is_contiguous()
                               or tuple(final.shape) != (seg_start.shape[0], v.shape[1], k.shape[2], v.shape[2])):
         raise ValueError(f"`final` needs the recurrent form and a contiguous float32 [N, Hv, K, V] tensor, got "
                          f"{form} form, {final.dtype} {tuple(final.shape)}")
+    if snapshot is not None:
+        snap_at, states = snapshot
+        if (form != "recurrent" or states.dtype != torch.float32 or not states.is_contiguous()
+                or tuple(states.shape) != (seg_start.shape[0], v.shape[1], k.shape[2], v.shape[2])
+                or snap_at.shape != seg_start.shape or snap_at.dtype != torch.int64):
+            raise ValueError(f"`snapshot` needs the recurrent form, snap_at int64 [N] and a contiguous float32 "
+                             f"[N, Hv, K, V] tensor, got {form} form, {snap_at.dtype} {tuple(snap_at.shape)}, "
+                             f"{states.dtype} {tuple(states.shape)}")
     T, HK, K = k.shape
     HV, V = v.shape[1], v.shape[2]
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
@@ -247,10 +273,12 @@ def branches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                                             PRECISION=precision, num_warps=warps)
     else:
         BV, warps = tiles or (min(BLOCK_V, triton.next_power_of_2(V)), NUM_WARPS)
-        _branch_kernel[(triton.cdiv(V, BV), N * HV)](*meta, final if final is not None else h0, HK=HK, HV=HV, K=K,
+        snap_at, states = snapshot if snapshot is not None else (seg_start, h0)  # unread without SNAPSHOT
+        _branch_kernel[(triton.cdiv(V, BV), N * HV)](*meta, final if final is not None else h0,
+                                                      snap_at.contiguous(), states, HK=HK, HV=HV, K=K,
                                                       V=V, BK=BK, BV=BV, L2NORM=use_qk_l2norm,
-                                                      STORE_FINAL=final is not None, num_warps=warps,
-                                                      num_stages=NUM_STAGES)
+                                                      STORE_FINAL=final is not None, SNAPSHOT=snapshot is not None,
+                                                      num_warps=warps, num_stages=NUM_STAGES)
     return o
 
 
@@ -266,4 +294,20 @@ def segments_with_final(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
                         device=q.device)
     return branches(q, k, v, g, beta, seg_start, seg_len, initial_state, initial_index, scale, use_qk_l2norm,
                     final=final), final
+
+
+def segments_with_snapshot(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                           seg_start: torch.Tensor, seg_len: torch.Tensor, initial_state: torch.Tensor,
+                           initial_index: torch.Tensor, snap_at: torch.Tensor, scale: float,
+                           use_qk_l2norm: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(o [T, Hv, V], final [N, ...], snapshot [N, ...] float32) of segments from their initial states, each
+    snapshotted after its first snap_at[n] tokens, in one launch of the recurrent kernel. For a checkpoint round's
+    short states (a resumed agent step's new tokens, ops/resume.py): the part before the checkpoint and the rest after
+    it in one pass, the same token steps as two launches would take (the state is kept in fp32 either way)."""
+    shape = (seg_start.shape[0], v.shape[1], k.shape[2], v.shape[2])
+    final = torch.empty(shape, dtype=torch.float32, device=q.device)
+    states = torch.empty(shape, dtype=torch.float32, device=q.device)
+    o = branches(q, k, v, g, beta, seg_start, seg_len, initial_state, initial_index, scale, use_qk_l2norm,
+                 final=final, snapshot=(snap_at, states))
+    return o, final, states
 

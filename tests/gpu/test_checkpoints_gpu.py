@@ -20,7 +20,11 @@ VARIANTS = {
 
 @pytest.mark.parametrize("kernels", list(VARIANTS))
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_growing_conversations_resume_on_the_gpu(kernels, dtype):
+@pytest.mark.parametrize("words", [120, 500])
+def test_growing_conversations_resume_on_the_gpu(kernels, dtype, words):
+    """words: per step. 120 (~160 tokens): a resumed state's new part is short, so fla's variant runs it whole in
+    the recurrent kernel (`RESUME_SHORT_TOKENS`); 500 (~650 tokens): over that, through fla's chunked call and the
+    rests' re-run."""
     tok = tiny_tokenizer()
     model = tiny_model("qwen3_5_text").to("cuda", getattr(torch, dtype))
     plain = tiny_model("qwen3_5_text").to("cuda", getattr(torch, dtype))
@@ -28,7 +32,7 @@ def test_growing_conversations_resume_on_the_gpu(kernels, dtype):
     engine = flide.patch(model, tok, config={**config, "checkpoints": {"enabled": True, "min_state_tokens": 64}})
     fresh = flide.patch(plain, tok, config=config)
     assert engine.checkpoints is not None
-    talks = [growing_conversation(seed, 4, words=120) for seed in (1, 2, 3)]
+    talks = [growing_conversation(seed, 4, words=words) for seed in (1, 2, 3)]
     worst = 0.0
     for step in range(4):
         requests = [talk[step] for talk in talks]

@@ -14,6 +14,7 @@
 #     bash benchmarks/h200_session.sh rounds     pytest-benchmark of engine rounds (benchmarks/test_gpu_rounds.py) ~5 min
 #     bash benchmarks/h200_session.sh agents     SWE-agent replay (issue 6): slope and steps/s (MODEL=4b: 4B)   ~4 min
 #     bash benchmarks/h200_session.sh tiles      invariant GEMM tiles vs cuBLAS per fused projection (issue 7)  ~2.5 min
+#     bash benchmarks/h200_session.sh resume     GPU tests of the checkpoint-round kernels, then the 0.8B replay  ~8 min
 #     bash benchmarks/h200_session.sh bench ARGS  python -m flide.bench ARGS (e.g. a config and --engines flide)
 #     bash benchmarks/h200_session.sh verify     GPU tests of the question kernel + its forms/tiles at 0.8B's shapes ~6 min
 #     bash benchmarks/h200_session.sh sh 'CMDS'  any commands, after the same set-up (a session's own mix of parts)
@@ -135,6 +136,22 @@ agents)
         --engines ${ENGINES:-flide+checkpoints prefix-cache pipeline} --trajectories 25 --alone-trajectories ${ALONE:-3} \
         --seconds 20 --agents 1 32 --out "$OUT/agent_steps_${model/./_}.json" > "$OUT/agent_steps.log" 2>&1
     echo "agents rc=$?"; cat "$OUT/agent_steps_${model/./_}.md" ;;
+resume)
+    # Session 10's checkpoint-round kernels (attention prefix phase, conv windows, one-launch short states) on the
+    # device: their GPU tests in parallel, then the 0.8B replay with checkpoints only (ALONE=6 for the slope)
+    mkdir -p /tmp/logs
+    for f in test_checkpoints_gpu test_fork_attention_invariant_gpu test_fork_conv_gpu test_gated_delta_gpu; do
+        ( timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:logging --tb=short "tests/gpu/$f.py" > "/tmp/logs/$f.log" 2>&1
+          echo "$f rc=$? $(tail -1 "/tmp/logs/$f.log")" >> "$OUT/summary.txt" ) &
+    done
+    wait
+    for f in /tmp/logs/*.log; do echo "=================== $f"; grep -v DEBUG "$f" | tail -60; done > "$OUT/tests.log"
+    sort "$OUT/summary.txt"
+    timeout ${BUDGET_S:-240} python3 benchmarks/agent_steps.py --model shared/models/qwen3_5/configs/qwen3.5-0.8b.json \
+        --tokenizer shared/models/qwen3_5 --data shared/data --dtype bfloat16 --device cuda \
+        --engines flide+checkpoints --trajectories 25 --alone-trajectories ${ALONE:-6} --seconds 20 --agents 1 32 \
+        --out "$OUT/agent_steps_0_8b.json" > "$OUT/agent_steps.log" 2>&1
+    echo "agents rc=$?"; cat "$OUT/agent_steps_0_8b.md" ;;
 tiles)
     # the batch-invariant GEMM's tiles per fused projection shape against cuBLAS (issue 7), 0.8B and 4B, 16,384 rows
     timeout ${BUDGET_S:-200} python3 benchmarks/ops/bench_linear.py --sweep --rows ${ROWS:-16384} \

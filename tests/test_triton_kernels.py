@@ -356,7 +356,7 @@ else:
         with pytest.raises(ValueError, match="recurrent form"):
             delta_branches.branches(*args, final=torch.empty(3, Hv, K, V))
 
-    def test_gated_delta_segments_with_snapshot():
+    def test_gated_delta_branches_segments_with_snapshot():
         """`segments_with_snapshot`: outputs and final states as `segments_with_final`'s (same bits), and each
         segment's state after its first snap_at tokens equal to the reference's final state of that prefix: inside
         the segment, at 0 (the initial state), at its end (= final), and an empty segment's (its initial state)."""
@@ -400,7 +400,7 @@ else:
                 for got, want in zip(companion(*args), gated_delta_snapshot_reference(*args)):
                     torch.testing.assert_close(got, want, atol=5e-5, rtol=1e-5)
 
-    def test_gated_delta_snapshot_companion_short_states_keep_their_bits():
+    def test_gated_delta_branches_companion_short_states_keep_their_bits():
         """A short state's outputs, snapshot and final state come from the recurrent kernel whatever else is in the
         call: the same bits alone and beside a long state (which takes the op)."""
         from flide.ops.gated_delta import gated_delta_reference

@@ -220,6 +220,41 @@ def test_invariant_forked_question_equals_state_and_question_alone(dtype):
             assert torch.equal(out[: len(mine)], out_in[mine]), (name, len(question))
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_invariant_prefix_rows_equal_the_fresh_stream(dtype):
+    """Checkpoints (the prefix phase): two states of 256 + 40 and 256 + 300 tokens resumed at m = 256 (a whole number
+    of key tiles), their first m keys given as pk / pv rows, among requests without checkpoints: within the
+    reference's tolerance of `fork_attention_prefix`, and every kept row torch.equal to the same row of the fresh
+    stream (the same key tiles in the same order, on the GPU's own arithmetic)."""
+    from flide.ops.fork_attention import reference as attn_ref
+    from flide.testing import resume_states
+
+    hq, hkv, d, m = 8, 2, 256, 256
+    rng = random.Random(9)
+    targets = [synthetic_request([rng.randrange(1000) for _ in range(m + n)],
+                                 [[rng.randrange(1000) for _ in range(rng.choice([1, 5, 30]))] for _ in range(4)])
+               for n in (40, 300)]
+    requests = [random_request(rng) for _ in range(2)] + [targets[0], random_request(rng), targets[1]]
+    r, rows = lay_out(requests, pad=50)
+    cuts = [(int(rows[2][0]), m), (int(rows[4][0]), m)]
+    g = torch.Generator(device="cuda").manual_seed(3)
+    T = r.seg_lo.shape[0]
+    q, k, v = (randn(T, h, d, dtype, g) for h in (hq, hkv, hkv))
+    fresh = invariant(q, k, v, r.seg_lo, r.trunk_lo, r.trunk_hi, d ** -0.5)
+    kept, seg_lo, trunk_lo, trunk_hi, checkpoint = resume_states(r.seg_lo.cpu(), r.trunk_lo.cpu(), r.trunk_hi.cpu(),
+                                                                 cuts)
+    has = checkpoint >= 0
+    pre_lo, pre_hi = torch.where(has, checkpoint * m, 0), torch.where(has, checkpoint * m + m, 0)
+    cut = torch.cat([torch.arange(a, a + n) for a, n in cuts]).cuda()
+    kept, meta = kept.cuda(), [x.cuda() for x in (seg_lo, trunk_lo, trunk_hi, pre_lo, pre_hi)]
+    got = kernel().fork_attention(q[kept], k[kept], v[kept], *meta[:3], d ** -0.5,
+                                  prefix=(k[cut], v[cut], meta[3], meta[4]))
+    want = attn_ref.fork_attention_prefix(q[kept].float(), k[kept].float(), v[kept].float(), *meta[:3],
+                                          k[cut].float(), v[cut].float(), meta[3], meta[4], d ** -0.5)
+    assert rel_err(got, want) < TOL[dtype]
+    assert torch.equal(got, fresh[kept])
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # CUDA graphs
 # ---------------------------------------------------------------------------------------------------------------------

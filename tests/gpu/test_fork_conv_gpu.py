@@ -85,3 +85,28 @@ def test_replays_in_a_cuda_graph_with_other_rounds():
         assert torch.equal(out, eager)
         want = reference.fork_conv(x2.float(), weight.float(), r2.seg_lo, r2.trunk_lo, r2.trunk_hi, True)
         torch.testing.assert_close(out.float(), want, atol=1e-3, rtol=2 ** -7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_triton_window_rows_equal_the_fresh_stream(dtype):
+    """Checkpoint windows: states resumed at m (their first m rows cut out, the W-1 inputs before m as windows)
+    among states without: equal to the reference's `fork_conv_window`, and every kept row torch.equal to the fresh
+    stream's."""
+    from flide.testing import resume_states
+
+    x, weight, r = inputs(3000, 6144, dtype, seed=12)
+    starts, lens = r.state_start.cpu(), r.state_len.cpu()
+    cuts = [(int(starts[s]), 64) for s in range(len(lens)) if int(lens[s]) > 100][:5]
+    assert len(cuts) >= 3
+    fresh = triton_op()(x, weight, r.seg_lo, r.trunk_lo, r.trunk_hi, True)
+    kept, seg_lo, trunk_lo, trunk_hi, checkpoint = resume_states(r.seg_lo.cpu(), r.trunk_lo.cpu(), r.trunk_hi.cpu(),
+                                                                 cuts)
+    windows = torch.stack([x[a + m - 3: a + m] for a, m in cuts])
+    kept, meta = kept.cuda(), [t.cuda() for t in (seg_lo, trunk_lo, trunk_hi, checkpoint)]
+    from flide.ops.fork_conv import fork_conv_window_triton  # the triton variant's resumable companion
+
+    got = fork_conv_window_triton(x[kept], weight, *meta[:3], windows, meta[3], True)
+    want = reference.fork_conv_window(x[kept].float(), weight.float(), *meta[:3], windows.float(), meta[3], True)
+    torch.testing.assert_close(got.float(), want, atol=1e-5 if dtype == torch.float32 else 2e-2,
+                               rtol=1e-5 if dtype == torch.float32 else 2e-2)
+    assert torch.equal(got, fresh[kept])

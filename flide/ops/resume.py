@@ -2,10 +2,12 @@
 
 A round that resumes a state from a checkpoint holds only the state's tokens from m on; the checkpoint supplies
 what came before: attention keys and values of tokens [0, m), the last W-1 conv inputs before m, and the fp32
-recurrent state at m. The reference variants take these as extra inputs (`fork_attention_prefix_reference`, ...).
-The fast variants (flex, Triton, fla) do not, and need not: rounds with checkpoint work run eagerly, so a companion
-may look at the metadata on the host and hand the plain kernel an *extended stream* in which the missing rows are
-present again.
+recurrent state at m. The reference variants take these as extra inputs (`fork_attention_prefix_reference`, ...), and
+so do the CUDA defaults' own kernels since session 10 (the invariant attention's prefix phase, the Triton conv's
+windows: their companions are registered beside them, no extended stream). The other fast variants (flex, the plain
+Triton attention, fla) do not, and need not: rounds with checkpoint work run eagerly, so a companion here may look
+at the metadata on the host and hand the plain kernel an *extended stream* in which the missing rows are present
+again.
 
 - Attention: each resumed state's prefix keys/values are inserted into the stream right before its segment, and the
   segment (and its questions' trunk) is widened to start there. A state token then sees [prefix, own causal rows],

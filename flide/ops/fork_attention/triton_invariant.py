@@ -13,6 +13,9 @@ The order of a row's sums here (online softmax, FlashAttention-2 style, fp32 acc
   `trunk_lo + BLOCK_N`, ...; the last tile masked at `trunk_hi`), THEN its own segment's keys in tiles that start at
   its `seg_lo` (causal mask: keys <= the row's token);
 - a state row: only its own segment's tiles from `seg_lo`;
+- a row of a state resumed from a checkpoint (and its questions' rows), before all of the above: the checkpoint's
+  keys, rows [pre_lo, pre_hi) of pk / pv, in tiles from `pre_lo` (`fork_attention(..., prefix=)`); with m a multiple
+  of BLOCK_N these are the tiles a fresh state's first m keys fall in;
 - a row that sees only itself (a pad, a state's first token, a one-token state: `seg_lo == t`, no state): one key,
   scored in whichever column of a tile it falls; with a single unmasked score per row the column changes nothing
   (m = s, p = exp2(0), l = p, acc = p * v_t: each a single rounding, zeros added exactly), so its output

@@ -6,7 +6,10 @@ new kernel code before spending device time on it.
 Triton compiles to PTX and cubin without a device (`triton.compile(ASTSource(...), target=GPUTarget("cuda", 90,
 32))`), so IR verification, layout and lowering errors show up here. What does not: the device's own Triton version
 (3.6 on the H200 box, maybe older than the one here), register spills (a cubin's register count is read when it is
-loaded) and anything numerical. Signatures are built from the kernels' argument names: `*_ptr` pointers (the dtype
+loaded), anything numerical, and the code a real launch gets: a launch specialises integer arguments equal to 1 and
+pointers / integers divisible by 16, which decides vectorisation and software pipelining (compiled here without
+those hints, the invariant GEMM shows one stage of shared memory; with them, as launched, three). So this is a
+check for compile errors, not for performance. Signatures are built from the kernels' argument names: `*_ptr` pointers (the dtype
 below), `T` / strides / sizes i32, UPPER-CASE names constexprs.
 """
 

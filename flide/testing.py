@@ -199,6 +199,21 @@ def resume_states(seg_lo, trunk_lo, trunk_hi, cuts: list[tuple[int, int]]):
     return (rows, *(moved(x[rows]) for x in (seg_lo, trunk_lo, trunk_hi)), checkpoint[rows])
 
 
+def checkpoint_prefix(checkpoint, cuts: list[tuple[int, int]]):
+    """For `resume_states`' round: each kept row's prefix range [pre_lo, pre_hi) in the rows its cut took out, those
+    rows in the order they are stacked (cut p's m rows after those of cuts 0..p-1), and the stacked full-stream rows
+    (to gather pk / pv from the full stream's keys / values)."""
+    import torch
+
+    lengths = torch.tensor([m for _, m in cuts], dtype=torch.long)
+    offsets = lengths.cumsum(0) - lengths
+    has = checkpoint >= 0
+    p = checkpoint.clamp(min=0)
+    pre_lo = torch.where(has, offsets[p], 0)
+    pre_hi = torch.where(has, pre_lo + lengths[p], 0)
+    return pre_lo, pre_hi, torch.cat([torch.arange(a, a + m) for a, m in cuts])
+
+
 def run_in_triton_interpreter(test_file: str, select: str, min_passed: int) -> None:
     """Runs the checks of `test_file` selected by `-k select` in a child pytest with TRITON_INTERPRET=1, and fails
     unless at least `min_passed` of them ran and passed with none skipped.

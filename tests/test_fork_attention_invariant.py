@@ -51,7 +51,7 @@ else:
     from flide.ops.fork_attention import triton_invariant as kernel
     from flide.requests import Branch, PreparedRequest
     from flide.round import Shape, build_round
-    from flide.testing import random_round_tensors, resume_states, synthetic_request
+    from flide.testing import checkpoint_prefix, random_round_tensors, resume_states, synthetic_request
 
     def _dot_by_k(self, a, b, d, input_precision, max_num_imprecise_acc):
         """`InterpreterBuilder.create_dot` (np.matmul(a, b) + d, in d's dtype) with each element summed over k in
@@ -361,11 +361,7 @@ else:
         q, k, v = randn(T, hq, d, seed=50), randn(T, hkv, d, seed=51), randn(T, hkv, d, seed=52)
         fresh = run(q, k, v, r, d ** -0.5, SMALL)
         rows, seg_lo, trunk_lo, trunk_hi, checkpoint = resume_states(r.seg_lo, r.trunk_lo, r.trunk_hi, cuts)
-        # checkpoint p's keys are rows [p * m, (p + 1) * m) of pk: every cut is m rows
-        has = checkpoint >= 0
-        pre_lo = torch.where(has, checkpoint * m, 0)
-        pre_hi = torch.where(has, pre_lo + m, 0)
-        cut = torch.cat([torch.arange(a, a + n) for a, n in cuts])
+        pre_lo, pre_hi, cut = checkpoint_prefix(checkpoint, cuts)
         assert (pre_hi > pre_lo).sum() > 0 and (pre_hi == pre_lo).sum() > 0
         args = (q[rows], k[rows], v[rows], seg_lo, trunk_lo, trunk_hi)
         got = kernel.fork_attention(*args, d ** -0.5, config=SMALL, out=poisoned(len(rows), hq, d),

@@ -227,7 +227,7 @@ def test_invariant_prefix_rows_equal_the_fresh_stream(dtype):
     reference's tolerance of `fork_attention_prefix`, and every kept row torch.equal to the same row of the fresh
     stream (the same key tiles in the same order, on the GPU's own arithmetic)."""
     from flide.ops.fork_attention import reference as attn_ref
-    from flide.testing import resume_states
+    from flide.testing import checkpoint_prefix, resume_states
 
     hq, hkv, d, m = 8, 2, 256, 256
     rng = random.Random(9)
@@ -243,10 +243,8 @@ def test_invariant_prefix_rows_equal_the_fresh_stream(dtype):
     fresh = invariant(q, k, v, r.seg_lo, r.trunk_lo, r.trunk_hi, d ** -0.5)
     kept, seg_lo, trunk_lo, trunk_hi, checkpoint = resume_states(r.seg_lo.cpu(), r.trunk_lo.cpu(), r.trunk_hi.cpu(),
                                                                  cuts)
-    has = checkpoint >= 0
-    pre_lo, pre_hi = torch.where(has, checkpoint * m, 0), torch.where(has, checkpoint * m + m, 0)
-    cut = torch.cat([torch.arange(a, a + n) for a, n in cuts]).cuda()
-    kept, meta = kept.cuda(), [x.cuda() for x in (seg_lo, trunk_lo, trunk_hi, pre_lo, pre_hi)]
+    pre_lo, pre_hi, cut = checkpoint_prefix(checkpoint, cuts)
+    kept, cut, meta = kept.cuda(), cut.cuda(), [x.cuda() for x in (seg_lo, trunk_lo, trunk_hi, pre_lo, pre_hi)]
     got = kernel().fork_attention(q[kept], k[kept], v[kept], *meta[:3], d ** -0.5,
                                   prefix=(k[cut], v[cut], meta[3], meta[4]))
     want = attn_ref.fork_attention_prefix(q[kept].float(), k[kept].float(), v[kept].float(), *meta[:3],

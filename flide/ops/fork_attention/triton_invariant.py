@@ -336,7 +336,8 @@ def fork_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_lo: to
         q, k, v, out, seg_lo, trunk_lo, trunk_hi, stats if stats is not None else seg_lo, pk, pv, pre_lo, pre_hi,
         T, float(scale) * LOG2E,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        pk.stride(0), pk.stride(1), pv.stride(0), pv.stride(1), GROUP=group, HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=_pow2_dim(D),
+        pk.stride(0), pk.stride(1), pv.stride(0), pv.stride(1),
+        GROUP=group, HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=_pow2_dim(D),
         BLOCK_DV=_pow2_dim(Dv), PRECISION="ieee" if q.dtype == torch.float32 else "tf32", STATS=stats is not None,
         HAS_PREFIX=prefix is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out

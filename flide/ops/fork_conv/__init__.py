@@ -54,7 +54,6 @@ fork_conv_triton.register_fake(_fake)
 
 
 register("fork_conv", "triton", available=needs_cuda_triton, batch_invariant=True)(fork_conv_triton)
-# checkpoints: the window rows go back into an extended stream that the plain kernel runs (flide/ops/resume.py)
 
 
 @torch.library.custom_op("flide::fork_conv_window_triton", mutates_args=(), device_types="cuda")

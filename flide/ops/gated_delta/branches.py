@@ -77,28 +77,28 @@ def _branch_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, start_pt
     i_h = i_nh % HV
     i_hk = i_h // (HV // HK)  # grouped value heads: value head h reads key head h // (HV // HK)
     n = tl.load(len_ptr + i_n)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    k_ok = o_k < K
+    v_ok = o_v < V
+    # this program's [BK, BV] slice of segment i_n's state in the [N, HV, K, V] final / snapshot outputs
+    state_at = (i_n * HV + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
+    state_ok = k_ok[:, None] & v_ok[None, :]
     if SNAPSHOT:  # the state after the segment's first snap_at tokens (0: its initial state) goes to hs
         snap_at = tl.load(snap_at_ptr + i_n)
     else:
         snap_at = -1
     if STORE_FINAL or SNAPSHOT:
         if (n == 0) | (snap_at == 0):  # a state stored before any token: the initial state
-            o_k = tl.arange(0, BK)
-            o_v = i_v * BV + tl.arange(0, BV)
-            h = _initial_state(h0_ptr, index_ptr, i_n, i_h, o_k, o_v, o_k < K, o_v < V, HV, K, V, BK, BV)
-            at = (i_n * HV + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
+            h = _initial_state(h0_ptr, index_ptr, i_n, i_h, o_k, o_v, k_ok, v_ok, HV, K, V, BK, BV)
             if STORE_FINAL:
                 if n == 0:  # an empty segment's final state is its initial state
-                    tl.store(ht_ptr + at, h, mask=(o_k < K)[:, None] & (o_v < V)[None, :])
+                    tl.store(ht_ptr + state_at, h, mask=state_ok)
             if SNAPSHOT:
                 if snap_at == 0:
-                    tl.store(hs_ptr + at, h, mask=(o_k < K)[:, None] & (o_v < V)[None, :])
+                    tl.store(hs_ptr + state_at, h, mask=state_ok)
     if n > 0:
         bos = tl.load(start_ptr + i_n).to(tl.int64)
-        o_k = tl.arange(0, BK)
-        o_v = i_v * BV + tl.arange(0, BV)
-        k_ok = o_k < K
-        v_ok = o_v < V
         h = _initial_state(h0_ptr, index_ptr, i_n, i_h, o_k, o_v, k_ok, v_ok, HV, K, V, BK, BV)
         # Each step's loads are issued one step ahead (software prefetch): the chain from one token's state to the
         # next is only the decay, one sum over K and the rank-1 update, and the H200 showed ~2 us a step when each
@@ -129,11 +129,9 @@ def _branch_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, start_pt
             tl.store(o_ptr + (t * HV + i_h) * V + o_v, b_o.to(o_ptr.dtype.element_ty), mask=v_ok)
             if SNAPSHOT:
                 if t == bos + snap_at - 1:  # a checkpoint inside the segment: the same h the next token starts from
-                    p_hs = hs_ptr + (i_n * HV + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
-                    tl.store(p_hs, h, mask=k_ok[:, None] & v_ok[None, :])
+                    tl.store(hs_ptr + state_at, h, mask=state_ok)
         if STORE_FINAL:  # the state after the segment's last token (checkpoint rounds: a state's rest, ops/resume.py)
-            p_ht = ht_ptr + (i_n * HV + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
-            tl.store(p_ht, h, mask=k_ok[:, None] & v_ok[None, :])
+            tl.store(ht_ptr + state_at, h, mask=state_ok)
 
 
 @triton.jit
@@ -232,15 +230,18 @@ def branches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     pass); the recurrent form only."""
     if form not in FORMS:
         raise ValueError(f"`form` must be one of {FORMS}, got {form!r}")
-    if final is not None and (form != "recurrent" or final.dtype != torch.float32 or not final.is_contiguous()
-                              or tuple(final.shape) != (seg_start.shape[0], v.shape[1], k.shape[2], v.shape[2])):
+    state_shape = (seg_start.shape[0], v.shape[1], k.shape[2], v.shape[2])
+
+    def state_output_ok(t: torch.Tensor) -> bool:  # where `final` / `snapshot` states go
+        return (form == "recurrent" and t.dtype == torch.float32 and t.is_contiguous()
+                and tuple(t.shape) == state_shape)
+
+    if final is not None and not state_output_ok(final):
         raise ValueError(f"`final` needs the recurrent form and a contiguous float32 [N, Hv, K, V] tensor, got "
                          f"{form} form, {final.dtype} {tuple(final.shape)}")
     if snapshot is not None:
         snap_at, states = snapshot
-        if (form != "recurrent" or states.dtype != torch.float32 or not states.is_contiguous()
-                or tuple(states.shape) != (seg_start.shape[0], v.shape[1], k.shape[2], v.shape[2])
-                or snap_at.shape != seg_start.shape or snap_at.dtype != torch.int64):
+        if not state_output_ok(states) or snap_at.shape != seg_start.shape or snap_at.dtype != torch.int64:
             raise ValueError(f"`snapshot` needs the recurrent form, snap_at int64 [N] and a contiguous float32 "
                              f"[N, Hv, K, V] tensor, got {form} form, {snap_at.dtype} {tuple(snap_at.shape)}, "
                              f"{states.dtype} {tuple(states.shape)}")
@@ -290,8 +291,7 @@ def segments_with_final(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
     variants return them, in one launch of the recurrent kernel. For a checkpoint round's state rests (the ~64-128
     tokens after a snapshot, ops/resume.py): fla's chunked call costs ~8 launches and its Python wrappers for them,
     in an eager round where the host is the bottleneck."""
-    final = torch.empty(seg_start.shape[0], v.shape[1], k.shape[2], v.shape[2], dtype=torch.float32,
-                        device=q.device)
+    final = _states_like(q, k, v, seg_start)
     return branches(q, k, v, g, beta, seg_start, seg_len, initial_state, initial_index, scale, use_qk_l2norm,
                     final=final), final
 
@@ -304,10 +304,12 @@ def segments_with_snapshot(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     snapshotted after its first snap_at[n] tokens, in one launch of the recurrent kernel. For a checkpoint round's
     short states (a resumed agent step's new tokens, ops/resume.py): the part before the checkpoint and the rest after
     it in one pass, the same token steps as two launches would take (the state is kept in fp32 either way)."""
-    shape = (seg_start.shape[0], v.shape[1], k.shape[2], v.shape[2])
-    final = torch.empty(shape, dtype=torch.float32, device=q.device)
-    states = torch.empty(shape, dtype=torch.float32, device=q.device)
+    final, states = _states_like(q, k, v, seg_start), _states_like(q, k, v, seg_start)
     o = branches(q, k, v, g, beta, seg_start, seg_len, initial_state, initial_index, scale, use_qk_l2norm,
                  final=final, snapshot=(snap_at, states))
     return o, final, states
 
+
+def _states_like(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_start: torch.Tensor) -> torch.Tensor:
+    """An uninitialised float32 [N, Hv, K, V] tensor: one recurrent state per segment (the kernel writes them all)."""
+    return torch.empty(seg_start.shape[0], v.shape[1], k.shape[2], v.shape[2], dtype=torch.float32, device=q.device)

@@ -32,7 +32,7 @@ cuBLAS benchmarks/ops/bench_linear.py.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -95,10 +95,7 @@ def tma_config(dtype: torch.dtype, warp_specialize: bool = False) -> Config:
     """The default tiles in the persistent TMA form (16-bit dtypes; fp32 keeps the pointer kernel: the TMA path
     takes 16-bit inputs only). Fixed per dtype, like `default_config`."""
     cfg = default_config(dtype)
-    if dtype == torch.float32:
-        return cfg
-    return Config(cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m, cfg.num_warps, cfg.num_stages, tma=True,
-                  warp_specialize=warp_specialize)
+    return cfg if dtype == torch.float32 else replace(cfg, tma=True, warp_specialize=warp_specialize)
 
 
 @triton.jit

@@ -49,8 +49,8 @@ BUILTIN = {
                    "linear_key_head_dim": 128, "linear_value_head_dim": 128},
 }
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) tried by --sweep; the default is lt.default_config(bf16)
-SWEEP = [(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4),
-         (256, 128, 64, 8, 3), (128, 128, 32, 8, 4)]
+SWEEP = [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4),
+         (128, 64, 64, 4, 4), (256, 128, 64, 8, 3), (256, 128, 64, 8, 4), (128, 128, 32, 8, 4)]
 # the persistent TMA form (lt.Config.tma): (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, warp_specialize), also
 # with --sweep
 TMA_SWEEP = [(128, 128, 64, 8, 3, False), (128, 128, 64, 8, 4, False), (128, 256, 64, 8, 3, False),

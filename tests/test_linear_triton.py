@@ -19,6 +19,8 @@ whose invariance only the GPU tests can see.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import os
 
 import pytest
@@ -103,19 +105,24 @@ else:
         assert isinstance(kernel, InterpretedFunction)
         assert not isinstance(kernel, (Autotuner, Heuristics))
 
-    def test_linear_tiles_per_layer_shape(monkeypatch):
-        """A layer shape's entry in SHAPE_TILES_16BIT is its config for every M (16-bit only); other shapes and fp32
-        take the dtype's default."""
-        entry = lt.Config(16, 32, 16, 2, 2, 2)
-        monkeypatch.setitem(lt.SHAPE_TILES_16BIT, (24, 48), entry)
-        assert lt.config_for(torch.float16, 24, 48) is entry
-        assert lt.config_for(torch.bfloat16, 24, 48) is entry
-        assert lt.config_for(torch.float16, 24, 32) == lt.default_config(torch.float16)
-        assert lt.config_for(torch.float32, 24, 48) == lt.default_config(torch.float32)
-        weight = torch.randn(24, 48, generator=torch.Generator().manual_seed(3)).half()
-        for m in (1, 5, 40):
-            x = torch.randn(m, 48, generator=torch.Generator().manual_seed(m)).half()
-            assert torch.equal(lt.linear(x, weight, None), lt.linear(x, weight, None, config=entry))
+    def test_linear_16bit_default_is_the_tma_form(monkeypatch):
+        """16-bit layers default to the persistent TMA form (the H200 sweep's winner on every projection shape); the
+        `triton_pointer` ablation keeps the pointer kernel's 128 x 128 tiles; the K step (64) is the same in all.
+        A default-config fp16 layer the TMA can address launches that form, one it cannot (rows of 140 bytes) the
+        pointer kernel with the same tiles; both within one fp16 rounding of float64."""
+        cfg = lt.default_config(torch.float16)
+        assert cfg.tma and not cfg.warp_specialize and (cfg.block_m, cfg.block_n, cfg.block_k) == (128, 256, 64)
+        assert lt.pointer_config(torch.bfloat16) == replace(cfg, block_n=128, tma=False)
+        assert lt.tma_config(torch.bfloat16, warp_specialize=True) == replace(cfg, warp_specialize=True)
+        assert lt.pointer_config(torch.float32) == lt.tma_config(torch.float32) == FP32
+        launched = []
+        monkeypatch.setattr(lt, "_launch_tma", lambda *a, _f=lt._launch_tma: launched.append(1) or _f(*a))
+        for n, k, tma in [(24, 48, True), (70, 48, False)]:
+            launched.clear()
+            x, weight, b = operands(5, n, k, seed=n, dtype=torch.float16)
+            out = lt.linear(x, weight, b)
+            assert bool(launched) == tma, (n, k)
+            torch.testing.assert_close(out.double(), want64(x, weight, b), atol=1e-3, rtol=2 ** -10)
 
     def test_linear_default_configs_are_fixed():
         """One config per dtype, whatever else; no split-K parameter exists to choose."""

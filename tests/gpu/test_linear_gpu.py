@@ -143,10 +143,11 @@ def test_replays_in_a_cuda_graph():
         torch.testing.assert_close(out.double(), want64(x2, weight, b), **TOLERANCE[torch.bfloat16])
 
 
-# ---- the persistent TMA form (Config.tma), with and without warp specialisation: not the default yet ----
-TMA_CONFIGS = [lt.Config(128, 128, 64, 8, 8, 3, tma=True), lt.Config(128, 128, 64, 8, 8, 3, tma=True,
-                                                                      warp_specialize=True)]
-TMA_IDS = ["tma", "tma-ws"]
+# ---- the persistent TMA form (Config.tma; the 16-bit default), with and without warp specialisation, and its
+# 128 x 128 tiles with 4 stages (the sweep's runner-up) ----
+TMA_CONFIGS = [lt.tma_config(torch.bfloat16), lt.tma_config(torch.bfloat16, warp_specialize=True),
+               lt.Config(128, 128, 64, 8, 8, 4, tma=True)]
+TMA_IDS = ["tma", "tma-ws", "tma-128x128"]
 
 
 @pytest.mark.parametrize("config", TMA_CONFIGS, ids=TMA_IDS)

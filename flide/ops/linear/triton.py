@@ -61,39 +61,33 @@ class Config:
 def default_config(dtype: torch.dtype) -> Config:
     """Fixed tiles per dtype for Hopper (sm_90); never chosen from M.
 
-    bf16/fp16: 128 x 128 output tiles over 8 warps (two warpgroups, each a 64 x 128 wgmma accumulator: 64 fp32
-    registers a thread), K steps of 64, 3 stages of x and weight tiles in shared memory (96 KB).
-    `benchmarks/ops/bench_linear.py --sweep` times the alternatives against cuBLAS on the device.
+    bf16/fp16: the persistent TMA form with 128 x 256 output tiles over 8 warps (two warpgroups, each a 64 x 256
+    wgmma accumulator), K steps of 64, 3 stages of x and weight tiles in shared memory (144 KB). Chosen by
+    `benchmarks/ops/bench_linear.py --sweep` on the H200 (session 11, 16,384 rows, the fused projections of
+    Qwen3.5-0.8B and -4B): 0.99x cuBLAS's time per forward on both models (0.95-1.04x per projection), against
+    1.30x for the pointer kernel's best tiles (`pointer_config`) and 1.09x for 128 x 128 TMA tiles with 4 stages.
+    It wins on every projection shape of both models, so there is no per-shape table. Layers whose layout the TMA
+    cannot address (`_tma_eligible`, a property of the layer) run the pointer kernel with the same tiles.
     fp32 (IEEE dots on the FMA units) only needs to be right, not fast: small tiles keep it free of register spills.
     """
     if dtype == torch.float32:
         return Config(32, 64, 32, 8, 4, 2)
     if dtype in (torch.bfloat16, torch.float16):
-        return Config(128, 128, 64, 8, 8, 3)
+        return Config(128, 256, 64, 8, 8, 3, tma=True)
     raise ValueError(f"linear (triton): unsupported dtype {dtype}; expected float32, bfloat16 or float16")
 
 
-# Tiles per layer shape (N, K) for 16-bit inputs, where `benchmarks/ops/bench_linear.py --sweep` (the GEMMs as the
-# engine runs them, on the H200) found better ones than `default_config`. A layer's N and K never change with the
-# batch, so each layer still has one fixed config whatever M is: batch invariance holds per layer as before (a row's
-# bits may differ from those of another config, never between batches). Empty until the sweep has run on the device
-# (session 10's call was refused): every shape takes `default_config`.
-SHAPE_TILES_16BIT: dict[tuple[int, int], Config] = {}
-
-
-def config_for(dtype: torch.dtype, n: int, k: int) -> Config:
-    """The tiles of a layer with `n` outputs and `k` inputs: its entry in `SHAPE_TILES_16BIT` (16-bit dtypes),
-    else `default_config(dtype)`. Never depends on the number of rows."""
-    if dtype in (torch.bfloat16, torch.float16):
-        cfg = SHAPE_TILES_16BIT.get((n, k))
-        if cfg is not None:
-            return cfg
-    return default_config(dtype)
+def pointer_config(dtype: torch.dtype) -> Config:
+    """The pointer kernel's own best tiles (the default before session 11's sweep: 128 x 128, 8 warps, 3 stages),
+    for the `triton_pointer` ablation; fp32 as `default_config`."""
+    if dtype == torch.float32:
+        return default_config(dtype)
+    return replace(default_config(dtype), block_n=128, tma=False)
 
 
 def tma_config(dtype: torch.dtype, warp_specialize: bool = False) -> Config:
-    """The default tiles in the persistent TMA form (16-bit dtypes; fp32 keeps the pointer kernel: the TMA path
-    takes 16-bit inputs only). Fixed per dtype, like `default_config`."""
+    """The default tiles in the persistent TMA form, optionally warp-specialised (16-bit dtypes; fp32 keeps the
+    pointer kernel: the TMA path takes 16-bit inputs only). Fixed per dtype, like `default_config`."""
     cfg = default_config(dtype)
     return cfg if dtype == torch.float32 else replace(cfg, tma=True, warp_specialize=warp_specialize)
 
@@ -222,8 +216,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
     summed in fp32, bias added in fp32, one rounding at the end. CUDA tensors, or CPU tensors under
     TRITON_INTERPRET=1.
 
-    config: tiles (default: `config_for(x.dtype, N, K)`, fixed per layer shape); another config gives other (equally
-    valid) bits.
+    config: tiles (default: `default_config(x.dtype)`, fixed per dtype); another config gives other (equally valid)
+    bits.
     """
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"linear (triton): x {tuple(x.shape)}, weight {tuple(weight.shape)}: expected [M, K], [N, K]")
@@ -241,7 +235,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
         raise ValueError(f"linear (triton): unsupported dtype {x.dtype}; expected float32, bfloat16 or float16")
     if x.device.type != "cuda" and isinstance(_linear_kernel, JITFunction):
         raise ValueError(f"linear (triton): x is on {x.device}: CUDA tensors, or CPU ones under TRITON_INTERPRET=1")
-    cfg = config or config_for(x.dtype, N, K)
+    cfg = config or default_config(x.dtype)
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
         return out

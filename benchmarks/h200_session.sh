@@ -16,6 +16,8 @@
 #     bash benchmarks/h200_session.sh tiles      invariant GEMM tiles vs cuBLAS per fused projection (issue 7)  ~2.5 min
 #     bash benchmarks/h200_session.sh resume     GPU tests of the checkpoint-round kernels, then the 0.8B replay  ~8 min
 #     bash benchmarks/h200_session.sh bench ARGS  python -m flide.bench ARGS (e.g. a config and --engines flide)
+#     bash benchmarks/h200_session.sh fidelity NAME ARGS  configs/bench/NAME.yaml in fidelity parts (issue 5): the float32
+#                                                reference and auto final-norm scale kept in shared/fidelity between calls
 #     bash benchmarks/h200_session.sh verify     GPU tests of the question kernel + its forms/tiles at 0.8B's shapes ~6 min
 #     bash benchmarks/h200_session.sh sh 'CMDS'  any commands, after the same set-up (a session's own mix of parts)
 # Logs and results go to $OUT.
@@ -170,6 +172,16 @@ verify)
 sh)
     # any commands after the set-up above (wheels on PYTHONPATH, Inductor cache): `h200_session.sh sh 'CMD; CMD'`
     bash -c "$*" ;;
+fidelity)
+    # A model's fidelity grid in parts (--engines / --workloads in ARGS), each within one call. The reference answers
+    # and `final_norm_scale: auto`'s pick go to shared/fidelity/NAME.reference.json and come back in $OUT: copy that
+    # file into shared/fidelity/ here before the next part, which then reuses both (same scale in every part).
+    name=${1:?usage: h200_session.sh fidelity NAME [flide.bench args]}; shift
+    mkdir -p shared/fidelity
+    timeout ${BUDGET_S:-540} python3 -m flide.bench "configs/bench/$name.yaml" "$@" --reference-dir shared/fidelity \
+        --out "$OUT" > "$OUT/bench.log" 2>&1
+    echo "fidelity rc=$?"; cp shared/fidelity/"$name".reference.json "$OUT/" 2>/dev/null
+    grep -v DEBUG "$OUT/bench.log" | grep -E "final_norm_scale|Agr|reference" | cut -c1-200 ;;
 bench)
     timeout ${BUDGET_S:-540} python3 -m flide.bench "$@" --out "$OUT" > "$OUT/bench.log" 2>&1
     echo "bench rc=$?"; tail -20 "$OUT/bench.log" ;;

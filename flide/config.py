@@ -112,6 +112,12 @@ class ServeConfig:
     # took 370 ms on this CPU (412k objects, tiny model; more after torch.compile): the likely ~0.6 s stalls behind
     # the p99 of 591 ms at 32 clients on the H200 (session 9). Process-wide: frozen objects are never collected
     freeze_gc: bool = True
+    # bucket fill: of the waiting requests that fit one round, the model thread takes the prefix that fills its
+    # stream-length bucket best (graphs/buckets.py `fill_prefix`; the rest lead the next round), pricing a round's
+    # fixed cost at `round_overhead_tokens` (H200, 0.8B: ~3.5 ms for a 512-token RACE replay, ~4 us a token more, and
+    # ~1.5 ms of host work: ~1,000 tokens). Off until measured (the http bench's `fill-buckets` row)
+    fill_buckets: bool = False
+    round_overhead_tokens: int = 1024
 
 
 @dataclass(frozen=True)

@@ -63,3 +63,46 @@ def test_serving_freezes_the_start_up_heap_out_of_the_garbage_collector():
         on.scheduler().stop()
     finally:
         gc.unfreeze()  # the rest of the suite with its collector as it was
+
+
+def test_fill_buckets_takes_the_prefix_that_fills_its_bucket_best():
+    """`serve.fill_buckets`: of three 200-token requests waiting, the round takes the two that fill the 512-token
+    bucket (400 / (512 + 128)) rather than all three in the 1,024 one (600 / (1,024 + 128)); the third stays first
+    in line. With a round's overhead priced at 1,024 tokens (or fill_buckets off) all three go together."""
+    import dataclasses
+
+    from flide.graphs.buckets import fill_prefix
+    from flide.round import Footprint
+    from flide.serve.scheduler import Scheduler, Ticket
+
+    engine = flide.patch(tiny_model("qwen3_5_text"), tiny_tokenizer(),
+                         config={"capacities": {"buckets": [256, 512, 1024], "requests": 8}})
+    need = Footprint(tokens=200, states=1, branches=2, readout_rows=2, requests=1)
+    caps = engine.config.capacities
+    assert fill_prefix([need] * 3, caps, engine.max_options, 128) == 2
+    assert fill_prefix([need] * 3, caps, engine.max_options, 1024) == 3
+    assert fill_prefix([need], caps, engine.max_options, 128) == 1
+    for fill, overhead, taken in [(True, 128, 2), (True, 1024, 3), (False, 128, 3)]:
+        settings = dataclasses.replace(engine.config.serve, fill_buckets=fill, round_overhead_tokens=overhead)
+        scheduler = Scheduler(engine, settings)  # not started: _take is called here, as the model thread would
+        tickets = [Ticket(f"r{i}", counted=False, need=need) for i in range(3)]
+        with scheduler._cond:
+            scheduler._ready.extend(tickets)
+            batch = scheduler._take()
+            assert batch == tickets[:taken], (fill, overhead)
+            assert list(scheduler._ready) == tickets[taken:]
+
+
+def test_fill_prefix_on_the_default_buckets():
+    """RACE-sized requests (520 stream tokens) on the default buckets: 16 would take the 10,240 bucket, 15 fit the
+    8,192 one; 2 take both of a light load's requests; an oversized single request is taken whole."""
+    from flide.config import CapacityConfig
+    from flide.graphs.buckets import fill_prefix
+    from flide.round import Footprint
+
+    caps = CapacityConfig()
+    race = Footprint(tokens=520, states=1, branches=4, readout_rows=4, requests=1)
+    assert fill_prefix([race] * 16, caps, 8, 1024) == 15
+    assert fill_prefix([race] * 2, caps, 8, 1024) == 2
+    huge = Footprint(tokens=caps.buckets[-1] + 1, states=1, branches=1, readout_rows=1, requests=1)
+    assert fill_prefix([huge], caps, 8, 1024) == 1

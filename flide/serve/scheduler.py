@@ -2,7 +2,8 @@
 into the next one.
 
     admit (queue bound) -> prepare (thread pool: validate, render, tokenize) -> submit -> model thread: take the
-    longest prefix of the waiting requests that fits one round (`plan_rounds`), `engine.start` it, answer each future
+    longest prefix of the waiting requests that fits one round (`plan_rounds`; with `serve.fill_buckets` the part of
+    it that fills its bucket best, `fill_prefix`), `engine.start` it, answer each future
 
 - With `serve.overlap_rounds`, once the device has finished a round the model thread takes and launches the next one
   first and then reads the finished round's answers and sets its futures, so that host work runs under the next
@@ -34,7 +35,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from ..config import ServeConfig
-from ..graphs.buckets import plan_rounds
+from ..graphs.buckets import fill_prefix, plan_rounds
 from ..requests import PreparedRequest
 from ..round import Footprint
 from .metrics import Metrics
@@ -271,7 +272,8 @@ class Scheduler:
                     "the model thread stopped."))
 
     def _take(self) -> list[Ticket]:
-        """The longest prefix of the waiting requests that fits one round (called holding the lock)."""
+        """The longest prefix of the waiting requests that fits one round, or with `serve.fill_buckets` the part of it
+        that fills its bucket best (called holding the lock)."""
         caps = self.engine.config.capacities
         window: list[Ticket] = []
         while self._ready and len(window) < caps.requests:
@@ -285,6 +287,9 @@ class Scheduler:
         first = plan_rounds([t.need for t in window], caps, self.engine.max_options, exact=True)[0]
         n = len(first.requests)
         assert first.requests == list(range(n)), first.requests  # rounds are packed in order
+        if self.settings.fill_buckets and n > 1:
+            n = fill_prefix([t.need for t in window[:n]], caps, self.engine.max_options,
+                            self.settings.round_overhead_tokens)
         self._ready.extendleft(reversed(window[n:]))
         batch = []
         for ticket in window[:n]:

@@ -115,6 +115,11 @@ else:
         assert lt.pointer_config(torch.bfloat16) == replace(cfg, block_n=128, tma=False)
         assert lt.tma_config(torch.bfloat16, warp_specialize=True) == replace(cfg, warp_specialize=True)
         assert lt.pointer_config(torch.float32) == lt.tma_config(torch.float32) == FP32
+        # before Hopper (no TMA, less shared memory): the pointer kernel's tiles; Hopper and later: the TMA form
+        assert lt.default_config(torch.bfloat16, (8, 0)) == lt.default_config(torch.float16, (8, 6)) \
+            == lt.pointer_config(torch.bfloat16)
+        assert lt.default_config(torch.bfloat16, (9, 0)) == lt.default_config(torch.bfloat16, (10, 0)) == cfg
+        assert lt.default_config(torch.float32, (8, 0)) == FP32
         launched = []
         monkeypatch.setattr(lt, "_launch_tma", lambda *a, _f=lt._launch_tma: launched.append(1) or _f(*a))
         for n, k, tma in [(24, 48, True), (70, 48, False)]:

@@ -5,9 +5,9 @@ change with the number of rows M of x (and with where the row sits). In batch-in
 same bits alone or in any round, so every linear layer runs here instead, where the order of the sums of an output
 element depends on nothing but K and the tile config:
 
-- Tiles are fixed per dtype (`default_config`; no `triton.autotune`, nothing chosen from M or from the device's
-  load). M is not even specialised (`do_not_specialize`), so every M runs the same compiled kernel (also: no
-  recompile when a CUDA-graph bucket of a new size is captured).
+- Tiles are fixed per dtype and GPU architecture (`default_config`; no `triton.autotune`, nothing chosen from M
+  or from the device's load). M is not even specialised (`do_not_specialize`), so every M runs the same compiled
+  kernel (also: no recompile when a CUDA-graph bucket of a new size is captured).
 - No split-K and no stream-K: one program owns a BLOCK_M x BLOCK_N output tile and walks K from 0 upward in BLOCK_K
   steps, `acc = dot(x_tile, w_tile, acc)` in fp32, then adds the bias in fp32 and rounds once to x's dtype. A row's
   result does not depend on the other rows of its tile: rows past M re-read a valid row (index modulo M, so the
@@ -58,8 +58,9 @@ class Config:
     warp_specialize: bool = False
 
 
-def default_config(dtype: torch.dtype) -> Config:
-    """Fixed tiles per dtype for Hopper (sm_90); never chosen from M.
+def default_config(dtype: torch.dtype, capability: tuple[int, int] | None = None) -> Config:
+    """Fixed tiles per dtype and GPU architecture (`capability`, CUDA compute capability; None: Hopper's, as under
+    the CPU interpreter); never chosen from M.
 
     bf16/fp16: the persistent TMA form with 128 x 256 output tiles over 8 warps (two warpgroups, each a 64 x 256
     wgmma accumulator), K steps of 64, 3 stages of x and weight tiles in shared memory (144 KB). Chosen by
@@ -68,11 +69,15 @@ def default_config(dtype: torch.dtype) -> Config:
     1.30x for the pointer kernel's best tiles (`pointer_config`) and 1.09x for 128 x 128 TMA tiles with 4 stages.
     It wins on every projection shape of both models, so there is no per-shape table. Layers whose layout the TMA
     cannot address (`_tma_eligible`, a property of the layer) run the pointer kernel with the same tiles.
+    Before Hopper (no TMA, and 99-164 KB of shared memory a block: 144 KB of stages would not fit everywhere) the
+    pointer kernel's 128 x 128 tiles (96 KB), untimed there. Bits differ across architectures anyway.
     fp32 (IEEE dots on the FMA units) only needs to be right, not fast: small tiles keep it free of register spills.
     """
     if dtype == torch.float32:
         return Config(32, 64, 32, 8, 4, 2)
     if dtype in (torch.bfloat16, torch.float16):
+        if capability is not None and capability < (9, 0):
+            return Config(128, 128, 64, 8, 8, 3)
         return Config(128, 256, 64, 8, 8, 3, tma=True)
     raise ValueError(f"linear (triton): unsupported dtype {dtype}; expected float32, bfloat16 or float16")
 
@@ -179,6 +184,17 @@ def _tma_eligible(x: torch.Tensor, weight: torch.Tensor, n: int) -> bool:
 
 
 _PROGRAMS: dict[int, int] = {}
+_CAPABILITY: dict[int, tuple[int, int]] = {}
+
+
+def _capability(device: torch.device) -> tuple[int, int] | None:
+    """The CUDA device's compute capability (None off CUDA: the interpreter takes Hopper's tiles)."""
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _CAPABILITY:
+        _CAPABILITY[index] = torch.cuda.get_device_capability(index)
+    return _CAPABILITY[index]
 
 
 def _programs(device: torch.device) -> int:
@@ -216,8 +232,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
     summed in fp32, bias added in fp32, one rounding at the end. CUDA tensors, or CPU tensors under
     TRITON_INTERPRET=1.
 
-    config: tiles (default: `default_config(x.dtype)`, fixed per dtype); another config gives other (equally valid)
-    bits.
+    config: tiles (default: `default_config(x.dtype, <x's GPU architecture>)`, fixed per dtype and architecture);
+    another config gives other (equally valid) bits.
     """
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"linear (triton): x {tuple(x.shape)}, weight {tuple(weight.shape)}: expected [M, K], [N, K]")
@@ -235,7 +251,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
         raise ValueError(f"linear (triton): unsupported dtype {x.dtype}; expected float32, bfloat16 or float16")
     if x.device.type != "cuda" and isinstance(_linear_kernel, JITFunction):
         raise ValueError(f"linear (triton): x is on {x.device}: CUDA tensors, or CPU ones under TRITON_INTERPRET=1")
-    cfg = config or default_config(x.dtype)
+    cfg = config or default_config(x.dtype, _capability(x.device))
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
         return out

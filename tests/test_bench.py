@@ -214,6 +214,9 @@ def test_runner_writes_results(tmp_path):
         for metric in ("tokens_per_request", "latency_p50_ms", "latency_p90_ms", "requests_per_s@1",
                        "requests_per_s@2", "latency_p50_ms@2"):
             assert values[("race", engine, metric)] > 0, (engine, metric)
+    for engine in ("flide", "flide:full-readout"):  # alone through Engine.submit too; the baselines have no scheduler
+        assert values[("race", engine, "latency_submit_p50_ms")] > 0, engine
+    assert not any(m == "latency_submit_p50_ms" for w, e, m in values if e in ("prefix-cache", "delimiter"))
     assert values[("race", "-", "requests")] == 2
     assert values[("race", "flide", "tokens_per_request")] == values[("race", "prefix-cache", "tokens_per_request")]
     assert values[("race", "delimiter", "tokens_per_request")] > values[("race", "flide", "tokens_per_request")]
@@ -226,6 +229,7 @@ def test_runner_writes_results(tmp_path):
 
     report = (tmp_path / "out" / "mini.md").read_text()
     assert "Tiny random model on a CPU" in report and "| race |" in report and "flide:full-readout" in report
+    assert "through Engine.submit" in report
     if importlib.util.find_spec("matplotlib") is None:
         assert not (tmp_path / "out" / "mini.png").exists()
     else:

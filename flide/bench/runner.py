@@ -6,6 +6,9 @@ and every engine (+ one `flide:<name>` per ablation), it measures:
 - `latency_p50_ms`, `latency_p90_ms` (ms): one request alone (`decide([r])`): the first `latency_requests` requests,
   each `repeats` times, after `warmup` untimed runs; once the samples took `max_latency_seconds` (and at least
   `repeats` were taken) the rest are skipped, and the unit says over how many samples (`ms (n=5)`);
+- `latency_submit_p50_ms` (ms, Flide engines, in process): the same requests alone through `Engine.submit` (the
+  scheduler's path, which `flide serve` takes), so that the HTTP engine's latency alone splits into server and
+  scheduler;
 - `tokens_per_request` (tokens): what the model computes per request (mean): Flide and prefix-cache count each
   state once, the pipeline one whole prompt per question, the delimiter baseline adds one token per question;
 - `requests_per_s@N` (requests/s): N in-process submitter threads, each calling `decide([r])` on the next request
@@ -259,6 +262,9 @@ def measure(engine, requests: list[dict], config: BenchConfig, timer: Timer, poo
     out = [("tokens_per_request", statistics.mean(engine.tokens(r) for r in requests), "tokens")]
     alone, rows = latency_alone(engine, requests, config, timer)
     out += rows
+    if not alone_only and getattr(engine, "packs_rounds", False) and pool is not None:
+        submitted, _ = latency_alone(engine.for_thread(pool.get(1)[0]), requests, config, timer)
+        out.append(("latency_submit_p50_ms", submitted, "ms"))
     if not alone_only:
         for n in config.concurrency:
             estimate = n * alone / 1e3

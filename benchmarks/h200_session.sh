@@ -79,19 +79,28 @@ bundle() {
 finish() { bundle; save_cache; }
 trap finish EXIT
 started=$(date +%s)
+# parallel_tests TIMEOUT LOG_LINES FILE...: one pytest process per GPU test file, all at once (small next to the H200,
+# compiling on 16 cores in parallel), waiting for every background job; a line per file in $OUT/summary.txt, the
+# logs' tails in $OUT/tests.log
+parallel_tests() {
+    local timeout=$1 lines=$2; shift 2
+    mkdir -p /tmp/logs
+    for f in "$@"; do
+        local name=$(basename "$f" .py)
+        ( timeout "$timeout" python3 -m pytest -q -p no:logging --tb=short "$f" > "/tmp/logs/$name.log" 2>&1
+          echo "$name rc=$? $(date +%s) $(tail -1 "/tmp/logs/$name.log")" >> "$OUT/summary.txt" ) &
+    done
+    wait
+    for f in /tmp/logs/*.log; do echo "=================== $f"; grep -v DEBUG "$f" | tail -"$lines"; done > "$OUT/tests.log"
+    sort "$OUT/summary.txt"
+}
 case "$part" in
 alltests)
     # One process per file, all at once: the tests are small next to the H200 and compile on 16 cores in parallel.
     mkdir -p /tmp/logs
     [ -n "${CAPTURE_CHECK:-}" ] && (timeout 200 python3 benchmarks/capture_check.py > /tmp/logs/capture_check.log 2>&1; echo "capture_check rc=$?" >> "$OUT/summary.txt") &
-    for f in ${FILES:-tests/gpu/test_*_gpu.py}; do
-        name=$(basename "$f" .py)
-        ( timeout "${TEST_TIMEOUT:-450}" python3 -m pytest -q -p no:logging --tb=short "$f" > "/tmp/logs/$name.log" 2>&1
-          echo "$name rc=$? $(date +%s) $(tail -1 "/tmp/logs/$name.log")" >> "$OUT/summary.txt" ) &
-    done
-    wait
-    for f in /tmp/logs/*.log; do echo "=================== $f"; grep -v DEBUG "$f" | tail -${LOG_LINES:-150}; done > "$OUT/tests.log"
-    sort "$OUT/summary.txt"; echo "elapsed $(( $(date +%s) - started )) s"
+    parallel_tests "${TEST_TIMEOUT:-450}" "${LOG_LINES:-150}" ${FILES:-tests/gpu/test_*_gpu.py}
+    echo "elapsed $(( $(date +%s) - started )) s"
     # time left in a 10-minute command: latency alone of 0.8B with graphs (the profile part, no eager rounds)
     left=$(( ${BUDGET_S:-555} - ($(date +%s) - started) ))
     if [ "$left" -gt 150 ]; then
@@ -141,14 +150,8 @@ agents)
 resume)
     # Session 10's checkpoint-round kernels (attention prefix phase, conv windows, one-launch short states) on the
     # device: their GPU tests in parallel, then the 0.8B replay with checkpoints only (ALONE=6 for the slope)
-    mkdir -p /tmp/logs
-    for f in test_checkpoints_gpu test_fork_attention_invariant_gpu test_fork_conv_gpu test_gated_delta_gpu; do
-        ( timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:logging --tb=short "tests/gpu/$f.py" > "/tmp/logs/$f.log" 2>&1
-          echo "$f rc=$? $(tail -1 "/tmp/logs/$f.log")" >> "$OUT/summary.txt" ) &
-    done
-    wait
-    for f in /tmp/logs/*.log; do echo "=================== $f"; grep -v DEBUG "$f" | tail -60; done > "$OUT/tests.log"
-    sort "$OUT/summary.txt"
+    parallel_tests "${TEST_TIMEOUT:-240}" 60 tests/gpu/test_checkpoints_gpu.py tests/gpu/test_fork_attention_invariant_gpu.py \
+        tests/gpu/test_fork_conv_gpu.py tests/gpu/test_gated_delta_gpu.py
     timeout ${BUDGET_S:-240} python3 benchmarks/agent_steps.py --model shared/models/qwen3_5/configs/qwen3.5-0.8b.json \
         --tokenizer shared/models/qwen3_5 --data shared/data --dtype bfloat16 --device cuda \
         --engines flide+checkpoints --trajectories 25 --alone-trajectories ${ALONE:-6} --seconds 20 --agents 1 32 \

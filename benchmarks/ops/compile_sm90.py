@@ -54,6 +54,8 @@ def compile_one(label: str, fn, pointers, default_pointer, scalars, constexprs, 
 
 
 def main() -> int:
+    import torch
+
     from flide.ops.fork_attention import triton_invariant as attn
     from flide.ops.fork_conv import triton as conv
     from flide.ops.gated_delta import branches
@@ -61,7 +63,7 @@ def main() -> int:
 
     ok = True
     for dtype, triton_dtype in (("bf16", "*bf16"), ("fp32", "*fp32")):
-        cfg = attn.default_config(256, {"bf16": __import__("torch").bfloat16, "fp32": __import__("torch").float32}[dtype])
+        cfg = attn.default_config(256, {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype])
         for prefix in (False, True):
             ok &= compile_one(
                 f"fork_attention invariant {dtype} D256 GQA4 prefix={prefix}", attn._fork_attention_invariant_kernel,
@@ -83,7 +85,7 @@ def main() -> int:
                 {"h0_ptr": "*fp32", "ht_ptr": "*fp32", "hs_ptr": "*fp32"}, "*i64", {"scale": "fp32"},
                 dict(HK=16, HV=16, K=128, V=128, BK=128, BV=branches.BLOCK_V, L2NORM=True, STORE_FINAL=final,
                      SNAPSHOT=snapshot), {"num_warps": branches.NUM_WARPS, "num_stages": branches.NUM_STAGES})
-    cfg = linear.default_config(__import__("torch").bfloat16)
+    cfg = linear.default_config(torch.bfloat16)
     ok &= compile_one("linear (invariant GEMM) bf16", linear._linear_kernel,
                       {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16"}, "*bf16", {},
                       dict(HAS_BIAS=False, EVEN_K=True, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,

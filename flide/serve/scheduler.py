@@ -284,12 +284,12 @@ class Scheduler:
             window.append(ticket)
         if not window:
             return []
-        first = plan_rounds([t.need for t in window], caps, self.engine.max_options, exact=True)[0]
+        needs = [t.need for t in window]
+        first = plan_rounds(needs, caps, self.engine.max_options, exact=True)[0]
         n = len(first.requests)
         assert first.requests == list(range(n)), first.requests  # rounds are packed in order
         if self.settings.fill_buckets and n > 1:
-            n = fill_prefix([t.need for t in window[:n]], caps, self.engine.max_options,
-                            self.settings.round_overhead_tokens)
+            n = fill_prefix(needs[:n], caps, self.engine.max_options, self.settings.round_overhead_tokens)
         self._ready.extendleft(reversed(window[n:]))
         batch = []
         for ticket in window[:n]:

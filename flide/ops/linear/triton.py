@@ -74,20 +74,23 @@ def default_config(dtype: torch.dtype, capability: tuple[int, int] | None = None
     fp32 (IEEE dots on the FMA units) only needs to be right, not fast: small tiles keep it free of register spills.
     """
     if dtype == torch.float32:
-        return Config(32, 64, 32, 8, 4, 2)
+        return _FP32
     if dtype in (torch.bfloat16, torch.float16):
-        if capability is not None and capability < (9, 0):
-            return Config(128, 128, 64, 8, 8, 3)
-        return Config(128, 256, 64, 8, 8, 3, tma=True)
+        return _POINTER_16BIT if capability is not None and capability < (9, 0) else _TMA_16BIT
     raise ValueError(f"linear (triton): unsupported dtype {dtype}; expected float32, bfloat16 or float16")
+
+
+_FP32 = Config(32, 64, 32, 8, 4, 2)
+_TMA_16BIT = Config(128, 256, 64, 8, 8, 3, tma=True)  # Hopper and later
+_POINTER_16BIT = Config(128, 128, 64, 8, 8, 3)  # the pointer kernel's best tiles: before Hopper, and `pointer_config`
 
 
 def pointer_config(dtype: torch.dtype) -> Config:
     """The pointer kernel's own best tiles (the default before session 11's sweep: 128 x 128, 8 warps, 3 stages),
     for the `triton_pointer` ablation; fp32 as `default_config`."""
-    if dtype == torch.float32:
-        return default_config(dtype)
-    return replace(default_config(dtype), block_n=128, tma=False)
+    if dtype in (torch.bfloat16, torch.float16):
+        return _POINTER_16BIT
+    return default_config(dtype)  # fp32's tiles, or the unsupported dtype's error
 
 
 def tma_config(dtype: torch.dtype, warp_specialize: bool = False) -> Config:

@@ -81,6 +81,50 @@ def median_ms(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def host_split(engine, prepared, repeats: int) -> dict:
+    """Where `engine.run` of one request alone spends its wall time, stage by stage, medians in ms: `plan` (bucket
+    choice), `handoff` (a no-op round trip to the graph thread: what `launch` pays to reach it), `build` (the round
+    into the bucket's pinned buffer), `enqueue` (the host-to-device copy and the compiled call: dynamo's guards and
+    cudagraph trees' checks before the replay is enqueued), `wait` (from the enqueue's end to the scores on the host),
+    `answers` (softmax and answer dicts), and `gpu_span` (CUDA events around copy + replay + scores copy: the device's
+    time for the round, kernels and the gaps between them)."""
+    from flide.graphs.buckets import plan_rounds
+    from flide.round import build_round
+
+    runner = engine.runner
+    stages: dict[str, list[float]] = defaultdict(list)
+
+    def on_graph_thread():
+        t0 = time.perf_counter()
+        planned = plan_rounds([engine.footprint(prepared)], engine.config.capacities, engine.max_options)[0]
+        bucket = runner.buckets[planned.shape.tokens]
+        t1 = time.perf_counter()
+        round_ = build_round([prepared], planned.shape, runner.pad_id, out=bucket.host)
+        t2 = time.perf_counter()
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        bucket.device.copy_(bucket.host, non_blocking=True)
+        scores = runner._replay(bucket)
+        t3 = time.perf_counter()
+        host = scores.float().cpu()
+        end.record()
+        end.synchronize()
+        t4 = time.perf_counter()
+        engine.answers(round_, host)
+        t5 = time.perf_counter()
+        return {"plan": t1 - t0, "build": t2 - t1, "enqueue": t3 - t2, "wait": t4 - t3, "answers": t5 - t4,
+                "gpu_span": begin.elapsed_time(end) / 1e3}
+
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        runner._thread.submit(lambda: None).result()
+        stages["handoff"].append(time.perf_counter() - t0)
+        for key, seconds in runner._thread.submit(on_graph_thread).result().items():
+            stages[key].append(seconds)
+    return {key: round(statistics.median(values) * 1e3, 4) for key, values in stages.items()}
+
+
 def profile(fn, runs: int) -> dict:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
@@ -98,8 +142,11 @@ def profile(fn, runs: int) -> dict:
         by_family[family(event.key)] += us / runs
         top[event.key] += us / runs
     heaviest = sorted(top.items(), key=lambda kv: -kv[1])[:30]
+    kernels = sum(event.count for event in prof.key_averages()
+                  if (getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)) > 0)
     return {"gpu_ms_by_family": {k: round(v / 1e3, 4) for k, v in sorted(by_family.items(), key=lambda kv: -kv[1])},
             "gpu_ms_total": round(sum(by_family.values()) / 1e3, 4),
+            "kernels_per_run": round(kernels / runs, 1),
             "top_kernels_ms": [(k[:90], round(v / 1e3, 4)) for k, v in heaviest]}
 
 
@@ -162,6 +209,8 @@ def main() -> None:
             p2 = eager.prepare(request)
             eager.run([p2])
             row["eager_latency_ms"] = round(median_ms(partial(eager.run, [p2]), max(3, args.repeats // 4)), 3)
+        if engine.runner is not None and engine.runner._forward is not None:
+            row["host_split_ms"] = host_split(engine, prepared, args.repeats)
         row["profile"] = profile(partial(engine.run, [prepared]), args.profile_runs)
         report["rows"].append(row)
         print(json.dumps(row), flush=True)

@@ -7,7 +7,9 @@ import gzip
 import hashlib
 import json
 import logging
+import os
 import shutil
+import threading
 from pathlib import Path
 
 import torch
@@ -37,12 +39,17 @@ def load_tokenizer(path: str | Path):
         cache = Path.home() / ".cache" / "flide" / "tokenizers" / digest
         if not (cache / "tokenizer.json").exists():
             cache.mkdir(parents=True, exist_ok=True)
-            with gzip.open(folder / "tokenizer.json.gz", "rb") as src, open(cache / "tokenizer.json.tmp", "wb") as dst:
+            # several processes may unpack at once (a benchmark's parts starting together): each writes its own
+            # temporary files and moves them in place atomically, the last one's copy wins (all are the same)
+            tmp = cache / f".tokenizer.json.{os.getpid()}.{threading.get_ident()}.tmp"
+            with gzip.open(folder / "tokenizer.json.gz", "rb") as src, open(tmp, "wb") as dst:
                 shutil.copyfileobj(src, dst)
             for name in TOKENIZER_FILES:
                 if (folder / name).exists() and name != "tokenizer.json":
-                    shutil.copy(folder / name, cache / name)
-            (cache / "tokenizer.json.tmp").rename(cache / "tokenizer.json")
+                    part = cache / f".{name}.{os.getpid()}.{threading.get_ident()}.tmp"
+                    shutil.copy(folder / name, part)
+                    os.replace(part, cache / name)
+            os.replace(tmp, cache / "tokenizer.json")  # last: its presence means the folder is complete
         folder = cache
     try:
         return AutoTokenizer.from_pretrained(str(folder))

@@ -43,6 +43,10 @@ FAMILIES = [  # first match wins: (family, substrings of the kernel name)
 
 def family(name: str) -> str:
     low = name.lower()
+    if low.startswith(("triton_poi_", "triton_per_", "triton_red_")):
+        # Inductor's fused kernels: their names list the ops fused (`_to_copy`, `gated_delta_...` of a custom op's
+        # neighbours), which the substrings below would misfile as copies or gated delta
+        return "pointwise/norm/other"
     for fam, keys in FAMILIES:
         if any(k in low for k in keys):
             return fam

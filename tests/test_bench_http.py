@@ -186,6 +186,11 @@ def test_http_engine_through_the_runner(tmp_path, started):
     value = {key: row["value"] for key, row in got.items()}
     assert value[("race", "http", "http_max_abs_diff")] <= 1e-6
     assert value[("race", "http", "tokens_per_request")] > 0 and value[("race", "http", "latency_p50_ms")] > 0
+    # the paired one-client comparison: the in-process twin's latency, and HTTP's extra time over it (a loopback
+    # round trip and the server's parsing: a median of pairs, within the HTTP latency itself whatever the CPU's
+    # jitter on the tiny model)
+    local, gap = value[("race", "http", "latency_inprocess_p50_ms")], value[("race", "http", "latency_http_gap_p50_ms")]
+    assert local > 0 and -local < gap < value[("race", "http", "latency_p50_ms")]
     for n in (1, 3):
         assert value[("race", "http", f"requests_per_s@{n}")] > 0
         assert value[("race", "http", f"answered@{n}")] >= 1 and value[("race", "http", f"errors@{n}")] == 0
@@ -201,6 +206,7 @@ def test_http_engine_through_the_runner(tmp_path, started):
     assert len(started) == 1 and not _alive(started[0])
     report = (tmp_path / "out" / "web.md").read_text()
     assert "### HTTP server" in report and "| race | 3 |" in report
+    assert "HTTP minus in-process latency" in report
 
 
 class _Abort(BaseException):

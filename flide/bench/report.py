@@ -43,7 +43,8 @@ def _workload_key(workload: str):
     return (0, 0)
 
 
-_METRIC_ORDER = ("tokens_per_request", "latency_p50_ms", "latency_p90_ms", "latency_submit_p50_ms", "requests_per_s",
+_METRIC_ORDER = ("tokens_per_request", "latency_p50_ms", "latency_p90_ms", "latency_submit_p50_ms",
+                 "latency_inprocess_p50_ms", "latency_http_gap_p50_ms", "requests_per_s",
                  "latency_p50_ms@", "peak_memory_gib", "peak_reserved_gib")
 # Metrics of the http engine only: its own table ("HTTP server"), not one table each
 _HTTP_METRICS = ("http_max_abs_diff", "latency_p99_ms@", "errors@", "answered@", "mean_round_requests@",
@@ -111,6 +112,10 @@ def markdown(rows: list[dict], config: BenchConfig) -> str:
                   "latency_p90_ms": "Latency of one request alone, p90 (ms)",
                   "latency_submit_p50_ms": "Latency of one request alone through Engine.submit (the server's path), "
                                            "median (ms)",
+                  "latency_inprocess_p50_ms": "Latency of the same requests alone in process (the HTTP engine's twin, "
+                                              "each timed right after its HTTP request), median (ms)",
+                  "latency_http_gap_p50_ms": "HTTP minus in-process latency of one request alone, median of the pairs "
+                                             "(ms)",
                   "tokens_per_request": "Tokens computed per request",
                   "peak_memory_gib": "Peak GPU memory allocated during the runs (GiB, weights included)",
                   "peak_reserved_gib": "Peak GPU memory reserved (GiB: weights, CUDA graphs' pools, allocator cache)"}

@@ -40,7 +40,11 @@ def test_triton_matches_reference(tokens, channels, dtype):
     if dtype == torch.float32:
         torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
     else:
-        torch.testing.assert_close(out.float(), want, atol=1e-3, rtol=2 ** -7)
+        # two roundings (the sum before the SiLU, as transformers rounds it, then the output): within ~2 half-ulps
+        torch.testing.assert_close(out.float(), want, atol=1e-3, rtol=2 ** -6)
+        # and the same bits as the reference in bf16, which rounds at the same two points (H200, 2026-11-30: equal on
+        # all 16.8M elements of a 2,048 x 8,192 stream, benchmarks/ops/conv_rounding_check.py)
+        assert torch.equal(out, reference.fork_conv(x, weight, r.seg_lo, r.trunk_lo, r.trunk_hi, True))
     # no SiLU, fp32 weights with bf16 inputs
     want = reference.fork_conv(x.float(), weight.float(), r.seg_lo, r.trunk_lo, r.trunk_hi, False)
     out = triton_op()(x, weight.float(), r.seg_lo, r.trunk_lo, r.trunk_hi, False)

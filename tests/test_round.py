@@ -361,7 +361,7 @@ def test_fork_tables_equal_what_each_layer_derived(seed):
 
     tokens = [64, 256, 512, 1024, 2048, 640][seed]
     r = random_round_tensors(random.Random(seed), tokens, max_state=300 if seed % 2 else 40)
-    tables = fork_tables(r.state_start, r.state_len, r.branch_start, r.branch_len, r.state_chunks)
+    tables = fork_tables(r.state_start, r.state_len, r.branch_start, r.branch_len, r.state_chunks, r.branch_chunks)
     NS = r.state_start.shape[0]
     end = r.state_start[:1] + r.state_len.sum(0, keepdim=True)
     derived = torch.cat([r.state_start[:1], r.state_start[:1] + r.state_len.cumsum(0), end])
@@ -380,3 +380,33 @@ def test_fork_tables_equal_what_each_layer_derived(seed):
             assert torch.equal(r.state_chunks[want_offsets[s]], torch.tensor([s, 0]))
     assert torch.equal(tables.states_end, end)
     assert torch.equal(tables.branches_end, r.branch_start[:1] + r.branch_len.sum(0, keepdim=True))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_combined_tables_cover_states_then_questions(seed):
+    """`fla_wy`'s chunk-local call runs over the states and the questions at once: its cu_seqlens holds every state's
+    and every question's bounds in that order (the questions contiguous after the states), and its chunk rows name
+    each chunk of each of them once, spare rows naming the trailing empty sequence."""
+    import random
+
+    from flide.ops.gated_delta import fork_tables
+    from flide.testing import random_round_tensors
+
+    tokens = [64, 256, 512, 1024, 2048, 640][seed]
+    r = random_round_tensors(random.Random(seed), tokens, max_state=300 if seed % 2 else 40)
+    tables = fork_tables(r.state_start, r.state_len, r.branch_start, r.branch_len, r.state_chunks, r.branch_chunks)
+    NS, NB = r.state_start.shape[0], r.branch_start.shape[0]
+    cu = tables.all_cu_seqlens
+    assert cu.shape == (NS + NB + 2,) and torch.equal(cu[:NS + 1], tables.state_cu_seqlens[:NS + 1])
+    segments = [(int(s), int(n)) for s, n in zip(torch.cat([r.state_start, r.branch_start]).tolist(),
+                                                 torch.cat([r.state_len, r.branch_len]).tolist())]
+    for i, (start, length) in enumerate(segments):
+        assert int(cu[i + 1] - cu[i]) == length
+        if length:
+            assert int(cu[i]) == start
+    assert cu[-1] == cu[-2]  # the trailing empty sequence
+    want = sorted((i, c) for i, (_, n) in enumerate(segments) for c in range((n + GDN_CHUNK - 1) // GDN_CHUNK))
+    rows = [tuple(row) for row in tables.all_chunks.tolist()]
+    real = sorted(row for row in rows if row[0] != NS + NB)
+    assert real == want
+    assert all(row == (NS + NB, 0) for row in rows if row[0] == NS + NB)

@@ -26,7 +26,8 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 if not INTERPRETED:
     from flide.testing import run_in_triton_interpreter
 
-    @pytest.mark.parametrize("kernel", ["fork_conv", "fork_attention", "gated_delta_branches", "gated_delta_l2norm"])
+    @pytest.mark.parametrize("kernel", ["fork_conv", "fork_attention", "gated_delta_branches", "gated_delta_l2norm",
+                                        "gated_delta_questions_wy"])
     def test_in_the_triton_interpreter(kernel):
         """Runs this file's `test_<kernel>_*` checks in a child process with TRITON_INTERPRET=1."""
         run_in_triton_interpreter(__file__, f"test_{kernel}_", 4)
@@ -40,6 +41,7 @@ else:
     from flide.ops.fork_conv import triton as conv_triton
     from flide.ops.gated_delta import branches as delta_branches
     from flide.ops.gated_delta import l2norm as delta_l2norm
+    from flide.ops.gated_delta import questions_wy as delta_wy
     from flide.ops.gated_delta import reference as delta_ref
     from flide.testing import random_round_tensors, resume_states
 
@@ -290,6 +292,44 @@ else:
         # recurrent vs chunked sums in fp32: rounding relative to the outputs' size (without l2norm they grow)
         scale = max(1.0, want[rows].abs().max().item())
         torch.testing.assert_close(out[rows], want[rows], atol=2e-5 * scale, rtol=1e-5)
+
+    WY_CASES = [  # tokens, (Hk, Hv, K, V), longest question
+        (70, (1, 1, 16, 16), 12),
+        (300, (2, 4, 16, 32), 150),  # grouped value heads; questions over 1-3 64-token chunks, the last partial
+        (260, (1, 3, 24, 44), 150),  # K and V padded to 32 / 64 (partial value tiles), 3 value heads per key head
+    ]
+
+    @pytest.mark.parametrize("tokens,heads,longest", WY_CASES,
+                             ids=[f"T{t}-Hk{h[0]}-Hv{h[1]}-K{h[2]}-V{h[3]}-Q{m}" for t, h, m in WY_CASES])
+    def test_gated_delta_questions_wy_match_the_reference_fork(tokens, heads, longest):
+        """The chunked (WY) question call on a random round's branch tables, its chunk-local part from
+        `wy_reference`, from the reference state call's final states: every question row equal to the reference's
+        question call (fp32), and only those rows written (NaN-poisoned output)."""
+        Hk, Hv, K, V = heads
+        r = tiny_round(tokens, seed=tokens + Hv, max_question=longest)
+        q = delta_ref.l2norm(randn(tokens, Hk, K, seed=11))
+        k = delta_ref.l2norm(randn(tokens, Hk, K, seed=12))
+        v = randn(tokens, Hv, V, seed=13)
+        g = -torch.rand(tokens, Hv, generator=torch.Generator().manual_seed(14)) * 0.7
+        beta = torch.rand(tokens, Hv, generator=torch.Generator().manual_seed(15))
+        none = torch.full_like(r.state_start, -1)
+        _, finals = delta_ref.gated_delta(q, k, v, g, beta, r.state_start, r.state_len, torch.zeros(0, Hv, K, V),
+                                          none, 0.3, False)
+        want, _ = delta_ref.gated_delta(q, k, v, g, beta, r.branch_start, r.branch_len, finals, r.branch_state, 0.3,
+                                        False)
+        w, u, gamma = delta_wy.wy_reference(k, v, g, beta, r.branch_start, r.branch_len)
+        out = delta_wy.questions_wy(q, k, w, u, gamma, r.branch_start, r.branch_len, finals, r.branch_state, 0.3,
+                                    out=poisoned(tokens, Hv, V, dtype=torch.float32))
+        rows = torch.zeros(tokens, dtype=torch.bool)
+        for start, length in zip(r.branch_start.tolist(), r.branch_len.tolist()):
+            rows[start:start + length] = True
+        assert rows.any() and (r.branch_len.max() > 64 or longest <= 64)
+        assert out[~rows].isnan().all()
+        scale = max(1.0, want[rows].abs().max().item())
+        torch.testing.assert_close(out[rows], want[rows], atol=2e-5 * scale, rtol=1e-5)
+
+    def test_gated_delta_questions_wy_kernel_is_interpreted():
+        assert isinstance(delta_wy._chain_kernel, InterpretedFunction)
 
     @pytest.mark.parametrize("form", delta_branches.FORMS)
     def test_gated_delta_branches_from_zero_and_empty_rows(form):

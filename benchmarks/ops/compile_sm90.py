@@ -58,7 +58,7 @@ def main() -> int:
 
     from flide.ops.fork_attention import triton_invariant as attn
     from flide.ops.fork_conv import triton as conv
-    from flide.ops.gated_delta import branches
+    from flide.ops.gated_delta import branches, questions_wy
     from flide.ops.linear import triton as linear
 
     ok = True
@@ -85,6 +85,13 @@ def main() -> int:
                 {"h0_ptr": "*fp32", "ht_ptr": "*fp32", "hs_ptr": "*fp32"}, "*i64", {"scale": "fp32"},
                 dict(HK=16, HV=16, K=128, V=128, BK=128, BV=branches.BLOCK_V, L2NORM=True, STORE_FINAL=final,
                      SNAPSHOT=snapshot), {"num_warps": branches.NUM_WARPS, "num_stages": branches.NUM_STAGES})
+        for hv in (16, 32):  # 0.8B / 2B, and 4B / 9B (two value heads per key head)
+            ok &= compile_one(
+                f"gated_delta questions (WY chain) {dtype} Hv{hv}", questions_wy._chain_kernel,
+                {n: triton_dtype for n in ("q_ptr", "k_ptr", "w_ptr", "u_ptr", "o_ptr")} |
+                {"g_ptr": "*fp32", "h0_ptr": "*fp32"}, "*i64", {"scale": "fp32"},
+                dict(HK=16, HV=hv, K=128, V=128, BK=128, BV=questions_wy.BLOCK_V, BT=64, PRECISION="tf32"),
+                {"num_warps": questions_wy.NUM_WARPS, "num_stages": questions_wy.NUM_STAGES})
     cfg = linear.default_config(torch.bfloat16)
     ok &= compile_one("linear (invariant GEMM) bf16", linear._linear_kernel,
                       {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16"}, "*bf16", {},

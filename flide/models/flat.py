@@ -79,9 +79,10 @@ class FlatBlock(nn.Module):
     @torch.compiler.nested_compile_region
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor,
                 chunk_offsets: torch.Tensor, states_end: torch.Tensor, branches_end: torch.Tensor,
-                *fields: torch.Tensor) -> torch.Tensor:
+                all_cu_seqlens: torch.Tensor, all_chunks: torch.Tensor, *fields: torch.Tensor) -> torch.Tensor:
         r = RoundTensors(*fields)
-        tables = ForkTables(cu_seqlens, r.state_chunks, chunk_offsets, states_end, branches_end)
+        tables = ForkTables(cu_seqlens, r.state_chunks, chunk_offsets, states_end, branches_end, all_cu_seqlens,
+                            all_chunks)
         return self.run(h, FlatContext(r, cos, sin, tables=tables))
 
     def run(self, h: torch.Tensor, ctx: FlatContext) -> torch.Tensor:
@@ -133,11 +134,12 @@ class FlatModel(nn.Module):
             fields = tuple(value.clone() if torch.compiler.is_compiling() else value for _, value in r.items())
             r = RoundTensors(*fields)
             # the GDN forks' round tables, once for all layers (not derived again in each)
-            tables = fork_tables(r.state_start, r.state_len, r.branch_start, r.branch_len, r.state_chunks)
+            tables = fork_tables(r.state_start, r.state_len, r.branch_start, r.branch_len, r.state_chunks,
+                                 r.branch_chunks)
             ctx = FlatContext(r, cos[0], sin[0], tables=tables)
             for block in self.blocks[:-1]:
                 h = block(h, ctx.cos, ctx.sin, tables.state_cu_seqlens, tables.state_chunk_offsets, tables.states_end,
-                          tables.branches_end, *fields)
+                          tables.branches_end, tables.all_cu_seqlens, tables.all_chunks, *fields)
         h = residual(h, last.mixer(last.input_layernorm(h), flide=ctx))
         if self.selective:
             h = h[r.readout_rows]  # only the read rows go on through the last MLP, the norm and the head

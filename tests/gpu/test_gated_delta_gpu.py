@@ -200,7 +200,7 @@ def test_fork_from_round_tables_equals_fork_without(dtype):
     fla = kernel("fla")
     x, r = inputs(3072, dtype, seed=17)
     meta = (r.state_start, r.state_len, r.branch_start, r.branch_len, r.branch_state)
-    tables = fork_tables(r.state_start, r.state_len, r.branch_start, r.branch_len, r.state_chunks)
+    tables = fork_tables(r.state_start, r.state_len, r.branch_start, r.branch_len, r.state_chunks, r.branch_chunks)
     o, finals = fork(fla, *x, *meta, 128 ** -0.5, True)
     o_t, finals_t = plain_fork(fla, *x, *meta, 128 ** -0.5, True, branch_kernel=BRANCH_KERNELS.get(fla),
                                state_kernel=STATE_KERNELS[fla], tables=tables)
@@ -234,3 +234,74 @@ def test_unfilled_final_state_equals_fla(dtype, monkeypatch):
     finally:
         fla_module._fla_steps.cache_clear()
     assert torch.equal(finals, want_finals) and torch.equal(o, want_o)
+
+
+def wy_fork(x, r):
+    """The `fla_wy` fork as the model layers run it: round tables, the state call that also prepares the questions'
+    WY form, the chunked question call."""
+    from flide.ops.gated_delta import STATE_KERNELS, fork_tables
+
+    wy = kernel("fla_wy")
+    tables = fork_tables(r.state_start, r.state_len, r.branch_start, r.branch_len, r.state_chunks, r.branch_chunks)
+    return plain_fork(wy, *x, r.state_start, r.state_len, r.branch_start, r.branch_len, r.branch_state, 128 ** -0.5,
+                      True, branch_kernel=BRANCH_KERNELS[wy], state_kernel=STATE_KERNELS[wy], tables=tables, wy=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("tokens,longest", [(64, 70), (500, 70), (3600, 200)])
+@pytest.mark.parametrize("hv", [8, 16], ids=["Hv8", "Hv16"])
+def test_fla_wy_fork_matches_reference(tokens, longest, hv, dtype):
+    """`fla_wy`: the states' rows and final states with the bits of the `fla` fork from the same tables (the
+    chunk-local steps over states and questions together compute each state chunk as before), the questions' rows
+    (chunked, from those final states) matching the reference and the recurrent question kernel within rounding."""
+    from flide.ops.gated_delta import STATE_KERNELS, fork_tables
+
+    rng = random.Random(tokens + hv)
+    r = random_round_tensors(rng, tokens, max_requests=8, max_questions=12, max_state=700,
+                             max_question=longest).to("cuda")
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    q, k = (torch.randn(tokens, 4, 128, device="cuda", generator=g).to(dtype) for _ in range(2))
+    v = torch.randn(tokens, hv, 128, device="cuda", generator=g).to(dtype)
+    decay = -F.softplus(torch.randn(tokens, hv, device="cuda", generator=g)) * 0.5
+    beta = torch.sigmoid(torch.randn(tokens, hv, device="cuda", generator=g)).to(dtype)
+    x = (q, k, v, decay, beta)
+    meta = (r.state_start, r.state_len, r.branch_start, r.branch_len, r.branch_state)
+    o, finals = wy_fork(x, r)
+    fla = kernel("fla")
+    tables = fork_tables(r.state_start, r.state_len, r.branch_start, r.branch_len, r.state_chunks, r.branch_chunks)
+    o_fla, finals_fla = plain_fork(fla, *x, *meta, 128 ** -0.5, True, branch_kernel=BRANCH_KERNELS[fla],
+                                   state_kernel=STATE_KERNELS[fla], tables=tables)
+    assert torch.equal(finals, finals_fla)
+    states = torch.arange(tokens, device="cuda") < int(r.state_start[0] + r.state_len.sum())
+    assert torch.equal(o[states], o_fla[states])
+    questions = ~states & (torch.arange(tokens, device="cuda") < int(r.branch_start[0] + r.branch_len.sum()))
+    assert questions.any() and torch.isfinite(o).all()
+    ref_o, _ = plain_fork(kernel("reference"), *(t.float() if t.is_floating_point() else t for t in x), *meta,
+                          128 ** -0.5, True)
+    assert rel_err(o[questions], ref_o[questions]) < TOL[dtype]
+    assert rel_err(o[questions], o_fla[questions]) < TOL[dtype]
+    pad = torch.arange(tokens, device="cuda") >= int(r.branch_start[0] + r.branch_len.sum())
+    assert (o[pad] == 0).all()
+
+
+def test_fla_wy_replays_the_same_bits():
+    """Two runs of the same round give the same bits (no atomics or autotuning between them)."""
+    x, r = inputs(3072, torch.bfloat16, seed=29)
+    o, finals = wy_fork(x, r)
+    o2, finals2 = wy_fork(x, r)
+    assert torch.equal(o, o2) and torch.equal(finals, finals2)
+
+
+def test_fla_wy_ops_opcheck_on_cuda():
+    """The two custom ops of `fla_wy`: schemas, fake tensors (as torch.compile traces them)."""
+    from flide.ops.gated_delta import fork_tables, gated_delta_fla_states_wy, gated_delta_questions_wy
+
+    (q, k, v, decay, beta), r = inputs(500, torch.bfloat16, seed=31)
+    t = fork_tables(r.state_start, r.state_len, r.branch_start, r.branch_len, r.state_chunks, r.branch_chunks)
+    args = (q, k, v, decay, beta, t.all_cu_seqlens, t.all_chunks, t.state_cu_seqlens, t.state_chunks,
+            t.state_chunk_offsets, 128 ** -0.5, True)
+    checks = ("test_schema", "test_autograd_registration", "test_faketensor")
+    torch.library.opcheck(gated_delta_fla_states_wy, args, test_utils=checks)
+    _, finals, qn, kn, w, u, gamma = gated_delta_fla_states_wy(*args)
+    torch.library.opcheck(gated_delta_questions_wy, (qn, kn, w, u, gamma, r.branch_start, r.branch_len, finals,
+                                                     r.branch_state, 128 ** -0.5), test_utils=checks)

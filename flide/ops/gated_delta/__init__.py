@@ -1,6 +1,7 @@
 """flide::gated_delta_* custom ops and the two-call fork built on them. Variants: `reference` (pure torch, any
 device), `fla` (fla-core's chunked Triton kernels with fixed-capacity chunk lists built on the GPU for the states,
-and our recurrent Triton kernel, `branches.py`, for the questions; CUDA)."""
+and our recurrent Triton kernel, `branches.py`, for the questions; CUDA), `fla_wy` (the same state call, whose
+chunk-local steps also prepare the questions' WY form, and our chunked question kernel, `questions_wy.py`; CUDA)."""
 
 from __future__ import annotations
 
@@ -124,14 +125,67 @@ def _fake_branches(q, k, v, g, beta, seg_start, seg_len, initial_state, initial_
     return q.new_empty(v.shape)
 
 
+@torch.library.custom_op("flide::gated_delta_fla_wy", mutates_args=(), device_types="cuda")
+def gated_delta_fla_wy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                       seg_start: torch.Tensor, seg_len: torch.Tensor, initial_state: torch.Tensor,
+                       initial_index: torch.Tensor, scale: float,
+                       use_qk_l2norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `fla` variant's op under the `fla_wy` name: the same calls outside a fork; the fork differs (WY_KERNELS)."""
+    return fla.gated_delta(q, k, v, g, beta, seg_start, seg_len, initial_state, initial_index, scale, use_qk_l2norm)
+
+
+gated_delta_fla_wy.register_fake(_fake)
+register("gated_delta", "fla_wy", available=fla.available, batch_invariant=True)(gated_delta_fla_wy)
+gated_delta_fla_wy_resumable = register_resumable("gated_delta", "fla_wy")(
+    gated_delta_with_snapshot(gated_delta_fla_wy, rest=_rests_triton, short=_short_states_triton,
+                              short_tokens=RESUME_SHORT_TOKENS))
+
+
+@torch.library.custom_op("flide::gated_delta_fla_states_wy", mutates_args=(), device_types="cuda")
+def gated_delta_fla_states_wy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                              beta: torch.Tensor, all_cu_seqlens: torch.Tensor, all_chunks: torch.Tensor,
+                              cu_seqlens: torch.Tensor, chunk_indices: torch.Tensor, chunk_offsets: torch.Tensor,
+                              scale: float, use_qk_l2norm: bool
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                         torch.Tensor, torch.Tensor]:
+    return fla.gated_delta_states_wy(q, k, v, g, beta, all_cu_seqlens, all_chunks, cu_seqlens, chunk_indices,
+                                     chunk_offsets, scale, use_qk_l2norm)
+
+
+@gated_delta_fla_states_wy.register_fake
+def _fake_states_wy(q, k, v, g, beta, all_cu_seqlens, all_chunks, cu_seqlens, chunk_indices, chunk_offsets, scale,
+                    use_qk_l2norm):
+    T, Hv, V = v.shape
+    o, final, qn, kn = _fake_states(q, k, v, g, beta, cu_seqlens, chunk_indices, chunk_offsets, scale, use_qk_l2norm)
+    return (o, final, qn, kn, k.new_empty(T, Hv, k.shape[2]), v.new_empty(T, Hv, V),
+            q.new_empty(T, Hv, dtype=torch.float32))
+
+
+@torch.library.custom_op("flide::gated_delta_questions_wy", mutates_args=(), device_types="cuda")
+def gated_delta_questions_wy(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tensor,
+                             gamma: torch.Tensor, seg_start: torch.Tensor, seg_len: torch.Tensor,
+                             initial_state: torch.Tensor, initial_index: torch.Tensor, scale: float) -> torch.Tensor:
+    from . import questions_wy  # imported on first use: `import flide` must not need triton
+    return questions_wy.questions_wy(q, k, w, u, gamma, seg_start, seg_len, initial_state, initial_index, scale)
+
+
+@gated_delta_questions_wy.register_fake
+def _fake_questions_wy(q, k, w, u, gamma, seg_start, seg_len, initial_state, initial_index, scale):
+    return q.new_empty(u.shape)
+
+
 # The question call of a variant's fork, where a faster one than the variant itself exists: it returns only the
 # outputs (the questions' final states are never read) and reads each branch's initial state in place by index.
-BRANCH_KERNELS = {gated_delta_fla: gated_delta_branches_triton, gated_delta_fla_resumable: gated_delta_branches_triton}
+BRANCH_KERNELS = {gated_delta_fla: gated_delta_branches_triton, gated_delta_fla_resumable: gated_delta_branches_triton,
+                  gated_delta_fla_wy: gated_delta_questions_wy,
+                  gated_delta_fla_wy_resumable: gated_delta_branches_triton}
 # variants whose state call can take the round's tables (`fork_tables`) instead of deriving them from the segment
 # lists in every layer: on the H200 that derivation was ~26 small launches per GDN layer (cumsums, searchsorted,
 # cats, fills; ~0.5 ms of a RACE replay's 5 ms over 18 layers), plus fla's own chunk offsets (7 more), the same in
 # every layer of a round
-STATE_KERNELS = {gated_delta_fla: gated_delta_fla_states}
+STATE_KERNELS = {gated_delta_fla: gated_delta_fla_states, gated_delta_fla_wy: gated_delta_fla_states_wy}
+# variants whose fork runs the questions in chunked (WY) form from the state call's chunk-local steps (`fork(wy=)`)
+WY_KERNELS = (gated_delta_fla_wy,)
 
 
 class ForkTables(NamedTuple):
@@ -142,21 +196,24 @@ class ForkTables(NamedTuple):
     state_chunk_offsets: torch.Tensor  # [NS + 2]: each state's first chunk in fla's per-chunk state buffer
     states_end: torch.Tensor  # [1]: the end of the states' span (the questions' span starts there)
     branches_end: torch.Tensor  # [1]: the end of the questions' span
+    all_cu_seqlens: torch.Tensor  # [NS + NB + 2]: the states, then the questions, as one varlen call (`fla_wy`)
+    all_chunks: torch.Tensor  # [Cs + Cb, 2]: their chunk rows (fla.combined_tables)
 
 
 def fork_tables(state_start: torch.Tensor, state_len: torch.Tensor, branch_start: torch.Tensor,
-                branch_len: torch.Tensor, state_chunks: torch.Tensor) -> ForkTables:
+                branch_len: torch.Tensor, state_chunks: torch.Tensor, branch_chunks: torch.Tensor) -> ForkTables:
     """Device ops only (no host sync): under torch.compile, a few fused kernels once per replay."""
     cu_seqlens = fla.bounds(state_start, state_len)
+    all_cu_seqlens, all_chunks = fla.combined_tables(cu_seqlens, state_chunks, branch_len, branch_chunks)
     # the ends are tensors of their own, not views of cu_seqlens: compile regions take them as separate inputs,
     # which must not alias
     return ForkTables(cu_seqlens, state_chunks, fla.chunk_offsets(cu_seqlens), fla.span_end(state_start, state_len),
-                      fla.span_end(branch_start, branch_len))
+                      fla.span_end(branch_start, branch_len), all_cu_seqlens, all_chunks)
 
 
 def fork(kernel, q, k, v, g, beta, state_start, state_len, branch_start, branch_len, branch_state, scale: float,
          use_qk_l2norm: bool, branch_kernel=None, state_kernel=None,
-         tables: ForkTables | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+         tables: ForkTables | None = None, wy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Forked gated delta rule, in two calls of one varlen kernel.
 
     Call 1 runs every state from a zero state and keeps each one's final recurrent state (float32); call 2 runs every
@@ -167,9 +224,17 @@ def fork(kernel, q, k, v, g, beta, state_start, state_len, branch_start, branch_
     `branch_kernel`: the question call's kernel when the variant has a faster one (`BRANCH_KERNELS[kernel]`; the
     model layers look it up at patch time, outside traced code): it returns only the outputs. `state_kernel`
     (`STATE_KERNELS[kernel]`) with `tables` (`fork_tables`, once per round): the state call from the round's tables.
+    `wy` (the variant is in WY_KERNELS; decided at patch time): the state call also returns the questions' WY form
+    and the question call takes it (`questions_wy.py`).
 
     Returns: (o [T, Hv, V], state_final [NS, Hv, K, V] float32).
     """
+    if wy and state_kernel is not None and branch_kernel is not None and tables is not None:
+        o_states, finals, q, k, w, u, gamma = state_kernel(
+            q, k, v, g, beta, tables.all_cu_seqlens, tables.all_chunks, tables.state_cu_seqlens, tables.state_chunks,
+            tables.state_chunk_offsets, scale, use_qk_l2norm)
+        o_branches = branch_kernel(q, k, w, u, gamma, branch_start, branch_len, finals, branch_state, scale)
+        return combine(o_states, o_branches, state_start, state_len, branch_start, branch_len, tables), finals
     if state_kernel is not None and tables is not None:
         # q and k come back normalised: the question call reads them so (one normalisation per token, not one in
         # every step of every (branch, head, value tile) program of the question kernel)

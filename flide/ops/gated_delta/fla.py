@@ -127,6 +127,25 @@ def chunk_table(cu_seqlens: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.stack([seq, chunk], 1).to(cu_seqlens.dtype)
 
 
+def combined_tables(state_cu_seqlens: torch.Tensor, state_chunks: torch.Tensor, branch_len: torch.Tensor,
+                    branch_chunks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cu_seqlens [NS + NB + 2], chunk rows [Cs + Cb, 2]) of the states and then the questions as one varlen call,
+    for the chunk-local steps that run over both (`gated_delta_states_wy`). Sequences 0..NS-1 are the states (their
+    rows of `state_cu_seqlens`, [NS + 2]), NS..NS+NB-1 the questions (contiguous from the states' end: the round
+    layout), NS+NB the empty one that spare rows name: the states' spare rows (naming NS, the state list's empty
+    sequence) are moved there, and the questions' rows (their spare rows name NB) shift by NS. The rows need no
+    order: each chunk is computed on its own. Device ops only."""
+    ns = state_cu_seqlens.shape[0] - 2
+    nb = branch_len.shape[0]
+    states_end = state_cu_seqlens[ns:ns + 1]
+    cu = torch.cat([state_cu_seqlens[:ns + 1], states_end + branch_len.cumsum(0), states_end + branch_len.sum(0,
+                                                                                                             keepdim=True)])
+    seq = state_chunks[:, :1]
+    state_rows = torch.cat([torch.where(seq == ns, torch.full_like(seq, ns + nb), seq), state_chunks[:, 1:]], 1)
+    branch_rows = torch.cat([branch_chunks[:, :1] + ns, branch_chunks[:, 1:]], 1)
+    return cu.to(state_cu_seqlens.dtype), torch.cat([state_rows, branch_rows]).to(state_chunks.dtype)
+
+
 # a call's tables from its segments: in a checkpoint round's forward (`per_round_tables`) derived once for the
 # round's GDN layers, whose calls all pass the same segment tensors (the resume companion's, memoised too)
 _CALL_TABLES = PerRound()
@@ -165,10 +184,25 @@ def gated_delta_states(q, k, v, g, beta, cu_seqlens, chunk_indices, offsets, sca
     return run(q, k, v, g, beta, cu_seqlens, chunk_indices, None, scale, use_qk_l2norm, offsets)
 
 
+def gated_delta_states_wy(q, k, v, g, beta, all_cu_seqlens, all_chunks, cu_seqlens, chunk_indices, offsets,
+                          scale: float, use_qk_l2norm: bool):
+    """`gated_delta_states`, whose chunk-local steps (gate cumsums, the WY form) also cover the questions: they run
+    over the sequences of `all_cu_seqlens` / `all_chunks` (the states, then the questions, `fork_tables`) in the
+    same launches, the state-to-state steps over the states only. Returns (o, final, q, k as the state call's) +
+    (w [T, Hv, K], u [T, Hv, V], gamma [T, Hv] float32 in log2 units) for the questions' chunked call
+    (`questions_wy.py`)."""
+    if not use_qk_l2norm:  # a custom op's outputs must not alias its inputs
+        q, k = q.clone(), k.clone()
+    return run(q, k, v, g, beta, cu_seqlens, chunk_indices, None, scale, use_qk_l2norm, offsets,
+               prep=(all_cu_seqlens, all_chunks))
+
+
 def run(q, k, v, g, beta, cu_seqlens, chunk_indices, h0, scale: float, use_qk_l2norm: bool,
-        offsets: torch.Tensor | None = None):
+        offsets: torch.Tensor | None = None, prep: tuple[torch.Tensor, torch.Tensor] | None = None):
     """fla's forward over the sequences of `cu_seqlens` -> (o [T, Hv, V], final [N, Hv, K, V] float32, q, k as the
-    kernels read them: normalised with `use_qk_l2norm`, else the inputs)."""
+    kernels read them: normalised with `use_qk_l2norm`, else the inputs). With `prep` (cu_seqlens, chunk rows of a
+    superset of the sequences, each chunk computed on its own) the chunk-local steps run over those sequences and
+    their w, u and gate cumsums ([T, Hv, K], [T, Hv, V], [T, Hv] float32, log2 units) come back too."""
     cumsum, intra, fwd_h, fwd_o, rcp_ln2 = _fla_steps()
     if use_qk_l2norm:  # ours, not fla's: one launch configuration for every stream (see l2norm.py)
         from .l2norm import l2norm
@@ -180,14 +214,14 @@ def run(q, k, v, g, beta, cu_seqlens, chunk_indices, h0, scale: float, use_qk_l2
     q, k, v, beta = q[None], k[None], v[None], beta[None].to(q.dtype)
     # as chunk_gated_delta_rule_fwd: gates cumulated per chunk in log2 units, the WY form within chunks, the states
     # chunk to chunk (and each sequence's final state), then the outputs
-    g = cumsum(g[None].float(), chunk_size=GDN_CHUNK, scale=rcp_ln2, cu_seqlens=cu_seqlens,
-               chunk_indices=chunk_indices)
-    w, u, _ = intra(k=k, v=v, g=g, beta=beta, cu_seqlens=cu_seqlens, chunk_size=GDN_CHUNK,
-                    chunk_indices=chunk_indices)
+    prep_cu, prep_chunks = prep if prep is not None else (cu_seqlens, chunk_indices)
+    g = cumsum(g[None].float(), chunk_size=GDN_CHUNK, scale=rcp_ln2, cu_seqlens=prep_cu, chunk_indices=prep_chunks)
+    w, u, _ = intra(k=k, v=v, g=g, beta=beta, cu_seqlens=prep_cu, chunk_size=GDN_CHUNK, chunk_indices=prep_chunks)
     h, v_new, final = fwd_h(k=k, w=w, u=u, g=g, initial_state=h0, output_final_state=True, chunk_size=GDN_CHUNK,
                             cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, chunk_offsets=offsets)
     o = fwd_o(q=q, k=k, v=v_new, h=h, g=g, scale=scale, cu_seqlens=cu_seqlens, chunk_size=GDN_CHUNK,
               chunk_indices=chunk_indices)
     # rows outside the call's span are left as fla leaves them (unwritten): `fork` selects each row from the call
     # that covers it (`combine`), which costs one pass instead of zeroing here and summing there
-    return o[0].to(q.dtype), final[:cu_seqlens.shape[0] - 2], qn, kn
+    out = (o[0].to(q.dtype), final[:cu_seqlens.shape[0] - 2], qn, kn)
+    return out if prep is None else (*out, w[0], u[0], g[0])

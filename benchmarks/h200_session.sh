@@ -19,6 +19,7 @@
 #     bash benchmarks/h200_session.sh fidelity NAME ARGS  configs/bench/NAME.yaml in fidelity parts (issue 5): the float32
 #                                                reference and auto final-norm scale kept in shared/fidelity between calls
 #     bash benchmarks/h200_session.sh verify     GPU tests of the question kernel + its forms/tiles at 0.8B's shapes ~6 min
+#     bash benchmarks/h200_session.sh wy         GPU tests + op bench + latency of the questions' chunked (WY) form ~8 min
 #     bash benchmarks/h200_session.sh sh 'CMDS'  any commands, after the same set-up (a session's own mix of parts)
 # Logs and results go to $OUT.
 set -u
@@ -172,6 +173,19 @@ verify)
         --streams ${VERIFY_STREAMS:-RACE@bucket 2000+64x40 sweep1@bucket sweep8@bucket} \
         --no-ceilings --sweep --out "$OUT/ops_gated_delta.json" > "$OUT/ops_gated_delta.log" 2>&1
     echo "gated delta bench rc=$?" | tee -a "$OUT/summary.txt"; grep -o '"impl": "[^"]*".*"ms": [0-9.]*' "$OUT/ops_gated_delta.log" ;;
+wy)
+    # Session 12's CPU-only work, first on the device: the GPU tests of the questions' chunked (WY) form, the conv's
+    # rounding (bitwise the reference conv) and the engine with fla_wy, in parallel; then the op bench (fork vs
+    # fork:wy vs questions alone, tiles) and latency alone of 0.8B with fla_wy (compare with profile_0_8b.json)
+    parallel_tests "${TEST_TIMEOUT:-300}" 60 tests/gpu/test_gated_delta_gpu.py tests/gpu/test_fork_conv_gpu.py \
+        tests/gpu/test_engine_gpu.py
+    timeout ${OPS_S:-150} python3 benchmarks/ops/bench_gated_delta.py --models 0.8B 9B --no-ceilings --sweep \
+        --out "$OUT/ops_gated_delta_wy.json" > "$OUT/ops_gated_delta_wy.log" 2>&1
+    echo "gated delta bench rc=$?"; grep -o '"impl": "[^"]*".*"stream": "[^"]*".*"ms": [0-9.]*' "$OUT/ops_gated_delta_wy.log"
+    timeout ${PROFILE_S:-200} python3 benchmarks/profile_round.py --config-json shared/models/qwen3_5/configs/qwen3.5-0.8b.json \
+        --tokenizer shared/models/qwen3_5 --data shared/data --config configs/h200/questions_wy.yaml --repeats 20 \
+        --profile-runs 3 --out "$OUT/profile_0_8b_wy.json" 2>&1 | grep -v DEBUG | tr '\r' '\n' | grep -v '^\s*$' > "$OUT/profile_wy.log"
+    grep -o '"workload": "[a-z0-9]*".*"prepare_ms": [0-9.]*' "$OUT/profile_wy.log" ;;
 sh)
     # any commands after the set-up above (wheels on PYTHONPATH, Inductor cache): `h200_session.sh sh 'CMD; CMD'`
     bash -c "$*" ;;

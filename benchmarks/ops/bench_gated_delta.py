@@ -11,6 +11,10 @@ and 4 questions of 45 tokens each). Times are medians of CUDA-graph replays (tri
   from its state's final fp32 state (the metadata-driven chunk lists, no host sync);
 - `questions:chunk` / `questions:recurrent`: the question call alone (`branches.py`, the fork's second call) in
   its two forms, from the states' final states (with --sweep also `questions:<form>[BV..,w..]`: other tiles);
+- `fork:tables`: `fork` as the model runs it, the state call from the round's tables (`fork_tables`);
+- `fork:wy`: the `fla_wy` variant's fork from the same tables: the questions' WY form from the state call's
+  chunk-local steps, then the chunked question call; `questions:wy`: that question call alone (`questions_wy.py`;
+  --sweep: other tiles);
 - `unforked`: the same fla kernel once over the whole stream as one varlen call of the same segments, each from
   zero (what the stream costs without the fork: no state gather, one call; it answers nothing correctly);
 - `floor`: the larger of FLOPs over the measured bf16 matmul rate and bytes over the measured copy bandwidth. FLOPs
@@ -33,7 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from flide.ops.gated_delta import BRANCH_KERNELS, branches, fork
+from flide.ops.gated_delta import BRANCH_KERNELS, STATE_KERNELS, branches, fork, fork_tables, questions_wy
 from flide.ops.registry import resolve
 from flide.round import Shape, build_round
 from flide.testing import synthetic_request
@@ -125,6 +129,25 @@ def main() -> None:
                                 branch_kernel=BRANCH_KERNELS.get(kernel)),
                 "unforked": partial(kernel, q, kk, vv, decay, beta, seg_start, seg_len, empty, none, scale, True),
             }
+            # the model's path: the state call from the round's tables (fork_tables, once per forward), and the
+            # `fla_wy` variant's fork (the questions' WY form from the state call, its chunked question call)
+            tables = fork_tables(r.state_start, r.state_len, r.branch_start, r.branch_len, r.state_chunks,
+                                 r.branch_chunks)
+            meta = (r.state_start, r.state_len, r.branch_start, r.branch_len, r.branch_state, scale, True)
+            if STATE_KERNELS.get(kernel) is not None:
+                fns["fork:tables"] = partial(fork, kernel, q, kk, vv, decay, beta, *meta,
+                                             branch_kernel=BRANCH_KERNELS.get(kernel),
+                                             state_kernel=STATE_KERNELS[kernel], tables=tables)
+            wy = resolve("gated_delta", "fla_wy")
+            fns["fork:wy"] = partial(fork, wy, q, kk, vv, decay, beta, *meta, branch_kernel=BRANCH_KERNELS[wy],
+                                     state_kernel=STATE_KERNELS[wy], tables=tables, wy=True)
+            _, wy_finals, qn, kn, w, u, gamma = STATE_KERNELS[wy](
+                q, kk, vv, decay, beta, tables.all_cu_seqlens, tables.all_chunks, tables.state_cu_seqlens,
+                tables.state_chunks, tables.state_chunk_offsets, scale, True)
+            for tiles in (None, *(((16, 4), (32, 4), (64, 8), (16, 8)) if args.sweep else ())):
+                fns[f"questions:wy{tile_label(tiles)}"] = partial(
+                    questions_wy.questions_wy, qn, kn, w, u, gamma, r.branch_start, r.branch_len, wy_finals,
+                    r.branch_state, scale, tiles=tiles)
             if BRANCH_KERNELS.get(kernel) is not None:
                 # the question call alone, in both forms of branches.py, from the states' real final states
                 _, finals = fns["fork"]()

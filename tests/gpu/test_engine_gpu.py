@@ -30,3 +30,21 @@ def test_fast_variants_equal_pipeline_on_gpu():
     # tf32 inside the Triton attention's and fla's dots: a few 1e-4 on probabilities of a tiny random model
     assert max(max_difference(e, g) for e, g in zip(expected, fast)) < 2e-3
     assert max(max_difference(e, g) for e, g in zip(expected, reference)) < 1e-4
+
+
+def test_questions_wy_equal_pipeline_on_gpu():
+    """`kernels.gated_delta: fla_wy` (the questions' gated delta in chunked form) on the whole model, graphs on:
+    answers within the fast variants' tolerance of the pipeline, long questions (several 64-token chunks) included."""
+    rng = random.Random(5)
+    requests = [random_request(rng, max_words=200) for _ in range(12)]
+    for request in requests[:4]:  # questions long enough for 2-3 chunks of the WY form
+        for question in request["questions"].values():
+            if isinstance(question.get("instructions"), str):
+                question["instructions"] = " ".join([question["instructions"]] * 12)
+    tok = tiny_tokenizer()
+    model = tiny_model("qwen3_5_text").cuda()
+    expected = [pipeline("decision", model=model, tokenizer=tok)(r) for r in requests]
+    engine = flide.patch(model, tok, config={**FAST, "kernels": {"gated_delta": "fla_wy"}})
+    assert engine.kernels.gated_delta == "fla_wy"
+    got = engine.decide(requests)
+    assert max(max_difference(e, g) for e, g in zip(expected, got)) < 2e-3

@@ -184,7 +184,7 @@ wy)
     echo "gated delta bench rc=$?"; grep -o '"impl": "[^"]*".*"stream": "[^"]*".*"ms": [0-9.]*' "$OUT/ops_gated_delta_wy.log"
     timeout ${PROFILE_S:-200} python3 benchmarks/profile_round.py --config-json shared/models/qwen3_5/configs/qwen3.5-0.8b.json \
         --tokenizer shared/models/qwen3_5 --data shared/data --config configs/h200/questions_wy.yaml --repeats 20 \
-        --profile-runs 3 --out "$OUT/profile_0_8b_wy.json" 2>&1 | grep -v DEBUG | tr '\r' '\n' | grep -v '^\s*$' > "$OUT/profile_wy.log"
+        --profile-runs 3 --cprofile-enqueue --out "$OUT/profile_0_8b_wy.json" 2>&1 | grep -v DEBUG | tr '\r' '\n' | grep -v '^\s*$' > "$OUT/profile_wy.log"
     grep -o '"workload": "[a-z0-9]*".*"prepare_ms": [0-9.]*' "$OUT/profile_wy.log" ;;
 sh)
     # any commands after the set-up above (wheels on PYTHONPATH, Inductor cache): `h200_session.sh sh 'CMD; CMD'`

@@ -85,7 +85,7 @@ def median_ms(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def host_split(engine, prepared, repeats: int) -> dict:
+def host_split(engine, prepared, repeats: int, cprofile: bool = False) -> dict:
     """Where `engine.run` of one request alone spends its wall time, stage by stage, medians in ms: `plan` (bucket
     choice), `handoff` (a no-op round trip to the graph thread: what `launch` pays to reach it), `build` (the round
     into the bucket's pinned buffer), `enqueue` (the host-to-device copy and the compiled call: dynamo's guards and
@@ -97,6 +97,13 @@ def host_split(engine, prepared, repeats: int) -> dict:
 
     runner = engine.runner
     stages: dict[str, list[float]] = defaultdict(list)
+    # --cprofile-enqueue: where the compiled call's host time goes (it grew with the bucket in the first split,
+    # 0.62 ms at 512 tokens to 2.1 ms at 8,192: the bucket's position among the recorded graphs?)
+    profiler = None
+    if cprofile:
+        import cProfile
+
+        profiler = cProfile.Profile()
 
     def on_graph_thread():
         t0 = time.perf_counter()
@@ -107,8 +114,12 @@ def host_split(engine, prepared, repeats: int) -> dict:
         t2 = time.perf_counter()
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         begin.record()
+        if profiler is not None:
+            profiler.enable()
         bucket.device.copy_(bucket.host, non_blocking=True)
         scores = runner._replay(bucket)
+        if profiler is not None:
+            profiler.disable()
         t3 = time.perf_counter()
         host = scores.float().cpu()
         end.record()
@@ -126,7 +137,15 @@ def host_split(engine, prepared, repeats: int) -> dict:
         stages["handoff"].append(time.perf_counter() - t0)
         for key, seconds in runner._thread.submit(on_graph_thread).result().items():
             stages[key].append(seconds)
-    return {key: round(statistics.median(values) * 1e3, 4) for key, values in stages.items()}
+    out = {key: round(statistics.median(values) * 1e3, 4) for key, values in stages.items()}
+    if profiler is not None:
+        import io
+        import pstats
+
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("cumtime").print_stats(25)
+        out["enqueue_cprofile"] = text.getvalue()[-6000:]
+    return out
 
 
 def profile(fn, runs: int) -> dict:
@@ -166,6 +185,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--profile-runs", type=int, default=5)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--cprofile-enqueue", action="store_true",
+                        help="cProfile the compiled call's host side (host_split_ms.enqueue_cprofile, top 25 by cumtime)")
     parser.add_argument("--stall-dump", type=float, default=0,
                         help="every S seconds, print every thread's Python stack (finds where a capture stalls)")
     args = parser.parse_args()
@@ -214,7 +235,7 @@ def main() -> None:
             eager.run([p2])
             row["eager_latency_ms"] = round(median_ms(partial(eager.run, [p2]), max(3, args.repeats // 4)), 3)
         if engine.runner is not None and engine.runner._forward is not None:
-            row["host_split_ms"] = host_split(engine, prepared, args.repeats)
+            row["host_split_ms"] = host_split(engine, prepared, args.repeats, args.cprofile_enqueue)
         row["profile"] = profile(partial(engine.run, [prepared]), args.profile_runs)
         report["rows"].append(row)
         print(json.dumps(row), flush=True)

@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from ...config import GDN_CHUNK
+from .branches import _initial_state
 
 # Not yet timed on a GPU: the chain's products hold [64, 128] fp32 tiles of q, k and w, which 4 warps would spill.
 # One stage: a question has a few chunks, nothing to pipeline, and pipelined fp32 tiles needed 190-265 KB of shared
@@ -56,12 +57,9 @@ def _chain_kernel(q_ptr, k_ptr, w_ptr, u_ptr, g_ptr, o_ptr, h0_ptr, start_ptr, l
         o_t = tl.arange(0, BT)
         k_ok = o_k < K
         v_ok = o_v < V
-        # S: this program's [K, BV] slice of its state's final recurrent state (index -1: zero)
-        h = tl.zeros([BK, BV], dtype=tl.float32)
-        idx = tl.load(index_ptr + i_n).to(tl.int64)
-        if idx >= 0:
-            p_h0 = h0_ptr + (idx * HV + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
-            h += tl.load(p_h0, mask=k_ok[:, None] & v_ok[None, :], other=0.0)
+        # S: this program's [K, BV] slice of its state's final recurrent state (index -1: zero), as the recurrent
+        # question kernel reads it
+        h = _initial_state(h0_ptr, index_ptr, i_n, i_h, o_k, o_v, k_ok, v_ok, HV, K, V, BK, BV)
         causal = o_t[:, None] >= o_t[None, :]
         for c0 in range(0, n, BT):
             t = bos + c0 + o_t

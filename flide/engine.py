@@ -27,15 +27,15 @@ from .round import Footprint, Round, build_round, footprint
 
 logger = logging.getLogger("flide.engine")
 
-def _row_wise_processors() -> tuple[type, ...]:
+def _temperature() -> type:
     from transformers.generation.logits_process import TemperatureLogitsWarper
 
-    return (TemperatureLogitsWarper,)
+    return TemperatureLogitsWarper
 
 
-# Logits processors that transform each row of scores on its own and never read the prompt's tokens
-ROW_WISE_PROCESSORS = _row_wise_processors()
-TEMPERATURE = ROW_WISE_PROCESSORS[0]  # the decision config's default processor (temperature 1.0 for every type)
+# The decision config's default logits processor (temperature 1.0 for every type): it divides each row of scores on
+# its own and never reads the prompt's tokens, so `Engine.answers` applies chains of it to a whole group at once
+TEMPERATURE = _temperature()
 
 
 @dataclass
@@ -359,10 +359,13 @@ class Engine:
         """Each read's scores through the decision config's logits processors, softmax, and `Question.answer`.
 
         Reads of one question type and option count go through their processors and softmax as one batch when
-        every processor of that type works row by row without reading the prompt (`ROW_WISE_PROCESSORS`): calling
-        a LogitsProcessorList per read cost ~0.1 ms each (it inspects its processors' signatures every call), so
-        64 requests of 4 questions spent more time here than on the GPU. Other processors see each read alone,
-        with its prompt's tail tokens, as transformers' pipeline calls them."""
+        every processor of that type is a temperature (`TEMPERATURE`: row by row, the prompt unread): calling a
+        LogitsProcessorList per read cost ~0.1 ms each (it inspects its processors' signatures every call), so 64
+        requests of 4 questions spent more time here than on the GPU. The batch runs in numpy: four torch ops a
+        group cost ~75 us on this CPU and ~0.3 ms on the H200 host (a RACE request alone spent 0.47 ms here,
+        2026-11-30); the same float32 division, and the softmax as torch's CPU kernel computes it (max, exp of the
+        differences, their sum, a division), equal to it within an ulp or two of exp. Other processors see each read
+        alone, with its prompt's tail tokens, as transformers' pipeline calls them."""
         from collections import defaultdict
 
         reads = round_.reads
@@ -375,10 +378,6 @@ class Engine:
         for (kind, options), rows in groups.items():
             chain = processors[kind]
             if all(type(p) is TEMPERATURE for p in chain):
-                # The default chain (one temperature per type): numpy instead of four torch ops, whose dispatch cost
-                # ~75 us a group on this CPU and ~0.3 ms on the H200 host (a RACE request alone spent 0.47 ms here,
-                # 2026-11-30). The same float32 division; the softmax as torch's CPU kernel computes it (max, exp of
-                # the differences, their sum, a division), equal to it within an ulp or two of exp.
                 if table is None:
                     table = scores.numpy()
                 block = table[rows, :options]
@@ -386,12 +385,6 @@ class Engine:
                     block = block / np.float32(processor.temperature)
                 block = np.exp(block - block.max(-1, keepdims=True))
                 for row, values in zip(rows, (block / block.sum(-1, keepdims=True)).tolist()):
-                    probabilities[row] = values
-            elif all(type(p) in ROW_WISE_PROCESSORS for p in chain):
-                block = scores[rows, :options]
-                for processor in chain:
-                    block = processor(None, block)  # row-wise: the prompt's tokens are not read
-                for row, values in zip(rows, block.softmax(-1).tolist()):
                     probabilities[row] = values
             else:
                 for row in rows:

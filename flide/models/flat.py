@@ -106,6 +106,9 @@ class FlatModel(nn.Module):
                 raise ValueError(f"{type(text_model).__name__} has no `{name}`: not a decoder stack Flide can run.")
         # Not registered children: the layers' modules belong to the model (and its state_dict) already
         self.__dict__["blocks"] = [FlatBlock(layer, self.mixer(layer)) for layer in text_model.layers]
+        # a layer runs its questions' gated delta in WY form (`kernels.gated_delta: fla_wy`): the round tables then
+        # include the states' and questions' combined chunk tables (derived only then: they cost kernels per replay)
+        self.wy = any(getattr(block.mixer, "wy", False) for block in self.blocks)
 
     def mixer(self, layer: nn.Module) -> nn.Module:
         return layer.linear_attn if hasattr(layer, "linear_attn") else layer.self_attn
@@ -135,7 +138,7 @@ class FlatModel(nn.Module):
             r = RoundTensors(*fields)
             # the GDN forks' round tables, once for all layers (not derived again in each)
             tables = fork_tables(r.state_start, r.state_len, r.branch_start, r.branch_len, r.state_chunks,
-                                 r.branch_chunks)
+                                 r.branch_chunks if self.wy else None)
             ctx = FlatContext(r, cos[0], sin[0], tables=tables)
             for block in self.blocks[:-1]:
                 h = block(h, ctx.cos, ctx.sin, tables.state_cu_seqlens, tables.state_chunk_offsets, tables.states_end,

@@ -197,14 +197,20 @@ class ForkTables(NamedTuple):
     states_end: torch.Tensor  # [1]: the end of the states' span (the questions' span starts there)
     branches_end: torch.Tensor  # [1]: the end of the questions' span
     all_cu_seqlens: torch.Tensor  # [NS + NB + 2]: the states, then the questions, as one varlen call (`fla_wy`)
-    all_chunks: torch.Tensor  # [Cs + Cb, 2]: their chunk rows (fla.combined_tables)
+    all_chunks: torch.Tensor  # [Cs + Cb, 2]: their chunk rows (fla.combined_tables); both empty without fla_wy
 
 
 def fork_tables(state_start: torch.Tensor, state_len: torch.Tensor, branch_start: torch.Tensor,
-                branch_len: torch.Tensor, state_chunks: torch.Tensor, branch_chunks: torch.Tensor) -> ForkTables:
-    """Device ops only (no host sync): under torch.compile, a few fused kernels once per replay."""
+                branch_len: torch.Tensor, state_chunks: torch.Tensor,
+                branch_chunks: torch.Tensor | None = None) -> ForkTables:
+    """Device ops only (no host sync): under torch.compile, a few fused kernels once per replay. `branch_chunks`
+    (the round's): also the combined tables that only the `fla_wy` fork reads; without it they are empty tensors
+    (separate ones: compile regions take them as inputs, which must not alias)."""
     cu_seqlens = fla.bounds(state_start, state_len)
-    all_cu_seqlens, all_chunks = fla.combined_tables(cu_seqlens, state_chunks, branch_len, branch_chunks)
+    if branch_chunks is not None:
+        all_cu_seqlens, all_chunks = fla.combined_tables(cu_seqlens, state_chunks, branch_len, branch_chunks)
+    else:
+        all_cu_seqlens, all_chunks = cu_seqlens.new_empty(0), state_chunks.new_empty(0, 2)
     # the ends are tensors of their own, not views of cu_seqlens: compile regions take them as separate inputs,
     # which must not alias
     return ForkTables(cu_seqlens, state_chunks, fla.chunk_offsets(cu_seqlens), fla.span_end(state_start, state_len),

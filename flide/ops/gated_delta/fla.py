@@ -138,8 +138,8 @@ def combined_tables(state_cu_seqlens: torch.Tensor, state_chunks: torch.Tensor, 
     ns = state_cu_seqlens.shape[0] - 2
     nb = branch_len.shape[0]
     states_end = state_cu_seqlens[ns:ns + 1]
-    cu = torch.cat([state_cu_seqlens[:ns + 1], states_end + branch_len.cumsum(0), states_end + branch_len.sum(0,
-                                                                                                             keepdim=True)])
+    questions_end = states_end + branch_len.sum(0, keepdim=True)  # also the trailing empty sequence's bounds
+    cu = torch.cat([state_cu_seqlens[:ns + 1], states_end + branch_len.cumsum(0), questions_end])
     seq = state_chunks[:, :1]
     state_rows = torch.cat([torch.where(seq == ns, torch.full_like(seq, ns + nb), seq), state_chunks[:, 1:]], 1)
     branch_rows = torch.cat([branch_chunks[:, :1] + ns, branch_chunks[:, 1:]], 1)

@@ -136,7 +136,8 @@ class Engine:
         from .graphs.runner import GraphRunner
 
         runner = GraphRunner(self.flat, self.config.capacities, self.max_options, self.device, self.pad_id,
-                             compiler=self.config.runtime.compiler, batch_invariant=self.kernels.batch_invariant)
+                             compiler=self.config.runtime.compiler, rounding=self.config.runtime.rounding,
+                             batch_invariant=self.kernels.batch_invariant)
         with gemm_reductions(self.config.runtime.gemm_reductions, self.device):  # the graphs record cuBLAS's picks
             self.tune_kernels()
             runner.capture()

@@ -96,8 +96,10 @@ class GraphRunner:
     """Runs rounds of bucketed shapes through one compiled, captured forward per bucket."""
 
     def __init__(self, flat: torch.nn.Module, caps: CapacityConfig, options: int, device: torch.device, pad_id: int,
-                 compile: bool = True, progress: bool = True, compiler: str = "inductor", batch_invariant: bool = False):
+                 compile: bool = True, progress: bool = True, compiler: str = "inductor", rounding: str = "eager",
+                 batch_invariant: bool = False):
         self.flat, self.caps, self.options, self.pad_id = flat, caps, options, pad_id
+        self.rounding = rounding
         self.batch_invariant = batch_invariant
         self.device = torch.device(device)
         self.compile = compile
@@ -201,7 +203,11 @@ class GraphRunner:
             # (cheap: nothing is compiled): with dynamic sizes the backend took the graph recorded for one bucket as
             # the match for the next and copied a 512-row input into a 256-row slot (seen on the H200)
             return torch.compile(forward, backend="cudagraphs", dynamic=False, fullgraph=True)
-        return torch.compile(forward, mode="reduce-overhead", dynamic=True, fullgraph=True)
+        # mode="reduce-overhead" spelled as its options, to add one: the rounding of fused kernels (`runtime.rounding`)
+        from torch._inductor import list_mode_options
+
+        options = {**list_mode_options("reduce-overhead"), "emulate_precision_casts": self.rounding == "eager"}
+        return torch.compile(forward, dynamic=True, fullgraph=True, options=options)
 
     # ---- rounds ----
     def run(self, requests: list[PreparedRequest], shape: Shape) -> tuple[Round, torch.Tensor]:

@@ -39,6 +39,10 @@ _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 _ERRORS = {status: {"model": schema.ErrorResponse} for status in (400, 404, 413, 415, 422, 500, 503, 504)}
 
 
+
+def _ms_since(start: float) -> float:
+    return round((time.perf_counter() - start) * 1e3, 2)
+
 def model_name_of(engine, name_or_path: str | None = None) -> str:
     """The name the server answers as: the --model argument, else the model's own name, else its type."""
     model = engine.model
@@ -116,14 +120,20 @@ def create_app(engine, model_name: str | None = None, settings: ServeConfig | No
         deadline = loop.time() + settings.request_timeout_s
         request_json = None
         try:
+            # the request log's phases (ms): body read, prepare (the pool's round trip: validate, render, tokenize,
+            # submit), wait (queue + round + answers, until the event loop resumes this request)
+            phase = time.perf_counter()
             body = await asyncio.wait_for(_read_body(request, settings.max_body_bytes), deadline - loop.time())
+            fields["read_ms"], phase = _ms_since(phase), time.perf_counter()
             request_json, prepared, future = await asyncio.wait_for(
                 loop.run_in_executor(scheduler.pool, prepare_and_submit, body, request_id, ticket),
                 deadline - loop.time())
+            fields["prepare_ms"], phase = _ms_since(phase), time.perf_counter()
             fields["questions"] = len(prepared.questions)
             usage = engine.usage(prepared)
             fields["input_tokens"] = usage.input_tokens
             answers = await asyncio.wait_for(asyncio.wrap_future(future), deadline - loop.time())
+            fields["wait_ms"] = _ms_since(phase)
         except ClientDisconnect:
             raise ApiError(499, ["body"], "the client closed the connection before sending the whole body.",
                            "client_closed") from None
@@ -173,7 +183,7 @@ def create_app(engine, model_name: str | None = None, settings: ServeConfig | No
         finally:
             metrics.requests.labels(str(status)).inc()
             fields["status"] = status
-            fields["ms"] = round((time.perf_counter() - start) * 1e3, 1)
+            fields["ms"] = _ms_since(start)
             logger.info("request", extra={"fields": fields})
 
     @app.get("/health", response_model=schema.Health, responses={503: {"model": schema.Health}})

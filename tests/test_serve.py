@@ -11,6 +11,7 @@ import contextlib
 import copy
 import dataclasses
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -639,3 +640,31 @@ def test_prepare_processes_give_the_same_answers_and_errors(engine, serial):
         # a busy preferred worker is passed over
         workers.pending[first] = 3
         assert workers.pick(history) != first
+
+
+def test_a_lone_request_is_prepared_on_the_event_loop(engine, serial, caplog):
+    """serve.inline_prepare_bytes: a request with no other in flight skips the prepare pool (two thread wake-ups of a
+    lone client's latency); requests that overlap go through the pool; the answers are the same either way."""
+    caplog.set_level(logging.INFO, logger="flide.serve")
+
+    def inline_flags() -> list:
+        flags = [r.fields.get("inline", False) for r in caplog.records if getattr(r, "fields", None)
+                 and r.getMessage() == "request" and r.fields.get("status") == 200]
+        caplog.clear()
+        return flags
+
+    for limit, lone in ((65536, True), (0, False)):
+        settings = dataclasses.replace(engine.config.serve, inline_prepare_bytes=limit)
+        with TestClient(create_app(engine, NAME, settings)) as client:
+            caplog.clear()
+            for request, expected in zip(REQUESTS, serial):
+                response = client.post("/v1/systemone", json=request)
+                assert response.status_code == 200, response.text
+                assert response.json()["answers"] == expected
+            assert inline_flags() == [lone] * len(REQUESTS)
+            if lone:
+                with ThreadPoolExecutor(8) as pool:
+                    responses = list(pool.map(lambda r: client.post("/v1/systemone", json=r), REQUESTS * 4))
+                for response, expected in zip(responses, serial * 4):
+                    assert max_difference(response.json()["answers"], expected) <= 1e-6
+                assert False in inline_flags()  # overlapping requests were prepared in the pool

@@ -64,6 +64,7 @@ def create_app(engine, model_name: str | None = None, settings: ServeConfig | No
         metrics.watch_checkpoints(engine.checkpoints)
     metrics.watch_piece_cache(engine.prompts.piece_cache)  # shared by the prepare threads (not worker processes)
     created = int(time.time())
+    in_flight = 0  # requests inside `answer` (touched by the event loop's thread only)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -103,6 +104,14 @@ def create_app(engine, model_name: str | None = None, settings: ServeConfig | No
         return request, prepared
 
     async def answer(request: Request, request_id: str, fields: dict) -> JSONResponse:
+        nonlocal in_flight
+        in_flight += 1
+        try:
+            return await answer_counted(request, request_id, fields)
+        finally:
+            in_flight -= 1
+
+    async def answer_counted(request: Request, request_id: str, fields: dict) -> JSONResponse:
         content_type = request.headers.get("content-type")
         if content_type is not None and not _is_json(content_type):
             raise ApiError(415, ["header", "content-type"], f"is {content_type[:100]!r}: send the request as JSON "
@@ -120,14 +129,20 @@ def create_app(engine, model_name: str | None = None, settings: ServeConfig | No
         deadline = loop.time() + settings.request_timeout_s
         request_json = None
         try:
-            # the request log's phases (ms): body read, prepare (the pool's round trip: validate, render, tokenize,
-            # submit), wait (queue + round + answers, until the event loop resumes this request)
+            # the request log's phases (ms): body read; prepare (validate, render, tokenize, submit: inline, or the
+            # pool's round trip); wait (queue + round + answers, until the event loop resumes this request)
             phase = time.perf_counter()
             body = await asyncio.wait_for(_read_body(request, settings.max_body_bytes), deadline - loop.time())
             fields["read_ms"], phase = _ms_since(phase), time.perf_counter()
-            request_json, prepared, future = await asyncio.wait_for(
-                loop.run_in_executor(scheduler.pool, prepare_and_submit, body, request_id, ticket),
-                deadline - loop.time())
+            if in_flight == 1 and len(body) <= settings.inline_prepare_bytes:
+                # alone: no other request waits on the loop meanwhile, and the pool's round trip would cost two
+                # thread wake-ups (`serve.inline_prepare_bytes`)
+                fields["inline"] = True
+                request_json, prepared, future = prepare_and_submit(body, request_id, ticket)
+            else:
+                request_json, prepared, future = await asyncio.wait_for(
+                    loop.run_in_executor(scheduler.pool, prepare_and_submit, body, request_id, ticket),
+                    deadline - loop.time())
             fields["prepare_ms"], phase = _ms_since(phase), time.perf_counter()
             fields["questions"] = len(prepared.questions)
             usage = engine.usage(prepared)

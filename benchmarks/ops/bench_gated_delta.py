@@ -144,7 +144,7 @@ def main() -> None:
             _, wy_finals, qn, kn, w, u, gamma = STATE_KERNELS[wy](
                 q, kk, vv, decay, beta, tables.all_cu_seqlens, tables.all_chunks, tables.state_cu_seqlens,
                 tables.state_chunks, tables.state_chunk_offsets, scale, True)
-            for tiles in (None, *(((16, 4), (32, 4), (64, 8), (16, 8)) if args.sweep else ())):
+            for tiles in (None, *(((16, 4), (32, 8), (64, 8), (16, 8)) if args.sweep else ())):
                 fns[f"questions:wy{tile_label(tiles)}"] = partial(
                     questions_wy.questions_wy, qn, kn, w, u, gamma, r.branch_start, r.branch_len, wy_finals,
                     r.branch_state, scale, tiles=tiles)

@@ -32,11 +32,13 @@ import triton.language as tl
 from ...config import GDN_CHUNK
 from .branches import _initial_state
 
-# Not yet timed on a GPU: the chain's products hold [64, 128] fp32 tiles of q, k and w, which 4 warps would spill.
-# One stage: a question has a few chunks, nothing to pipeline, and pipelined fp32 tiles needed 190-265 KB of shared
-# memory (sm_90 has 227); as compiled for sm_90: 64 KB (bf16 inputs), 152 KB (fp32)
+# 4 warps: on the H200 (benchmarks/results/ops_gated_delta_wy_h200.md) BV 32 with 4 warps took 0.022 ms a layer
+# for 0.8B's RACE bucket vs 0.036 with 8, 0.74 vs 1.20 ms for 64 RACE requests (9B: 0.040 vs 0.067, 1.46 vs 2.40 ms),
+# although 8 warps were picked to hold the chain's [64, 128] fp32 tiles of q, k and w. One stage: a question has a few
+# chunks, nothing to pipeline, and pipelined fp32 tiles needed 190-265 KB of shared memory (sm_90 has 227); as
+# compiled for sm_90 with 8 warps: 64 KB (bf16 inputs), 152 KB (fp32)
 BLOCK_V = 32
-NUM_WARPS = 8
+NUM_WARPS = 4
 NUM_STAGES = 1
 
 

@@ -128,6 +128,12 @@ class ServeConfig:
     # ~1.5 ms of host work: ~1,000 tokens). Off until measured (the http bench's `fill-buckets` row)
     fill_buckets: bool = False
     round_overhead_tokens: int = 1024
+    # launch ahead: with overlap_rounds, the model thread takes and launches the next round when the device has about
+    # as much work left as the launch's host side takes (its build and the compiled call, ~1-2.5 ms on the H200 host,
+    # during which the device idles when the round is launched after the last one ended), learnt per bucket from
+    # the rounds so far; it then waits behind the running round on the device. Off until measured on the H200
+    # (the http bench's h200_http_launch_ahead.yaml, the speed grid's `launch-ahead` row)
+    launch_ahead: bool = False
 
 
 @dataclass(frozen=True)

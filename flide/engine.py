@@ -419,6 +419,15 @@ class PendingRound:
         if self.launched is not None and self.launched.done is not None:
             self.launched.done.synchronize()
 
+    def device_done(self) -> bool:
+        """Whether the device is done with it, without waiting (an eager or finished round: True)."""
+        return self.launched is None or self.launched.done is None or self.launched.done.query()
+
+    @property
+    def bucket_tokens(self) -> int | None:
+        """The captured bucket a launched replay runs in (None for an eager round, or once `result()` was read)."""
+        return None if self.launched is None else self.launched.bucket.shape.tokens
+
     def result(self) -> list[dict]:
         if self._answers is None:
             if self.launched is not None:

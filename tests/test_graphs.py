@@ -119,9 +119,11 @@ def test_started_rounds_answer_as_run_and_give_their_buffers_back(engines):
     assert bucket.busy == [False, False]
 
 
-def test_scheduler_overlapping_rounds_answers_equal_decide(engines):
+@pytest.mark.parametrize("launch_ahead", [False, True])
+def test_scheduler_overlapping_rounds_answers_equal_decide(engines, launch_ahead):
     """`serve.overlap_rounds`: the model thread starts the next round before reading the last one's answers; under
-    32 concurrent submitters every answer still equals the request's own."""
+    32 concurrent submitters every answer still equals the request's own (also with `serve.launch_ahead`, whose
+    timing is learnt from these replays: tests/test_launch_ahead.py checks that timing on a simulated device)."""
     import dataclasses
     from concurrent.futures import ThreadPoolExecutor
 
@@ -129,7 +131,8 @@ def test_scheduler_overlapping_rounds_answers_equal_decide(engines):
 
     exact, bucketed, requests = engines
     expected = exact.decide(requests)
-    settings = dataclasses.replace(bucketed.config.serve, overlap_rounds=True, prepare_threads=2)
+    settings = dataclasses.replace(bucketed.config.serve, overlap_rounds=True, prepare_threads=2,
+                                   launch_ahead=launch_ahead)
     scheduler = Scheduler(bucketed, settings)
     scheduler.start()
     started = []

@@ -209,7 +209,7 @@ class HttpEngine:
     def closed_loop(self, requests: list, clients: int, seconds: float):
         """`clients` closed-loop HTTP clients for `seconds` -> (loadgen.LoadResult, mean requests per round of the
         server meanwhile, {what: how many of the server's rounds / prepares / queue waits meanwhile took over
-        SLOW_S}), from its /metrics."""
+        SLOW_S}, the share of its rounds launched ahead), from its /metrics."""
         import json
 
         from .loadgen import closed_loop
@@ -229,7 +229,9 @@ class HttpEngine:
 
         slow = {what: delta((f"{name}_count", "")) - delta((f"{name}_bucket", f'le="{self.SLOW_S}"'))
                 for what, name in self.SLOW.items()}
-        return result, size, slow
+        # serve.launch_ahead's reach: the share of the rounds enqueued before the device finished the one before
+        ahead = delta(("flide_rounds_launched_ahead_total", "")) / rounds if rounds else float("nan")
+        return result, size, slow, ahead
 
     def close(self) -> None:
         if self._connection is not None:

@@ -40,8 +40,9 @@ workloads of `http.workloads`:
 - per level N of `http.concurrency` (default `concurrency`): N closed-loop HTTP clients (loadgen.py: keep-alive
   connection each, spread over processes) for `http.seconds` (default `throughput_seconds`): `requests_per_s@N`,
   `latency_p50_ms@N`, `latency_p99_ms@N` (of answered requests), `errors@N` (non-200 answers and failed connections,
-  by kind in `unit`), `answered@N`, `mean_round_requests@N` (the server's rounds meanwhile, from /metrics) and
-  `client_cpu_share@N` (near 1: the client side may have capped the rate). The skip rule above applies too.
+  by kind in `unit`), `answered@N`, `mean_round_requests@N` (the server's rounds meanwhile, from /metrics),
+  `launched_ahead_share@N` (of those rounds, the share whose replay was enqueued before the device finished the one
+  before: serve.launch_ahead) and `client_cpu_share@N` (near 1: the client side may have capped the rate). The skip rule above applies too.
 The server always stops (SIGINT, then SIGKILL) when the engine is done, also after a failure.
 
 `mode: fidelity` configs run `fidelity.run` instead (answers against a float32 reference; see fidelity.py).
@@ -341,13 +342,15 @@ def measure_http(engine, requests: list[dict], config: BenchConfig, timer: Timer
             out.append((f"requests_per_s@{n}", None, (f"skipped: {n} x {alone:.0f} ms alone = {estimate:.0f} s > "
                                                       f"max_throughput_seconds {config.max_throughput_seconds:g}")))
             continue
-        result, round_size, slow = engine.closed_loop(requests, n, options.seconds or config.throughput_seconds)
+        result, round_size, slow, ahead = engine.closed_loop(requests, n, options.seconds or config.throughput_seconds)
         out += [(f"requests_per_s@{n}", result.requests_per_s, "requests/s"),
                 (f"latency_p50_ms@{n}", result.percentile(0.5), "ms"),
                 (f"latency_p99_ms@{n}", result.percentile(0.99), "ms"),
                 (f"errors@{n}", result.error_count, f"requests ({result.describe_errors()})"),
                 (f"answered@{n}", result.answered, "requests"),
                 (f"mean_round_requests@{n}", round_size, "requests"),
+                (f"launched_ahead_share@{n}", ahead, "rounds enqueued before the device finished "
+                                                                           "the one before (serve.launch_ahead)"),
                 (f"client_cpu_share@{n}", result.client_cpu_share, "CPU s / s of the busiest client process")]
         out += [(f"slow_{what}@{n}", count, f"over {engine.SLOW_S:g} s on the server") for what, count in slow.items()]
         if result.error_count:

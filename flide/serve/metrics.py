@@ -34,6 +34,8 @@ class Metrics:
                                       buckets=_ROUND_TOKENS, registry=r)
         self.rounds = Counter("flide_rounds", "Rounds run, retries of a failed round's requests one by one included.",
                               registry=r)
+        self.launched_ahead = Counter("flide_rounds_launched_ahead", "Rounds whose replay was enqueued before the "
+                                      "device finished the round before it (serve.launch_ahead).", registry=r)
         self.round_failures = Counter("flide_round_failures", "Rounds that raised, by kind (oom, error).", ["kind"],
                                       registry=r)
         self.tokens_computed = Counter("flide_tokens_computed", "Tokens computed by the model in rounds.", registry=r)

@@ -9,6 +9,9 @@ into the next one.
   first and then reads the finished round's answers and sets its futures, so that host work runs under the next
   round's GPU work. The next round is taken only when the device is done (not at once), so it packs what arrived
   meanwhile, as without overlap.
+- With `serve.launch_ahead` (off by default until measured) it takes the next round a launch's host time before the
+  device is done (the time learnt per bucket from the rounds so far), so the device does not idle while the next
+  replay is being enqueued; that replay then waits behind the running one on the device.
 
 - Only the model thread touches the model, so rounds never overlap and need no lock. Preparing runs in a pool whose
   threads each own a copy of the prompt tokenizer (`PromptTokenizer.copy_for_thread`): transformers' fast
@@ -41,6 +44,16 @@ from ..round import Footprint
 from .metrics import Metrics
 
 logger = logging.getLogger("flide.serve")
+
+
+# serve.launch_ahead: the next round's launch is meant to end this long before the device finishes the last one (a
+# late estimate only leaves the device idle for the difference; an early one packs the next round a little sooner)
+LAUNCH_MARGIN_S = 3e-4
+
+
+def _average(old: float | None, new: float, weight: float = 0.2) -> float:
+    """Exponential moving average (the first sample as is)."""
+    return new if old is None else old + weight * (new - old)
 
 
 class Overloaded(Exception):
@@ -90,6 +103,11 @@ class Started:
     batch: list[Ticket]
     pending: object  # flide.engine.PendingRound
     at: float  # perf_counter at its start
+    launched_at: float = 0.0  # when `Engine.start` returned: the replay is enqueued
+    bucket: int | None = None  # the bucket its replay runs in (None: an eager round, already run)
+    # from when the device runs it: its launch, or the end of the round it was launched behind
+    device_from: float | None = None
+    device_done_at: float | None = None  # when the model thread saw the device finish it, if it was waiting then
 
     def wait(self) -> None:
         """Until the device is done with it (a launched graph replay), without reading its answers."""
@@ -113,6 +131,10 @@ class Scheduler:
         self.pool: ThreadPoolExecutor | None = None
         self.workers = None  # a ProcessPreparer with serve.prepare_processes > 0
         self._froze = False  # whether start() froze the heap (serve.freeze_gc): stop() gives it back
+        # serve.launch_ahead's timing, learnt from the rounds (model thread only): a replay's device seconds per
+        # bucket, and the host seconds a launch takes (take, build, the compiled call), moving averages
+        self._device_s: dict[int, float] = {}
+        self._launch_s: float | None = None
 
     # ---- life ----
     def start(self) -> None:
@@ -234,10 +256,15 @@ class Scheduler:
                 if self._stopping and pending is None:
                     return
             if pending is not None:
-                # the next round is taken once the device is done with this one: it packs what arrived meanwhile,
-                # as without overlap; launching it at once would send half-filled rounds while clients still wait
+                # the next round is taken once the device is done with this one (with serve.launch_ahead: about a
+                # launch's host time before): it packs what arrived meanwhile, as without overlap; launching it at
+                # once would send half-filled rounds while clients still wait
                 try:
-                    pending.wait()
+                    if self.settings.launch_ahead:
+                        self._wait_until_launch_time(pending)
+                    else:
+                        pending.wait()
+                        pending.device_done_at = time.perf_counter()
                 except Exception:  # noqa: BLE001 (a device error: its `result()` raises it again, answered there)
                     pass
             with self._cond:
@@ -257,11 +284,14 @@ class Scheduler:
                         raise
             if pending is not None:
                 try:
+                    self._device_done(pending, behind=started)
                     self._finish(pending)  # its answers while the device runs the next round
                 except BaseException as error:
                     self._fail(pending.batch, error)
                     if not isinstance(error, Exception):
                         raise
+            elif started is not None:
+                started.device_from = started.launched_at  # nothing ran on the device: it starts at its launch
             pending = started
 
     def _fail(self, batch: list[Ticket], error: BaseException) -> None:
@@ -308,13 +338,59 @@ class Scheduler:
             self.metrics.queue_wait.observe(start - ticket.ready_at)
         self.metrics.running.inc(len(batch))  # counted until `_finish` (two rounds with overlap_rounds)
         try:
-            return Started(batch, self.engine.start([t.prepared for t in batch]), start)
+            pending = self.engine.start([t.prepared for t in batch])
+            started = Started(batch, pending, start, launched_at=time.perf_counter(), bucket=pending.bucket_tokens)
+            if started.bucket is not None:
+                self._launch_s = _average(self._launch_s, started.launched_at - start)
+            return started
         except torch.OutOfMemoryError:
             self._out_of_memory(batch)
         except Exception as error:
             self._failed_round(batch, error)
         self.metrics.running.dec(len(batch))
         return None
+
+    def _wait_until_launch_time(self, pending: Started) -> None:
+        """serve.launch_ahead: returns when the device is done with `pending` or has about a launch's host time of
+        it left (learnt: its bucket's device time, the launch's host time, less a margin), so that the next round's
+        replay is enqueued behind it before the device idles. Without timing learnt yet: when the device is done."""
+        device_s = self._device_s.get(pending.bucket) if pending.bucket is not None else None
+        if device_s is None or self._launch_s is None or pending.device_from is None:
+            pending.pending.wait()
+            pending.device_done_at = time.perf_counter()
+            return
+        launch_at = pending.device_from + device_s - self._launch_s - LAUNCH_MARGIN_S
+        while not pending.pending.device_done():
+            left = launch_at - time.perf_counter()
+            if left <= 0:
+                return
+            time.sleep(min(left, 5e-4))  # and look again: the device may finish early
+        pending.device_done_at = time.perf_counter()
+
+    def _device_done(self, pending: Started, behind: Started | None) -> None:
+        """Waits for the device to finish `pending`; learns its bucket's device time from when it could start (its
+        launch, or the end of the round before it), and dates the start of `behind`, the round launched after it.
+
+        When the device finished it: seen by the wait before `behind` was taken; else, if it is still running now,
+        when this wait ends; else sometime during `behind`'s launch (the middle of it is taken: a late guess would
+        keep the next launches late, so the estimate could never learn that the device idles during a launch)."""
+        done = pending.device_done_at
+        if done is None:
+            try:
+                finished = pending.pending.device_done()
+                if finished and behind is not None:
+                    done = (behind.at + behind.launched_at) / 2
+                else:
+                    pending.wait()
+            except Exception:  # noqa: BLE001 (a device error: `_finish` reads it from `result()`, answers it there)
+                return
+            done = done if done is not None else time.perf_counter()
+        if pending.bucket is not None and pending.device_from is not None:
+            self._device_s[pending.bucket] = _average(self._device_s.get(pending.bucket), done - pending.device_from)
+        if behind is not None:
+            behind.device_from = max(behind.launched_at, done)
+            if behind.bucket is not None and done > behind.launched_at:
+                self.metrics.launched_ahead.inc()
 
     def _finish(self, started: Started) -> None:
         """A started round's answers to its futures (waits for the device if it still runs), and its metrics."""

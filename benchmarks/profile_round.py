@@ -148,6 +148,48 @@ def host_split(engine, prepared, repeats: int, cprofile: bool = False) -> dict:
     return out
 
 
+def enqueue_by_bucket(engine, prepared, repeats: int) -> dict:
+    """The compiled call's host time (dynamo's guards, the AOT and cudagraph-tree wrappers, the graph launch) per
+    bucket, every bucket that holds the request replaying it, medians in ms, plus how many graphs dynamo compiled and
+    how many cache entries the compiled forward has. Sessions 12-13 saw this time grow with the bucket: 0.62 ms at
+    512 tokens, 2.1 ms at 8,192, `CUDAGraph.replay` alone 0.05 vs 0.4-0.7 ms: does it follow the bucket's size, or
+    its position among the recorded graphs (a linear search somewhere)?"""
+    from torch._dynamo.utils import counters
+
+    from flide.graphs.buckets import holds
+    from flide.round import build_round
+
+    runner = engine.runner
+    need = engine.footprint(prepared)
+
+    def measure(bucket) -> float:
+        build_round([prepared], bucket.shape, runner.pad_id, out=bucket.host)
+        bucket.device.copy_(bucket.host, non_blocking=True)
+        times = []
+        for _ in range(repeats):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            runner._replay(bucket)
+            times.append(time.perf_counter() - t0)
+        torch.cuda.synchronize()
+        return statistics.median(times) * 1e3
+
+    out: dict = {"ms": {}}
+    for tokens, bucket in sorted(runner.buckets.items()):
+        if holds(bucket.shape, need):
+            out["ms"][str(tokens)] = round(runner._thread.submit(measure, bucket).result(), 4)
+    out["unique_graphs"] = counters["stats"]["unique_graphs"]
+    try:
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+        original = getattr(runner._forward, "_torchdynamo_orig_callable", None)
+        if original is not None:
+            out["cache_entries"] = len(_debug_get_cache_entry_list(original.__code__))
+    except Exception as error:  # noqa: BLE001 (a private helper: the table above is the point)
+        out["cache_entries"] = f"unknown ({type(error).__name__})"
+    return out
+
+
 def profile(fn, runs: int) -> dict:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
@@ -187,6 +229,13 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     parser.add_argument("--cprofile-enqueue", action="store_true",
                         help="cProfile the compiled call's host side (host_split_ms.enqueue_cprofile, top 25 by cumtime)")
+    parser.add_argument("--skip-guard-eval", action="store_true",
+                        help="after the capture, torch.compiler.set_stance(skip_guard_eval_unsafe=True): dynamo then "
+                             "checks only the guards that tell its cache entries apart (one entry: none); how much of "
+                             "the enqueue is guard evaluation (an experiment, not an engine setting)")
+    parser.add_argument("--enqueue-by-bucket", action="store_true",
+                        help="the compiled call's host time in every bucket holding the first workload's request, "
+                             "and dynamo's graph and cache-entry counts (report key enqueue_by_bucket)")
     parser.add_argument("--stall-dump", type=float, default=0,
                         help="every S seconds, print every thread's Python stack (finds where a capture stalls)")
     args = parser.parse_args()
@@ -212,6 +261,9 @@ def main() -> None:
         report["capture_s"] = round(engine.runner.capture_seconds, 1)
         report["graph_memory_gib"] = round(engine.runner.graph_memory_bytes / 2**30, 3)
     eager = flide.patch(spare, tokenizer, config={"runtime": {"graphs": "off"}}) if args.eager else None
+    if args.skip_guard_eval:
+        torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
+        report["skip_guard_eval"] = True
     print(json.dumps({k: v for k, v in report.items() if k != "rows"}), flush=True)
     from flide.piece_cache import PieceCache
     from flide.requests import PromptTokenizer
@@ -236,6 +288,9 @@ def main() -> None:
             row["eager_latency_ms"] = round(median_ms(partial(eager.run, [p2]), max(3, args.repeats // 4)), 3)
         if engine.runner is not None and engine.runner._forward is not None:
             row["host_split_ms"] = host_split(engine, prepared, args.repeats, args.cprofile_enqueue)
+            if args.enqueue_by_bucket and name == args.workloads[0]:
+                report["enqueue_by_bucket"] = enqueue_by_bucket(engine, prepared, args.repeats)
+                print(json.dumps({"enqueue_by_bucket": report["enqueue_by_bucket"]}), flush=True)
         row["profile"] = profile(partial(engine.run, [prepared]), args.profile_runs)
         report["rows"].append(row)
         print(json.dumps(row), flush=True)

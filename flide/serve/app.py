@@ -69,6 +69,8 @@ def create_app(engine, model_name: str | None = None, settings: ServeConfig | No
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         scheduler.start()
+        if settings.inline_prepare_bytes > 0:
+            scheduler.adopt_thread()  # this thread (the event loop's) prepares lone requests
         try:
             yield
         finally:

@@ -225,6 +225,12 @@ class Scheduler:
     def _take_copy(self) -> None:
         self._local.prompts = self._copies.get_nowait()
 
+    def adopt_thread(self) -> None:
+        """Gives the calling thread (the event loop's, which prepares lone requests: `serve.inline_prepare_bytes`)
+        its own prompt tokenizer copy now, so that no request pays for the copy."""
+        if self.workers is None and getattr(self._local, "prompts", None) is None:
+            self._local.prompts = self.engine.prompts.copy_for_thread()
+
     def prepare(self, request) -> PreparedRequest:
         """`engine.prepare` with this thread's own prompt tokenizer (call it from a pool thread), or in a worker
         process when there are some."""

@@ -39,9 +39,9 @@ _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 _ERRORS = {status: {"model": schema.ErrorResponse} for status in (400, 404, 413, 415, 422, 500, 503, 504)}
 
 
-
 def _ms_since(start: float) -> float:
     return round((time.perf_counter() - start) * 1e3, 2)
+
 
 def model_name_of(engine, name_or_path: str | None = None) -> str:
     """The name the server answers as: the --model argument, else the model's own name, else its type."""

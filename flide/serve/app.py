@@ -64,7 +64,7 @@ def create_app(engine, model_name: str | None = None, settings: ServeConfig | No
         metrics.watch_checkpoints(engine.checkpoints)
     metrics.watch_piece_cache(engine.prompts.piece_cache)  # shared by the prepare threads (not worker processes)
     created = int(time.time())
-    in_flight = 0  # requests inside `answer` (touched by the event loop's thread only)
+    in_flight = 0  # System One requests being handled (touched by the event loop's thread only)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -106,14 +106,6 @@ def create_app(engine, model_name: str | None = None, settings: ServeConfig | No
         return request, prepared
 
     async def answer(request: Request, request_id: str, fields: dict) -> JSONResponse:
-        nonlocal in_flight
-        in_flight += 1
-        try:
-            return await answer_counted(request, request_id, fields)
-        finally:
-            in_flight -= 1
-
-    async def answer_counted(request: Request, request_id: str, fields: dict) -> JSONResponse:
         content_type = request.headers.get("content-type")
         if content_type is not None and not _is_json(content_type):
             raise ApiError(415, ["header", "content-type"], f"is {content_type[:100]!r}: send the request as JSON "
@@ -185,6 +177,8 @@ def create_app(engine, model_name: str | None = None, settings: ServeConfig | No
         request_id = given if _REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
         fields: dict = {"request_id": request_id}
         status = 500
+        nonlocal in_flight
+        in_flight += 1
         try:
             response = await answer(request, request_id, fields)
             status = response.status_code
@@ -198,6 +192,7 @@ def create_app(engine, model_name: str | None = None, settings: ServeConfig | No
             logger.exception("request %s: internal error", request_id)
             return error_response(ApiError(500, [], f"internal error; request id {request_id}."), request_id)
         finally:
+            in_flight -= 1
             metrics.requests.labels(str(status)).inc()
             fields["status"] = status
             fields["ms"] = _ms_since(start)

@@ -266,11 +266,7 @@ class Scheduler:
                 # launch's host time before): it packs what arrived meanwhile, as without overlap; launching it at
                 # once would send half-filled rounds while clients still wait
                 try:
-                    if self.settings.launch_ahead:
-                        self._wait_until_launch_time(pending)
-                    else:
-                        pending.wait()
-                        pending.device_done_at = time.perf_counter()
+                    self._wait_until_launch_time(pending)
                 except Exception:  # noqa: BLE001 (a device error: its `result()` raises it again, answered there)
                     pass
             with self._cond:
@@ -357,11 +353,12 @@ class Scheduler:
         return None
 
     def _wait_until_launch_time(self, pending: Started) -> None:
-        """serve.launch_ahead: returns when the device is done with `pending` or has about a launch's host time of
-        it left (learnt: its bucket's device time, the launch's host time, less a margin), so that the next round's
-        replay is enqueued behind it before the device idles. Without timing learnt yet: when the device is done."""
+        """Returns when the device is done with `pending`, or with serve.launch_ahead when it has about a launch's
+        host time of it left (learnt: its bucket's device time, the launch's host time, less a margin), so that the
+        next round's replay is enqueued behind it before the device idles (without timing learnt yet: when done)."""
         device_s = self._device_s.get(pending.bucket) if pending.bucket is not None else None
-        if device_s is None or self._launch_s is None or pending.device_from is None:
+        if (not self.settings.launch_ahead or device_s is None or self._launch_s is None
+                or pending.device_from is None):
             pending.pending.wait()
             pending.device_done_at = time.perf_counter()
             return
@@ -383,14 +380,13 @@ class Scheduler:
         done = pending.device_done_at
         if done is None:
             try:
-                finished = pending.pending.device_done()
-                if finished and behind is not None:
+                if behind is not None and pending.pending.device_done():
                     done = (behind.at + behind.launched_at) / 2
                 else:
                     pending.wait()
+                    done = time.perf_counter()
             except Exception:  # noqa: BLE001 (a device error: `_finish` reads it from `result()`, answers it there)
                 return
-            done = done if done is not None else time.perf_counter()
         if pending.bucket is not None and pending.device_from is not None:
             self._device_s[pending.bucket] = _average(self._device_s.get(pending.bucket), done - pending.device_from)
         if behind is not None:

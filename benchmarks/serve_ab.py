@@ -5,7 +5,7 @@ answer check, the servers' start-ups overlap.
 
     python benchmarks/serve_ab.py --model shared/models/qwen3_5/configs/qwen3.5-0.8b.json \\
         --tokenizer shared/models/qwen3_5 --data shared/data --clients 1 32 \\
-        --variant base= --variant launch-ahead=serve.launch_ahead=true --out /tmp/ab
+        --variant base= --variant no-launch-ahead=serve.launch_ahead=false --out /tmp/ab
 
 A variant is NAME=[KEY=VALUE,...] over the base config (`--base` YAML, else bf16 on cuda with the piece and question
 caches off, as the benchmarks run); values are YAML scalars. Output: a markdown table of requests/s, p50 and p99 per

@@ -105,9 +105,9 @@ class ServeConfig:
     max_json_depth: int = 64  # deeper nesting of arrays and objects is answered 422
     prepare_threads: int = 4  # threads that render and tokenize requests, each with its own tokenizer copy
     # a request that arrives while no other is in flight, with a body of at most this many bytes, is prepared on the
-    # event loop itself: two thread wake-ups fewer for a lone client (H200 host, 0.8B RACE, one client: prepare took
-    # 2.0 ms through the pool vs 1.25 ms in process; the one-client gap to in-process was 1.79 ms, goal 1.5); nothing
-    # else waits on the loop then. 0: always the pool
+    # event loop itself: two thread wake-ups fewer for a lone client; nothing else waits on the loop then. 0: always
+    # the pool. H200 host, 0.8B RACE, one client (h200_serve_ab.md): the server's prepare 1.85 ms inline vs 2.09
+    # through the pool, but its wait for the round 6.12 vs 5.79: 8.19 vs 8.09 ms a request, a wash
     inline_prepare_bytes: int = 65536
     # worker processes that render and tokenize instead (0: none, the threads do it; rendering holds the GIL, so
     # threads share one core: processes scale with cores, flide/serve/workers.py)
@@ -131,9 +131,10 @@ class ServeConfig:
     # launch ahead: with overlap_rounds, the model thread takes and launches the next round when the device has about
     # as much work left as the launch's host side takes (its build and the compiled call, ~1-2.5 ms on the H200 host,
     # during which the device idles when the round is launched after the last one ended), learnt per bucket from
-    # the rounds so far; it then waits behind the running round on the device. Off until measured on the H200
-    # (the http bench's h200_http_launch_ahead.yaml, the speed grid's `launch-ahead` row)
-    launch_ahead: bool = False
+    # the rounds so far; it then waits behind the running round on the device. H200, 0.8B, RACE over HTTP
+    # (benchmarks/serve_ab.py, 2 interleaved rounds, medians): 432.8 -> 460.3 req/s at 32 clients, 508.4 -> 521.7
+    # at 64, one client 113.8 -> 115.5 (benchmarks/results/h200_serve_ab.md)
+    launch_ahead: bool = True
 
 
 @dataclass(frozen=True)

@@ -106,3 +106,51 @@ def test_fill_prefix_on_the_default_buckets():
     assert fill_prefix([race] * 2, caps, 8, 1024) == 2
     huge = Footprint(tokens=caps.buckets[-1] + 1, states=1, branches=1, readout_rows=1, requests=1)
     assert fill_prefix([huge], caps, 8, 1024) == 1
+
+
+def test_rounds_run_on_the_graph_thread_and_give_it_back_to_other_work():
+    """The scheduler's rounds run on the process's graph thread (a launch is then a direct call, no hand-off), and
+    between rounds the loop gives the thread back when another thread posted work there: that work is done while
+    the submitters still keep the scheduler busy, not after they stop."""
+    import threading
+    import time
+
+    from flide.graphs.thread import graph_thread
+
+    tok = tiny_tokenizer()
+    engine = flide.patch(tiny_model("qwen3_5_text"), tok, config={"capacities": {"requests": 2}})
+    rng = random.Random(3)
+    requests = [random_request(rng, max_questions=3, max_words=30) for _ in range(8)]
+    alone = [engine.decide(r) for r in requests]
+    graphs, started_on = graph_thread(), set()
+    start = engine.start
+
+    def recording_start(prepared):
+        started_on.add(threading.get_ident())
+        time.sleep(0.01)  # a round keeps the loop busy a while (the device's time on a GPU)
+        return start(prepared)
+
+    engine.start = recording_start
+    stop_at = time.monotonic() + 3.0
+    prompts = [engine.prompts.copy_for_thread() for _ in range(4)]
+
+    def submitter(i: int) -> float:
+        worst = 0.0
+        while time.monotonic() < stop_at:
+            k = (i + int(time.monotonic() * 1000)) % len(requests)
+            worst = max(worst, max_difference(engine.submit(requests[k], prompts[i]).result(timeout=60), alone[k]))
+        return worst
+
+    with ThreadPoolExecutor(4) as pool:
+        busy = [pool.submit(submitter, i) for i in range(4)]
+        time.sleep(0.5)
+        done_at = []
+        for _ in range(3):  # e.g. an in-process decide beside a running server
+            assert graphs.call(threading.get_ident) == graphs._thread.ident
+            done_at.append(time.monotonic())
+        worst = max(f.result() for f in busy)
+    assert worst < 1e-6
+    assert started_on == {graphs._thread.ident}, "rounds ran off the graph thread"
+    assert max(done_at) < stop_at, "work posted to the graph thread waited until the submitters stopped"
+    engine.scheduler().stop()
+    assert not engine.scheduler().alive

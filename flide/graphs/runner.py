@@ -21,7 +21,8 @@ when it is recorded.
 
 cudagraph trees keep their graphs per thread (thread-local tree managers), so every compiled call, the capture
 included, runs on ONE graph thread per process, shared by all runners; callers on any thread (the serve scheduler,
-benchmark submitters) hand rounds to it and wait. It also serialises the GPU work of concurrent callers, which
+benchmark submitters) hand rounds to it and wait (flide/graphs/thread.py; the serve scheduler runs its round loop
+on it, so its launches are direct calls). It also serialises the GPU work of concurrent callers, which
 share the buffers. One thread, not one per runner: cudagraph trees set up their thread-local state in the thread
 that first imports them, and any other thread but autograd's finds it missing (an AssertionError in
 `cudagraph_trees.get_obj`, seen on the H200 when a second engine captured in the same process).
@@ -38,7 +39,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -47,21 +47,9 @@ from ..config import CapacityConfig
 from ..requests import PreparedRequest
 from ..round import Round, RoundTensors, Shape, build_round, packed_size
 from .buckets import bucket_shape
+from .thread import graph_thread
 
 log = logging.getLogger("flide.graphs")
-
-_GRAPH_THREAD: ThreadPoolExecutor | None = None
-_GRAPH_THREAD_LOCK = threading.Lock()
-
-
-def graph_thread() -> ThreadPoolExecutor:
-    """The process's one thread for compiled, captured calls (see the module's docstring)."""
-    global _GRAPH_THREAD
-    with _GRAPH_THREAD_LOCK:
-        if _GRAPH_THREAD is None:
-            _GRAPH_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flide-graphs")
-        return _GRAPH_THREAD
-
 
 @dataclass
 class Bucket:
@@ -117,7 +105,7 @@ class GraphRunner:
     # ---- start-up ----
     def capture(self) -> None:
         """Allocates every bucket's buffers and (with compile) compiles and records its graph. Logs time and memory."""
-        self._thread.submit(self._capture).result()
+        self._thread.call(self._capture)
 
     def _capture(self) -> None:
         from tqdm.auto import tqdm
@@ -224,7 +212,7 @@ class GraphRunner:
         of the bucket holds, so at most two rounds of one bucket may be in flight (a third launch raises), and neither
         buffer is rewritten while the stream may still read or write it. The device buffer and the graph's output are
         rewritten only by later work in the same stream, after this round's."""
-        return self._thread.submit(self._launch, requests, shape).result()
+        return self._thread.call(self._launch, requests, shape)
 
     def _launch(self, requests: list[PreparedRequest], shape: Shape) -> Launched:
         bucket = self.buckets.get(shape.tokens)

@@ -20,6 +20,66 @@ from flide.bench.server import FlideServer, free_port
 
 
 # ---- the load generator ----
+def test_client_connection_reads_every_kind_of_response_body():
+    """loadgen's socket client: Content-Length, chunked (with extensions and trailers) and close-delimited bodies,
+    keep-alive across requests, a reopen after the server closed, and a clear error for a broken status line."""
+    import http.client
+    import socket
+
+    from flide.bench.loadgen import Connection, post
+
+    answers = [b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 7\r\n\r\n{\"a\":1}",
+               b"HTTP/1.1 503 Busy\r\nTransfer-Encoding: chunked\r\n\r\n4;x=y\r\n{\"b\"\r\n3\r\n:2}\r\n0\r\n"
+               b"T: 1\r\n\r\n",
+               b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nuntil-close",
+               b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok",
+               b"garbage\r\n\r\n"]
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+    accepted, bodies = [], []
+
+    def serve():
+        pending = list(answers)
+        while pending:
+            conn, _ = listener.accept()
+            accepted.append(conn)
+            with conn, conn.makefile("rb") as reader:
+                while pending:
+                    head = b""
+                    while not head.endswith(b"\r\n\r\n"):
+                        byte = reader.read(1)
+                        if not byte:
+                            break
+                        head += byte
+                    if not head:
+                        break
+                    length = int(head.split(b"Content-Length: ")[1].split(b"\r\n")[0])
+                    bodies.append(reader.read(length))
+                    answer = pending.pop(0)
+                    conn.sendall(answer)
+                    if b"Connection: close" in answer:
+                        break
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    connection = Connection("127.0.0.1", listener.getsockname()[1], timeout=10)
+    try:
+        assert post(connection, b'{"q":1}') == (200, b'{"a":1}')
+        assert post(connection, b"{}") == (503, b'{"b":2}')
+        assert post(connection, b"[]") == (200, b"until-close")
+        assert connection.sock is None  # the server said close
+        assert post(connection, b"{}") == (200, b"ok")  # reopened
+        with pytest.raises(http.client.BadStatusLine):
+            post(connection, b"{}")
+        assert connection.sock is None
+    finally:
+        connection.close()
+        thread.join(10)
+        listener.close()
+    assert len(accepted) == 2 and bodies == [b'{"q":1}', b"{}", b"[]", b"{}", b"{}"]
+
+
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 256

@@ -147,6 +147,27 @@ def test_answers_equal_engine_decide(client, engine, serial):
     assert client.post("/v1/systemone", json=GOOD).headers["x-request-id"]  # one is made up when none is given
 
 
+def test_fastapi_route_answers_as_the_fast_path(engine, serial):
+    """POST /v1/systemone is answered by a plain ASGI layer before FastAPI's router; a request that reaches the
+    FastAPI route instead (here: the app mounted under a prefix, which that layer does not match) gets the same
+    answers, headers and errors."""
+    from fastapi import FastAPI
+
+    outer, inner = FastAPI(), create_app(engine, NAME)
+    outer.mount("/api", inner)
+    inner.state.scheduler.start()  # a mounted app's lifespan does not run
+    with TestClient(outer) as mounted:
+        for request, expected in zip(REQUESTS[:2], serial):
+            response = mounted.post("/api/v1/systemone", json=request, headers={"X-Request-Id": "via-route"})
+            assert response.status_code == 200, response.text
+            assert response.json()["answers"] == expected
+            assert response.headers["x-request-id"] == "via-route"
+            assert response.headers["content-type"] == "application/json"
+        bad = mounted.post("/api/v1/systemone", json={"state": "x"})
+        assert bad.status_code == 422 and bad.json()["detail"][0]["loc"] == ["body", "questions"]
+    inner.state.scheduler.stop()
+
+
 # (id, body, content type, status, loc, words)
 BAD = [
     ("missing-state", {"questions": {"q": NOUL}}, "application/json", 422, ["body", "state"], ["missing"]),

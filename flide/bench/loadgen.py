@@ -6,8 +6,8 @@
     python -m flide.bench.loadgen --url http://127.0.0.1:8000 --requests requests.json --clients 1 8 32 64
 
 Each client posts a request, waits for the whole answer, then posts the next (closed loop), on a keep-alive
-connection of its own (the standard library's `http.client`: no extra package, and less client CPU per request than
-httpx). Client i posts bodies i, i + N, i + 2N, ... (cycling), so concurrent clients post different requests. The
+connection of its own (`Connection`: HTTP/1.1 on a plain socket, standard library only, less client CPU per request
+than `http.client` or httpx). Client i posts bodies i, i + N, i + 2N, ... (cycling), so concurrent clients post different requests. The
 clients run as threads in `processes` worker processes (`python -m flide.bench.loadgen --worker`, default one per
 16 clients), so that one Python interpreter's lock does not cap the request rate; every worker connects first,
 then all start at one instant (a CLOCK_MONOTONIC deadline shared by the processes of the machine) and stop starting
@@ -35,7 +35,6 @@ from urllib.parse import urlsplit
 
 CLIENTS_PER_PROCESS = 16
 PATH = "/v1/systemone"
-_HEADERS = {"Content-Type": "application/json", "Accept": "application/json"}
 
 
 @dataclass
@@ -88,19 +87,101 @@ def split_url(url: str) -> tuple[str, int]:
     return parts.hostname, parts.port or 80
 
 
-class Connection(http.client.HTTPConnection):
-    """A keep-alive HTTP/1.1 connection with Nagle's algorithm off (a small request then waits for no ACK)."""
+class Connection:
+    """A keep-alive HTTP/1.1 client connection for POSTs of JSON, Nagle's algorithm off (a small request then waits
+    for no ACK). Written on a socket rather than `http.client`, whose response parsing (headers through the email
+    package) cost ~0.2 ms a request on this repository's CPU: the client's own time counts in every latency the
+    benchmark reports over HTTP (issue 4's one-client gap), and in how many clients one process can drive.
+    Responses with Content-Length, chunked bodies and bodies ended by the server closing are read; a connection the
+    server closed is reopened by the next request (the failed one raises, as with http.client)."""
+
+    def __init__(self, host: str, port: int, timeout: float | None = None):
+        self.host, self.port, self.timeout = host, port, timeout
+        self.sock: socket.socket | None = None
+        self._file = None
+        self._head = f"Host: {host}:{port}\r\nContent-Type: application/json\r\nAccept: application/json\r\n"
 
     def connect(self) -> None:
-        super().connect()
+        self.close()
+        self.sock = socket.create_connection((self.host, self.port), timeout=self.timeout)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._file = self.sock.makefile("rb")
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+
+    def post(self, path: str, body: bytes) -> tuple[int, bytes]:
+        """One POST -> (status, body). Raises OSError or http.client.HTTPException on a broken exchange (the
+        connection is closed then)."""
+        if self.sock is None:
+            self.connect()
+        try:
+            self.sock.sendall(f"POST {path} HTTP/1.1\r\n{self._head}Content-Length: {len(body)}\r\n\r\n".encode()
+                              + body)
+            return self._response()
+        except BaseException:
+            self.close()
+            raise
+
+    def _response(self) -> tuple[int, bytes]:
+        line = self._file.readline(65537)
+        if not line:
+            raise http.client.RemoteDisconnected("the server closed the connection without a response")
+        parts = line.split(None, 2)
+        if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit():
+            raise http.client.BadStatusLine(line[:100].decode("latin-1"))
+        status, length, chunked, close = int(parts[1]), None, False, parts[0] == b"HTTP/1.0"
+        while True:
+            line = self._file.readline(65537)
+            if line in (b"\r\n", b"\n"):
+                break
+            if not line:
+                raise http.client.IncompleteRead(b"")
+            name, _, value = line.partition(b":")
+            name, value = name.strip().lower(), value.strip()
+            if name == b"content-length":
+                length = int(value)
+            elif name == b"transfer-encoding":
+                chunked = value.lower() == b"chunked"
+            elif name == b"connection":
+                close = value.lower() == b"close"
+        if chunked:
+            payload = self._chunks()
+        elif length is not None:
+            payload = self._file.read(length)
+            if len(payload) < length:
+                raise http.client.IncompleteRead(payload, length - len(payload))
+        else:  # no length: the body runs to the connection's end
+            payload, close = self._file.read(), True
+        if close:
+            self.close()
+        return status, payload
+
+    def _chunks(self) -> bytes:
+        out = []
+        while True:
+            size_line = self._file.readline(65537)
+            if not size_line:
+                raise http.client.IncompleteRead(b"".join(out))
+            size = int(size_line.split(b";", 1)[0].strip() or b"0", 16)
+            if size == 0:
+                while self._file.readline(65537) not in (b"\r\n", b"\n", b""):  # trailers
+                    pass
+                return b"".join(out)
+            chunk = self._file.read(size + 2)  # and its CRLF
+            if len(chunk) < size + 2:
+                raise http.client.IncompleteRead(chunk)
+            out.append(chunk[:size])
 
 
-def post(connection: http.client.HTTPConnection, body: bytes, path: str = PATH) -> tuple[int, bytes]:
-    """One POST on a keep-alive connection (reopened by http.client when the server closed it) -> (status, body)."""
-    connection.request("POST", path, body=body, headers=_HEADERS)
-    response = connection.getresponse()
-    return response.status, response.read()
+def post(connection: Connection, body: bytes, path: str = PATH) -> tuple[int, bytes]:
+    """One POST on a keep-alive connection (reopened when the server closed it) -> (status, body)."""
+    return connection.post(path, body)
 
 
 # ---- one worker process: some of the clients, as threads ----

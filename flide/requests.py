@@ -383,21 +383,30 @@ class PromptTokenizer:
         `PIECE_CHARS` (exact for the same reason as the trunk / tail split: each cut is a safe boundary of the whole
         text): pieces seen before come from the piece cache (an agent's history, step after step), the others are
         encoded in one batch call, which the Rust tokenizer runs in parallel without the GIL."""
-        cuts = piece_cuts(text, self.PIECE_CHARS) if self.mode == "split" else []
-        bounds = [0, *cuts, len(text)]
-        items = [(text[a:b], i > 0) for i, (a, b) in enumerate(pairwise(bounds))]
-        return _join(self._encode_many(items))
+        return self.encode_parts([text], [])[0][0]
 
     def encode_tails(self, texts: list[str]) -> list[np.ndarray]:
         """`[encode_tail(t) for t in texts]`, each tail cut at every safe boundary (its lines): lines seen before (the
         template's closing lines, shared options) come from the piece cache, the rest go in one batch call."""
+        return self.encode_parts([], texts)[1]
+
+    def encode_parts(self, trunks: list[str], tails: list[str]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """(`[encode_trunk(t) for t in trunks]`, `encode_tails(tails)`) in ONE batch call to the tokenizer: a
+        request's tails are then encoded on other cores while its state, the longest item, is (two calls ran them one
+        after the other)."""
         items, spans = [], []
-        for text in texts:
+        for text in trunks:
+            cuts = piece_cuts(text, self.PIECE_CHARS) if self.mode == "split" else []
+            bounds = [0, *cuts, len(text)]
+            spans.append((len(items), len(items) + len(bounds) - 1))
+            items += [(text[a:b], i > 0) for i, (a, b) in enumerate(pairwise(bounds))]
+        for text in tails:
             bounds = [0, *piece_cuts(text, 1), len(text)] if text else [0, 0]
             spans.append((len(items), len(items) + len(bounds) - 1))
             items += [(text[a:b], True) for a, b in pairwise(bounds)]
         parts = self._encode_many(items)
-        return [_join(parts[a:b]) for a, b in spans]
+        encoded = [_join(parts[a:b]) for a, b in spans]
+        return encoded[:len(trunks)], encoded[len(trunks):]
 
     def _encode_many(self, items: list[tuple[str, bool]]) -> list[np.ndarray]:
         """Each (text, is_tail) as `encode_tail(text)` (is_tail) or `encode(text)`, as int64 arrays. In split mode
@@ -503,14 +512,18 @@ class PromptTokenizer:
         prompt_tokens = 0
         trunk_texts = [text[:safe_cut(text, len(prefix))] if self.mode != "full" else "" for text, prefix in
                        zip(texts, prefixes)]
-        # every tail of the request in one batch (the tokenizer runs a batch in parallel); full: whole prompts
-        tails = (self._encode_many([(text, False) for text in texts]) if self.mode == "full" else
-                 self.encode_tails([text[len(trunk):] for text, trunk in zip(texts, trunk_texts)]))
+        # every trunk and tail of the request in one batch (the tokenizer runs a batch in parallel); full: whole
+        # prompts
+        distinct = list(dict.fromkeys(t for t in trunk_texts if t))
+        if self.mode == "full":
+            encoded, tails = [], self._encode_many([(text, False) for text in texts])
+        else:
+            encoded, tails = self.encode_parts(distinct, [text[len(trunk):] for text, trunk in zip(texts, trunk_texts)])
+        by_text = dict(zip(distinct, encoded))
         for group, trunk_text, tail in zip(groups, trunk_texts, tails):
             if trunk_text not in trunk_ids:
                 trunk_ids[trunk_text] = len(trunks)
-                trunks.append(_Trunk(self.encode_trunk(trunk_text) if trunk_text else _EMPTY, self.mark_id,
-                                     self.split_id))
+                trunks.append(_Trunk(by_text.get(trunk_text, _EMPTY), self.mark_id, self.split_id))
             trunk_index = trunk_ids[trunk_text]
             branch = self._branch(trunk_index, trunks[trunk_index], tail, group)
             prompt_tokens += len(branch.tokens) + len(trunks[trunk_index].ids)

@@ -12,6 +12,7 @@ so that work posted by other threads (an in-process `decide` beside a running se
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 from collections.abc import Callable
@@ -24,6 +25,7 @@ class GraphThread:
 
     def __init__(self, name: str = "flide-graphs"):
         self._work: queue.SimpleQueue = queue.SimpleQueue()
+        self._closed = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -33,6 +35,8 @@ class GraphThread:
 
     def submit(self, fn: Callable, *args: Any) -> Future:
         """Queues fn(*args) to run on the graph thread; its Future gets the result or the exception."""
+        if self._closed:
+            raise RuntimeError("the graph thread is closed (the interpreter is exiting).")
         future: Future = Future()
         self._work.put((future, fn, args))
         return future
@@ -47,9 +51,21 @@ class GraphThread:
         """Whether posted work waits for the thread (checked by long jobs running on it)."""
         return not self._work.empty()
 
+    def close(self, timeout: float = 30.0) -> None:
+        """Lets the work already posted finish, then ends the thread (at exit: a daemon thread still running CUDA
+        work while the interpreter finalises can crash it)."""
+        if not self._closed:
+            self._closed = True
+            self._work.put(None)
+        if not self.on_thread():
+            self._thread.join(timeout)
+
     def _run(self) -> None:
         while True:
-            future, fn, args = self._work.get()
+            item = self._work.get()
+            if item is None:
+                return
+            future, fn, args = item
             if not future.set_running_or_notify_cancel():
                 continue
             try:
@@ -70,4 +86,5 @@ def graph_thread() -> GraphThread:
     with _GRAPH_THREAD_LOCK:
         if _GRAPH_THREAD is None:
             _GRAPH_THREAD = GraphThread()
+            atexit.register(_GRAPH_THREAD.close)
         return _GRAPH_THREAD

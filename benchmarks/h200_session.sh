@@ -20,6 +20,7 @@
 #                                                reference and auto final-norm scale kept in shared/fidelity between calls
 #     bash benchmarks/h200_session.sh verify     GPU tests of the question kernel + its forms/tiles at 0.8B's shapes ~6 min
 #     bash benchmarks/h200_session.sh wy         GPU tests + op bench + latency of the questions' chunked (WY) form ~8 min
+#     bash benchmarks/h200_session.sh serve      issue 4: the http bench twice (req/s 1/8/32/64, one-client gap) + serve A/B ~9 min
 #     bash benchmarks/h200_session.sh sh 'CMDS'  any commands, after the same set-up (a session's own mix of parts)
 # Logs and results go to $OUT.
 set -u
@@ -186,6 +187,22 @@ wy)
         --tokenizer shared/models/qwen3_5 --data shared/data --config configs/h200/questions_wy.yaml --repeats 20 \
         --profile-runs 3 --cprofile-enqueue --out "$OUT/profile_0_8b_wy.json" 2>&1 | grep -v DEBUG | tr '\r' '\n' | grep -v '^\s*$' > "$OUT/profile_wy.log"
     grep -o '"workload": "[a-z0-9]*".*"prepare_ms": [0-9.]*' "$OUT/profile_wy.log" ;;
+serve)
+    # issue 4's figures, twice, and the serve A/B: each `flide bench` http run ~130 s (its server and its in-process
+    # twin built and captured; the compile cache carried), the A/B ~150 s; the servers' request logs kept
+    for run in 1 2; do
+        rm -rf /tmp/flide_bench_http_*
+        timeout ${HTTP_S:-170} python3 -m flide.bench configs/bench/h200_http_launch_ahead.yaml --out "$OUT/http_$run" \
+            > "$OUT/http_$run.log" 2>&1
+        echo "http run $run rc=$?"
+        for log in /tmp/flide_bench_http_*/server_*.log; do [ -f "$log" ] && cp "$log" "$OUT/http_$run.server.log"; done
+        grep -E "^\| race \| (1|8|32|64) \|" "$OUT/http_$run/h200_http_launch_ahead.md"
+        grep -A3 "HTTP minus" "$OUT/http_$run/h200_http_launch_ahead.md" | tail -1
+    done
+    timeout ${AB_S:-190} python3 benchmarks/serve_ab.py --model shared/models/qwen3_5/configs/qwen3.5-0.8b.json \
+        --tokenizer shared/models/qwen3_5 --data shared/data --clients ${AB_CLIENTS:-8 32} --seconds 8 --rounds 3 \
+        --variant default= --variant no-launch-ahead=serve.launch_ahead=false --out "$OUT/ab" > "$OUT/ab.log" 2>&1
+    echo "serve A/B rc=$?"; grep -v DEBUG "$OUT/ab.log" | tail -12 ;;
 sh)
     # any commands after the set-up above (wheels on PYTHONPATH, Inductor cache): `h200_session.sh sh 'CMD; CMD'`
     bash -c "$*" ;;

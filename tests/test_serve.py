@@ -689,3 +689,32 @@ def test_a_lone_request_is_prepared_on_the_event_loop(engine, serial, caplog):
                 for response, expected in zip(responses, serial * 4):
                     assert max_difference(response.json()["answers"], expected) <= 1e-6
                 assert False in inline_flags()  # overlapping requests were prepared in the pool
+
+
+def test_non_finite_answers_are_a_500_not_a_crash(engine, serial):
+    """Answers JSON cannot carry (a NaN from a broken model) are answered 500 with the request id, in the API's error
+    shape, and the server goes on answering."""
+
+    class NaNEngine(Hooked):
+        def start(self, prepared):
+            pending = self._engine.start(prepared)
+            result = pending.result
+
+            def poisoned():
+                answers = result()
+                for request in answers:
+                    for options in request.values():
+                        for key in options:
+                            options[key] = float("nan")
+                return answers
+
+            pending.result = poisoned
+            return pending
+
+    broken = NaNEngine(engine, lambda prepared: None)
+    with TestClient(create_app(broken, NAME, ServeConfig(prepare_threads=1))) as test_client:
+        response = test_client.post("/v1/systemone", json=GOOD, headers={"X-Request-Id": "nan-1"})
+        assert response.status_code == 500, response.text
+        [detail] = response.json()["detail"]
+        assert "non-finite" in detail["msg"] and "nan-1" in detail["msg"]
+        assert test_client.get("/health").status_code == 200

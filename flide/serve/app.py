@@ -190,7 +190,12 @@ def create_app(engine, model_name: str | None = None, settings: ServeConfig | No
             status, payload = 500, ApiError(500, [], f"internal error; request id {request_id}.").detail()
         finally:
             in_flight -= 1
-        body = _json_bytes(payload)
+        try:
+            body = _json_bytes(payload)
+        except ValueError:  # a NaN or infinity among the answers: a model fault, not the client's
+            logger.error("request %s: answers that JSON cannot carry (NaN or infinity)", request_id)
+            status, body = 500, _json_bytes(ApiError(500, [], f"the model produced a non-finite probability; "
+                                                               f"request id {request_id}.").detail())
         seconds = time.perf_counter() - start
         fields["status"], fields["ms"] = status, round(seconds * 1e3, 2)
 

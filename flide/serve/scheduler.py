@@ -14,9 +14,9 @@ into the next one.
   first and then reads the finished round's answers and sets its futures, so that host work runs under the next
   round's GPU work. The next round is taken only when the device is done (not at once), so it packs what arrived
   meanwhile, as without overlap.
-- With `serve.launch_ahead` (on by default: +6 % requests/s at 32 HTTP clients on the H200) it takes the next round a launch's host time before the
-  device is done (the time learnt per bucket from the rounds so far), so the device does not idle while the next
-  replay is being enqueued; that replay then waits behind the running one on the device.
+- With `serve.launch_ahead` (on by default: +6 % requests/s at 32 HTTP clients on the H200) it takes the next round
+  a launch's host time before the device is done (the time learnt per bucket from the rounds so far), so the device
+  does not idle while the next replay is being enqueued; that replay then waits behind the running one.
 
 - Only the model thread touches the model, so rounds never overlap and need no lock. Preparing runs in a pool whose
   threads each own a copy of the prompt tokenizer (`PromptTokenizer.copy_for_thread`): transformers' fast

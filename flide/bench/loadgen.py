@@ -7,8 +7,8 @@
 
 Each client posts a request, waits for the whole answer, then posts the next (closed loop), on a keep-alive
 connection of its own (`Connection`: HTTP/1.1 on a plain socket, standard library only, less client CPU per request
-than `http.client` or httpx). Client i posts bodies i, i + N, i + 2N, ... (cycling), so concurrent clients post different requests. The
-clients run as threads in `processes` worker processes (`python -m flide.bench.loadgen --worker`, default one per
+than `http.client` or httpx). Client i posts bodies i, i + N, i + 2N, ... (cycling), so concurrent clients post
+different requests. The clients run as threads in `processes` worker processes (`python -m flide.bench.loadgen --worker`, default one per
 16 clients), so that one Python interpreter's lock does not cap the request rate; every worker connects first,
 then all start at one instant (a CLOCK_MONOTONIC deadline shared by the processes of the machine) and stop starting
 requests `seconds` later (or when `max_requests` are done). Requests/s = answered (200) requests / (the last

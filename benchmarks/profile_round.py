@@ -162,7 +162,11 @@ def enqueue_by_bucket(engine, prepared, repeats: int) -> dict:
     runner = engine.runner
     need = engine.footprint(prepared)
 
-    def measure(bucket) -> float:
+    def measure(bucket) -> tuple[float, float]:
+        """(median ms of the compiled call, mean ms of `CUDAGraph.replay` inside it, from cProfile)."""
+        import cProfile
+        import pstats
+
         build_round([prepared], bucket.shape, runner.pad_id, out=bucket.host)
         bucket.device.copy_(bucket.host, non_blocking=True)
         times = []
@@ -172,12 +176,29 @@ def enqueue_by_bucket(engine, prepared, repeats: int) -> dict:
             runner._replay(bucket)
             times.append(time.perf_counter() - t0)
         torch.cuda.synchronize()
-        return statistics.median(times) * 1e3
+        profiler = cProfile.Profile()
+        for _ in range(repeats):
+            torch.cuda.synchronize()
+            profiler.enable()
+            runner._replay(bucket)
+            profiler.disable()
+        torch.cuda.synchronize()
+        # torch.cuda.CUDAGraph.replay (torch/cuda/graphs.py, around the C launch; the C method itself where it is
+        # called directly): (cumulative seconds, calls)
+        stats = pstats.Stats(profiler).stats.items()
+        replay = [(stat[3], stat[1]) for key, stat in stats
+                  if key[2] == "replay" and key[0].replace("\\", "/").endswith("torch/cuda/graphs.py")] or \
+                 [(stat[3], stat[1]) for key, stat in stats
+                  if key[2] == "<method 'replay' of 'torch._C._CUDAGraph' objects>"]
+        replay_ms = sum(t for t, _ in replay) / max(1, sum(n for _, n in replay)) * 1e3 if replay else float("nan")
+        return statistics.median(times) * 1e3, replay_ms
 
-    out: dict = {"ms": {}}
+    out: dict = {"ms": {}, "replay_ms": {}}
     for tokens, bucket in sorted(runner.buckets.items()):
         if holds(bucket.shape, need):
-            out["ms"][str(tokens)] = round(runner._thread.submit(measure, bucket).result(), 4)
+            call_ms, replay_ms = runner._thread.submit(measure, bucket).result()
+            out["ms"][str(tokens)] = round(call_ms, 4)
+            out["replay_ms"][str(tokens)] = round(replay_ms, 4)
     out["unique_graphs"] = counters["stats"]["unique_graphs"]
     try:
         from torch._dynamo.eval_frame import _debug_get_cache_entry_list
@@ -232,7 +253,8 @@ def main() -> None:
     parser.add_argument("--skip-guard-eval", action="store_true",
                         help="after the capture, torch.compiler.set_stance(skip_guard_eval_unsafe=True): dynamo then "
                              "checks only the guards that tell its cache entries apart (one entry: none); how much of "
-                             "the enqueue is guard evaluation (an experiment, not an engine setting)")
+                             "the enqueue is guard evaluation (an experiment, not an engine setting). With "
+                             "--enqueue-by-bucket: the first workload measured with guards, then again without")
     parser.add_argument("--enqueue-by-bucket", action="store_true",
                         help="the compiled call's host time in every bucket holding the first workload's request, "
                              "and dynamo's graph and cache-entry counts (report key enqueue_by_bucket)")
@@ -261,7 +283,7 @@ def main() -> None:
         report["capture_s"] = round(engine.runner.capture_seconds, 1)
         report["graph_memory_gib"] = round(engine.runner.graph_memory_bytes / 2**30, 3)
     eager = flide.patch(spare, tokenizer, config={"runtime": {"graphs": "off"}}) if args.eager else None
-    if args.skip_guard_eval:
+    if args.skip_guard_eval and not args.enqueue_by_bucket:
         torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
         report["skip_guard_eval"] = True
     print(json.dumps({k: v for k, v in report.items() if k != "rows"}), flush=True)
@@ -291,6 +313,13 @@ def main() -> None:
             if args.enqueue_by_bucket and name == args.workloads[0]:
                 report["enqueue_by_bucket"] = enqueue_by_bucket(engine, prepared, args.repeats)
                 print(json.dumps({"enqueue_by_bucket": report["enqueue_by_bucket"]}), flush=True)
+                if args.skip_guard_eval:  # the same, guards skipped from here on (one capture serves both)
+                    torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
+                    report["skip_guard_eval"] = True
+                    report["enqueue_by_bucket_skip_guards"] = enqueue_by_bucket(engine, prepared, args.repeats)
+                    print(json.dumps({"enqueue_by_bucket_skip_guards": report["enqueue_by_bucket_skip_guards"]}),
+                          flush=True)
+                    row["host_split_ms_skip_guards"] = host_split(engine, prepared, args.repeats, False)
         row["profile"] = profile(partial(engine.run, [prepared]), args.profile_runs)
         report["rows"].append(row)
         print(json.dumps(row), flush=True)

@@ -82,6 +82,12 @@ class RuntimeConfig:
     # pipeline) rounds; fused: intermediates of a fused kernel stay fp32 (Inductor's default). Random 4B, MultiRC,
     # bf16 on the H200: TV to the float32 reference 4.36 points fused vs 1.27 with the eager kernels (fidelity bisection)
     rounding: str = "eager"
+    # dynamo's guards on each compiled call after the capture: check (every call evaluates them) or skip (torch's
+    # `set_stance(skip_guard_eval_unsafe=True)` around the replays: only the guards that tell dynamo's cache entries
+    # apart run). Every call passes the bucket's own static views, which the capture already checked, so skipping
+    # cannot pick a wrong graph; what it saves is host time before each replay (0.15-0.5 ms of the 0.6-2.1 ms enqueue
+    # on the H200 host, session 13's cProfile). Off until measured there (`profile_round.py --skip-guard-eval`)
+    guards: str = "check"
     # how cuBLAS may sum the bf16/fp16 GEMMs of Flide's forward passes (flide/precision.py): torch: as the process
     # has it (torch's default: split-K partials may be added in reduced precision); fp32: partials added in fp32;
     # single_pass: no split-K at all, every output summed in one pass over K (a row's bits then depend on the
@@ -183,6 +189,7 @@ _CHOICES = {
     ("runtime", "graphs"): ("auto", "on", "off"),
     ("runtime", "compiler"): ("inductor", "cudagraphs"),
     ("runtime", "rounding"): ("eager", "fused"),
+    ("runtime", "guards"): ("check", "skip"),
     ("runtime", "gemm_reductions"): ("torch", "fp32", "single_pass"),
 }
 

@@ -63,6 +63,31 @@ def test_compiled_answers_equal_eager_answers(compiled):
         assert max_difference(want, got) < 1e-5
 
 
+@pytest.mark.parametrize("compiled", ["default"], indirect=True)
+def test_skipping_guards_after_capture_changes_no_bit(compiled, monkeypatch):
+    """`runtime.guards: skip`: replays under `set_stance(skip_guard_eval_unsafe=True)` run the same compiled graph
+    on the same static views: every score bitwise as with the guards checked, every bucket reached, no recompile."""
+    _, _, engine, requests = compiled
+    prepared = [engine.prepare(r) for r in requests]
+    rng = random.Random(5)
+    rounds = [[prepared[i] for i in rng.sample(range(len(prepared)), rng.randint(1, 8))] for _ in range(6)]
+    runner = engine.runner
+    graphs_before = counters["stats"]["unique_graphs"]
+    stances = []
+    set_stance = torch.compiler.set_stance
+    monkeypatch.setattr(torch.compiler, "set_stance", lambda *a, **k: stances.append(k) or set_stance(*a, **k))
+    answers = {}
+    for skip in (False, True):
+        runner._skip_guards = skip
+        try:
+            answers[skip] = [engine.run(r) for r in rounds]
+        finally:
+            runner._skip_guards = False
+    assert len(stances) >= len(rounds) and all(k == {"skip_guard_eval_unsafe": True} for k in stances)
+    assert answers[True] == answers[False]  # the same floats, not only close ones
+    assert counters["stats"]["unique_graphs"] == graphs_before == 1
+
+
 @pytest.mark.parametrize("compiled", ["batch-invariant"], indirect=True)  # the only mode that promises it
 def test_compiled_scores_keep_their_bits_in_any_round(compiled):
     _, _, engine, requests = compiled

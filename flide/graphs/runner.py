@@ -85,9 +85,14 @@ class GraphRunner:
 
     def __init__(self, flat: torch.nn.Module, caps: CapacityConfig, options: int, device: torch.device, pad_id: int,
                  compile: bool = True, progress: bool = True, compiler: str = "inductor", rounding: str = "eager",
+                 guards: str = "check",
                  batch_invariant: bool = False):
         self.flat, self.caps, self.options, self.pad_id = flat, caps, options, pad_id
         self.rounding = rounding
+        if guards not in ("check", "skip"):
+            raise ValueError(f"guards must be 'check' or 'skip', got {guards!r}.")
+        self.guards = guards
+        self._skip_guards = False  # set once the capture has run every bucket with its guards (`runtime.guards`)
         self.batch_invariant = batch_invariant
         self.device = torch.device(device)
         self.compile = compile
@@ -133,6 +138,7 @@ class GraphRunner:
         if cuda:
             torch.cuda.synchronize(self.device)
             self.graph_memory_bytes = torch.cuda.memory_reserved(self.device) - before
+        self._skip_guards = self.compile and self.guards == "skip"
         self.capture_seconds = time.perf_counter() - start
         log.info("flide: %s %d buckets (%s tokens) in %.1f s; %.2f GiB reserved for graphs and buffers",
                  "captured" if self.compile else "prepared", len(shapes),
@@ -268,7 +274,12 @@ class GraphRunner:
         with torch.inference_mode():
             if self._forward is not None:
                 torch.compiler.cudagraph_mark_step_begin()  # each round is a new step: the last one's outputs are dead
-                scores = self._forward(*(view for _, view in bucket.tensors.items()))
+                views = [view for _, view in bucket.tensors.items()]
+                if self._skip_guards:
+                    with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+                        scores = self._forward(*views)
+                else:
+                    scores = self._forward(*views)
             else:
                 scores = self.flat(bucket.tensors)
             bucket.replays += 1

@@ -23,7 +23,6 @@ import statistics
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import yaml
@@ -32,10 +31,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.http_phases import phases  # noqa: E402
+from flide.bench.config import merge_overrides  # noqa: E402
 from flide.bench.loadgen import closed_loop  # noqa: E402
-from flide.bench.server import free_port  # noqa: E402
-
-_LOCAL = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+from flide.bench.server import free_port, prometheus_samples, wait_healthy  # noqa: E402
 
 
 def parse_variant(text: str) -> tuple[str, dict]:
@@ -56,21 +54,6 @@ def parse_variant(text: str) -> tuple[str, dict]:
     return name, overrides
 
 
-def merged(base: dict, overrides: dict) -> dict:
-    out = dict(base)
-    for key, value in overrides.items():
-        out[key] = merged(out.get(key, {}), value) if isinstance(value, dict) else value
-    return out
-
-
-def metric(url: str, name: str) -> float | None:
-    with _LOCAL.open(url + "/metrics", timeout=10) as response:
-        for line in response.read().decode().splitlines():
-            if line.startswith(name + " ") or line.startswith(name + "{"):
-                return float(line.rsplit(" ", 1)[1])
-    return None
-
-
 def log_lines(path: Path) -> list[str]:
     with open(path, errors="replace") as log:
         return [line for line in log if line.startswith("{")]
@@ -87,22 +70,6 @@ def start_server(name: str, config: dict, args, folder: Path) -> tuple[subproces
         process = subprocess.Popen(command, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=log,
                                    stderr=subprocess.STDOUT)
     return process, f"http://127.0.0.1:{port}", log_path
-
-
-def wait_healthy(process: subprocess.Popen, url: str, log_path: Path, timeout: float) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(f"{url}: the server exited ({process.returncode}):\n"
-                             + log_path.read_text(errors="replace")[-3000:])
-        try:
-            with _LOCAL.open(url + "/health", timeout=2) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit(f"{url}: not healthy after {timeout:g} s")
 
 
 def main() -> None:
@@ -134,10 +101,10 @@ def main() -> None:
     servers = {}
     try:
         for name, overrides in variants:
-            servers[name] = start_server(name, merged(base, overrides), args, folder)
+            servers[name] = start_server(name, merge_overrides(base, overrides), args, folder)
         started = time.time()
         for name, (process, url, log_path) in servers.items():
-            wait_healthy(process, url, log_path, args.startup_timeout - (time.time() - started))
+            wait_healthy(process, url, log_path, args.startup_timeout - (time.time() - started), "--startup-timeout")
         print(f"{len(servers)} servers healthy after {time.time() - started:.0f} s", flush=True)
         rows: dict[tuple[str, int], list[tuple[float, float, float]]] = {}
         one_client: dict[str, list[str]] = {}  # each server's request-log lines of its one-client runs
@@ -153,7 +120,8 @@ def main() -> None:
                         (result.requests_per_s, result.percentile(0.5), result.percentile(0.99)))
                     print(f"round {r} {name:16s} {clients:3d} clients: {result.requests_per_s:7.1f} req/s, "
                           f"p50 {result.percentile(0.5):.2f} ms, errors {result.describe_errors()}", flush=True)
-        launched = {name: metric(url, "flide_rounds_launched_ahead_total") for name, (_, url, _) in servers.items()}
+        launched = {name: prometheus_samples(url).get(("flide_rounds_launched_ahead_total", ""))
+                    for name, (_, url, _) in servers.items()}
     finally:
         for process, _, _ in servers.values():
             process.terminate()
@@ -163,8 +131,8 @@ def main() -> None:
             except subprocess.TimeoutExpired:
                 process.kill()
     first = variants[0][0]
-    lines = [f"# serve A/B ({args.workload}, {len(requests)} requests, {args.seconds:g} s a level, {args.rounds} rounds, "
-             f"medians)", "", "| variant | clients | requests/s | ratio | p50 ms | p99 ms |",
+    lines = [f"# serve A/B ({args.workload}, {len(requests)} requests, {args.seconds:g} s a level, "
+             f"{args.rounds} rounds, medians)", "", "| variant | clients | requests/s | ratio | p50 ms | p99 ms |",
              "| --- | --- | --- | --- | --- | --- |"]
     table = {}
     for (name, clients), values in rows.items():

@@ -8,12 +8,12 @@
 Each client posts a request, waits for the whole answer, then posts the next (closed loop), on a keep-alive
 connection of its own (`Connection`: HTTP/1.1 on a plain socket, standard library only, less client CPU per request
 than `http.client` or httpx). Client i posts bodies i, i + N, i + 2N, ... (cycling), so concurrent clients post
-different requests. The clients run as threads in `processes` worker processes (`python -m flide.bench.loadgen --worker`, default one per
-16 clients), so that one Python interpreter's lock does not cap the request rate; every worker connects first,
-then all start at one instant (a CLOCK_MONOTONIC deadline shared by the processes of the machine) and stop starting
-requests `seconds` later (or when `max_requests` are done). Requests/s = answered (200) requests / (the last
-answer - the start). Each worker reports its CPU time: `client_cpu_share` near 1 means a worker used its whole core
-and the client side may have capped the rate (give it more `processes`).
+different requests. The clients run as threads in `processes` worker processes (`python -m flide.bench.loadgen
+--worker`, default one per 16 clients), so that one Python interpreter's lock does not cap the request rate; every
+worker connects first, then all start at one instant (a CLOCK_MONOTONIC deadline shared by the processes of the
+machine) and stop starting requests `seconds` later (or when `max_requests` are done). Requests/s = answered (200)
+requests / (the last answer - the start). Each worker reports its CPU time: `client_cpu_share` near 1 means a worker
+used its whole core and the client side may have capped the rate (give it more `processes`).
 
 This module imports the standard library only (no torch), so worker processes start in a fraction of a second.
 """

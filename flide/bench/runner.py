@@ -42,7 +42,8 @@ workloads of `http.workloads`:
   `latency_p50_ms@N`, `latency_p99_ms@N` (of answered requests), `errors@N` (non-200 answers and failed connections,
   by kind in `unit`), `answered@N`, `mean_round_requests@N` (the server's rounds meanwhile, from /metrics),
   `launched_ahead_share@N` (of those rounds, the share whose replay was enqueued before the device finished the one
-  before: serve.launch_ahead) and `client_cpu_share@N` (near 1: the client side may have capped the rate). The skip rule above applies too.
+  before: serve.launch_ahead) and `client_cpu_share@N` (near 1: the client side may have capped the rate). The
+  skip rule above applies too.
 The server always stops (SIGINT, then SIGKILL) when the engine is done, also after a failure.
 
 `mode: fidelity` configs run `fidelity.run` instead (answers against a float32 reference; see fidelity.py).

@@ -69,6 +69,51 @@ _LAUNCHER = ("import ctypes, os, signal, sys\n"
              "os.execv(sys.executable, [sys.executable] + sys.argv[2:])\n")
 
 
+def wait_healthy(process: subprocess.Popen, url: str, log_path: Path, timeout: float,
+                 setting: str = "http.startup_timeout_s") -> None:
+    """Until the `flide serve` process at `url` answers /health "ok"; raises (with its log's end) when it exits first
+    or `timeout` (the config's `setting`) passes."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"flide serve exited with code {process.returncode} before answering "
+                               f"/health; its log ({log_path}) ends:\n{log_tail(log_path)}")
+        try:
+            with _LOCAL.open(f"{url}/health", timeout=5) as response:
+                if response.status == 200 and json.loads(response.read()).get("status") == "ok":
+                    return
+        except (urllib.error.URLError, OSError, ValueError):
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"flide serve did not answer /health within {timeout:g} s "
+                               f"({setting}); its log ({log_path}) ends:\n{log_tail(log_path)}")
+        time.sleep(0.2)
+
+
+def log_tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(Path(path).read_text(encoding="utf-8", errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def prometheus_samples(url: str) -> dict[tuple[str, str], float]:
+    """The Prometheus samples of a server's /metrics: {(name, labels text): value}."""
+    with _LOCAL.open(f"{url}/metrics", timeout=30) as response:
+        text = response.read().decode("utf-8")
+    samples = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        head, _, value = line.rpartition(" ")
+        name, _, labels = head.partition("{")
+        try:
+            samples[(name, labels.rstrip("}"))] = float(value)
+        except ValueError:
+            continue
+    return samples
+
+
 class FlideServer:
     """A `flide serve` subprocess serving the model `spec` of a benchmark config (see the module docstring)."""
 
@@ -119,43 +164,14 @@ class FlideServer:
         return self
 
     def _wait_healthy(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"flide serve exited with code {self.process.returncode} before answering "
-                                   f"/health; its log ({self.log_path}) ends:\n{self.log_tail()}")
-            try:
-                with _LOCAL.open(f"{self.url}/health", timeout=5) as response:
-                    if response.status == 200 and json.loads(response.read()).get("status") == "ok":
-                        return
-            except (urllib.error.URLError, OSError, ValueError):
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"flide serve did not answer /health within {timeout:g} s "
-                                   f"(http.startup_timeout_s); its log ({self.log_path}) ends:\n{self.log_tail()}")
-            time.sleep(0.2)
+        wait_healthy(self.process, self.url, self.log_path, timeout)
 
     def log_tail(self, lines: int = 30) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(encoding="utf-8", errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
+        return log_tail(self.log_path, lines)
 
     def metrics(self) -> dict[tuple[str, str], float]:
         """The server's Prometheus samples: {(name, labels text): value} (e.g. ("flide_round_requests_sum", ""))."""
-        with _LOCAL.open(f"{self.url}/metrics", timeout=30) as response:
-            text = response.read().decode("utf-8")
-        samples = {}
-        for line in text.splitlines():
-            if not line or line.startswith("#"):
-                continue
-            head, _, value = line.rpartition(" ")
-            name, _, labels = head.partition("{")
-            try:
-                samples[(name, labels.rstrip("}"))] = float(value)
-            except ValueError:
-                continue
-        return samples
+        return prometheus_samples(self.url)
 
     def stop(self, timeout: float = 30.0) -> int | None:
         """SIGINT, then SIGKILL after `timeout` seconds; returns the exit code (None if it never started)."""

@@ -215,7 +215,7 @@ def create_app(engine, model_name: str | None = None, settings: ServeConfig | No
         """Every question of the request answered with a probability for each option; the request joins the next
         round of the model thread. (Served by `_SystemOneRoute` before FastAPI's router; the same answer here.)"""
         status, body, headers, after = await systemone_answer(
-            request.headers.get, lambda limit: _read_body(request, limit))
+            request.headers.get, lambda limit: _read_body(request.stream(), limit))
         return Response(body, status_code=status, headers=headers, media_type="application/json",
                         background=BackgroundTask(after))
 
@@ -273,21 +273,16 @@ class _SystemOneRoute:
                     return v.decode("latin-1")
             return None
 
-        async def read_body(limit: int) -> bytes:
-            chunks, size = [], 0
+        async def chunks():  # the body's chunks as ASGI delivers them (Starlette's `Request.stream` without a Request)
             while True:
                 message = await receive()
                 if message["type"] == "http.disconnect":
                     raise ClientDisconnect()
-                chunk = message.get("body", b"")
-                size += len(chunk)
-                if size > limit:
-                    raise ApiError(413, ["body"], f"is over {limit} bytes (`serve.max_body_bytes`).")
-                chunks.append(chunk)
+                yield message.get("body", b"")
                 if not message.get("more_body", False):
-                    return b"".join(chunks)
+                    return
 
-        status, body, extra, after = await self.answer(header, read_body)
+        status, body, extra, after = await self.answer(header, lambda limit: _read_body(chunks(), limit))
         raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
         raw += [(k.lower().encode("latin-1"), str(v).encode("latin-1")) for k, v in extra.items()]
         try:
@@ -307,10 +302,11 @@ def _is_json(content_type: str) -> bool:
     return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
-    """The body, refused (413) as soon as it passes `limit` bytes, whatever Content-Length said."""
+async def _read_body(stream, limit: int) -> bytes:
+    """The body from its chunks (an async iterator), refused (413) as soon as it passes `limit` bytes, whatever
+    Content-Length said."""
     chunks, size = [], 0
-    async for chunk in request.stream():
+    async for chunk in stream:
         size += len(chunk)
         if size > limit:
             raise ApiError(413, ["body"], f"is over {limit} bytes (`serve.max_body_bytes`).")

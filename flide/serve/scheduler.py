@@ -393,7 +393,7 @@ class Scheduler:
         device_s = self._device_s.get(pending.bucket) if pending.bucket is not None else None
         if (not self.settings.launch_ahead or device_s is None or self._launch_s is None
                 or pending.device_from is None):
-            pending.pending.wait()
+            pending.wait()
             pending.device_done_at = time.perf_counter()
             return
         launch_at = pending.device_from + device_s - self._launch_s - LAUNCH_MARGIN_S

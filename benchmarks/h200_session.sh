@@ -190,7 +190,7 @@ wy)
 serve)
     # issue 4's figures, twice, and the serve A/B: each `flide bench` http run ~130 s (its server and its in-process
     # twin built and captured; the compile cache carried), the A/B ~150 s; the servers' request logs kept
-    for run in 1 2; do
+    for run in $(seq 1 ${HTTP_RUNS:-2}); do
         rm -rf /tmp/flide_bench_http_*
         timeout ${HTTP_S:-170} python3 -m flide.bench configs/bench/h200_http_launch_ahead.yaml --out "$OUT/http_$run" \
             > "$OUT/http_$run.log" 2>&1
@@ -199,9 +199,13 @@ serve)
         grep -E "^\| race \| (1|8|32|64) \|" "$OUT/http_$run/h200_http_launch_ahead.md"
         grep -A3 "HTTP minus" "$OUT/http_$run/h200_http_launch_ahead.md" | tail -1
     done
+    # AB_VARIANTS: the variants, one per line (default: launch-ahead on / off); HTTP_RUNS: how many bench runs first
+    variants=()
+    while IFS= read -r v; do [ -n "$v" ] && variants+=(--variant "$v"); done <<< "${AB_VARIANTS:-default=
+no-launch-ahead=serve.launch_ahead=false}"
     timeout ${AB_S:-190} python3 benchmarks/serve_ab.py --model shared/models/qwen3_5/configs/qwen3.5-0.8b.json \
-        --tokenizer shared/models/qwen3_5 --data shared/data --clients ${AB_CLIENTS:-8 32} --seconds 8 --rounds 3 \
-        --variant default= --variant no-launch-ahead=serve.launch_ahead=false --out "$OUT/ab" > "$OUT/ab.log" 2>&1
+        --tokenizer shared/models/qwen3_5 --data shared/data --clients ${AB_CLIENTS:-8 32} --seconds 8 \
+        --rounds ${AB_ROUNDS:-3} "${variants[@]}" --out "$OUT/ab" > "$OUT/ab.log" 2>&1
     echo "serve A/B rc=$?"; grep -v DEBUG "$OUT/ab.log" | tail -12 ;;
 sh)
     # any commands after the set-up above (wheels on PYTHONPATH, Inductor cache): `h200_session.sh sh 'CMD; CMD'`

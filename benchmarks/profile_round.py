@@ -2,7 +2,7 @@
 one graph replay, per workload, on a random-weight model in real shapes.
 
     python benchmarks/profile_round.py --config-json <qwen3.5-0.8b.json> --tokenizer <folder> \\
-        [--data <folder>] [--workloads race multirc quality sweep1 sweep8 sweep64] [--out results.json]
+        [--data <folder>] [--workloads race multirc quality sweep1 sweep8 sweep64 race@16] [--out results.json]
 
 For each workload it prepares the first request, runs it alone `--repeats` times and reports the median wall time
 of `engine.run` (host build + copy + replay + scores back; tokenization excluded, it runs before and off the GPU's
@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
+import operator
 import statistics
 import sys
 import time
@@ -59,20 +61,31 @@ def sweep(tokenizer, questions: int, folder) -> dict:
     return {"state": base["state"], "questions": {f"q{i}": items[i % len(items)] for i in range(questions)}}
 
 
-def load(name: str, tokenizer, folder) -> dict:
+def load(name: str, tokenizer, folder) -> list[dict]:
+    """A workload's requests for one round: its first request, or with `@N` (`race@16`) its first N requests, which
+    then run as one round (the rounds `flide serve` runs under load: 8 clients make rounds of ~3 RACE requests, 32
+    of ~15)."""
+    name, _, count = name.partition("@")
+    n = int(count) if count else 1
+    if n < 1:
+        raise SystemExit(f"workload {name}@{count}: the request count must be at least 1")
     if name == "race":
-        return workloads.race(limit=1, folder=folder)[0]
-    if name == "race1":
-        return workloads.race(limit=1, one_question=True, folder=folder)[0]
-    if name == "multirc":
-        return workloads.multirc(limit=1, folder=folder)[0]
-    if name == "quality":
-        return workloads.quality(limit=1, folder=folder)[0]
-    if name == "quality1":
-        return workloads.quality(limit=1, cut_tokens=3600, tokenizer=tokenizer, one_question=True, folder=folder)[0]
-    if name.startswith("sweep"):
-        return sweep(tokenizer, int(name[5:]), folder)
-    raise SystemExit(f"unknown workload {name!r}")
+        requests = workloads.race(limit=n, folder=folder)
+    elif name == "race1":
+        requests = workloads.race(limit=n, one_question=True, folder=folder)
+    elif name == "multirc":
+        requests = workloads.multirc(limit=n, folder=folder)
+    elif name == "quality":
+        requests = workloads.quality(limit=n, folder=folder)
+    elif name == "quality1":
+        requests = workloads.quality(limit=n, cut_tokens=3600, tokenizer=tokenizer, one_question=True, folder=folder)
+    elif name.startswith("sweep") and name[5:].isdigit():
+        requests = [sweep(tokenizer, int(name[5:]), folder)] * n
+    else:
+        raise SystemExit(f"unknown workload {name!r}")
+    if len(requests) < n:
+        raise SystemExit(f"workload {name}@{n}: only {len(requests)} requests in the data")
+    return requests
 
 
 def median_ms(fn, repeats: int) -> float:
@@ -85,7 +98,7 @@ def median_ms(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def host_split(engine, prepared, repeats: int, cprofile: bool = False) -> dict:
+def host_split(engine, prepared: list, repeats: int, cprofile: bool = False) -> dict:
     """Where `engine.run` of one request alone spends its wall time, stage by stage, medians in ms: `plan` (bucket
     choice), `handoff` (a no-op round trip to the graph thread: what `launch` pays to reach it), `build` (the round
     into the bucket's pinned buffer), `enqueue` (the host-to-device copy and the compiled call: dynamo's guards and
@@ -107,10 +120,13 @@ def host_split(engine, prepared, repeats: int, cprofile: bool = False) -> dict:
 
     def on_graph_thread():
         t0 = time.perf_counter()
-        planned = plan_rounds([engine.footprint(prepared)], engine.config.capacities, engine.max_options)[0]
+        planned = plan_rounds([engine.footprint(p) for p in prepared], engine.config.capacities,
+                              engine.max_options)
+        assert len(planned) == 1, "the workload's requests do not fit one round"
+        planned = planned[0]
         bucket = runner.buckets[planned.shape.tokens]
         t1 = time.perf_counter()
-        round_ = build_round([prepared], planned.shape, runner.pad_id, out=bucket.host)
+        round_ = build_round(prepared, planned.shape, runner.pad_id, out=bucket.host)
         t2 = time.perf_counter()
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         begin.record()
@@ -148,10 +164,11 @@ def host_split(engine, prepared, repeats: int, cprofile: bool = False) -> dict:
     return out
 
 
-def enqueue_by_bucket(engine, prepared, repeats: int) -> dict:
+def enqueue_by_bucket(engine, prepared: list, repeats: int) -> dict:
     """The compiled call's host time (dynamo's guards, the AOT and cudagraph-tree wrappers, the graph launch) per
-    bucket, every bucket that holds the request replaying it, medians in ms, plus how many graphs dynamo compiled and
-    how many cache entries the compiled forward has. Sessions 12-13 saw this time grow with the bucket: 0.62 ms at
+    bucket, every bucket that holds the round replaying it, medians in ms, plus how many graphs dynamo compiled and
+    how many cache entries the compiled forward has. `gpu_ms`: the device's time for the same round in each bucket
+    (CUDA events around the replay, median): what the padding rows of a larger bucket cost. Sessions 12-13 saw this time grow with the bucket: 0.62 ms at
     512 tokens, 2.1 ms at 8,192, `CUDAGraph.replay` alone 0.05 vs 0.4-0.7 ms: does it follow the bucket's size, or
     its position among the recorded graphs (a linear search somewhere)?"""
     from torch._dynamo.utils import counters
@@ -160,21 +177,27 @@ def enqueue_by_bucket(engine, prepared, repeats: int) -> dict:
     from flide.round import build_round
 
     runner = engine.runner
-    need = engine.footprint(prepared)
+    need = functools.reduce(operator.add, (engine.footprint(p) for p in prepared))
 
-    def measure(bucket) -> tuple[float, float]:
-        """(median ms of the compiled call, mean ms of `CUDAGraph.replay` inside it, from cProfile)."""
+    def measure(bucket) -> tuple[float, float, float]:
+        """(median ms of the compiled call, mean ms of `CUDAGraph.replay` inside it from cProfile, median device ms
+        of the replay)."""
         import cProfile
         import pstats
 
-        build_round([prepared], bucket.shape, runner.pad_id, out=bucket.host)
+        build_round(prepared, bucket.shape, runner.pad_id, out=bucket.host)
         bucket.device.copy_(bucket.host, non_blocking=True)
-        times = []
+        times, gpu = [], []
         for _ in range(repeats):
             torch.cuda.synchronize()
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             t0 = time.perf_counter()
+            begin.record()
             runner._replay(bucket)
             times.append(time.perf_counter() - t0)
+            end.record()
+            end.synchronize()
+            gpu.append(begin.elapsed_time(end))
         torch.cuda.synchronize()
         profiler = cProfile.Profile()
         for _ in range(repeats):
@@ -191,14 +214,15 @@ def enqueue_by_bucket(engine, prepared, repeats: int) -> dict:
                  [(stat[3], stat[1]) for key, stat in stats
                   if key[2] == "<method 'replay' of 'torch._C._CUDAGraph' objects>"]
         replay_ms = sum(t for t, _ in replay) / max(1, sum(n for _, n in replay)) * 1e3 if replay else float("nan")
-        return statistics.median(times) * 1e3, replay_ms
+        return statistics.median(times) * 1e3, replay_ms, statistics.median(gpu)
 
-    out: dict = {"ms": {}, "replay_ms": {}}
+    out: dict = {"ms": {}, "replay_ms": {}, "gpu_ms": {}}
     for tokens, bucket in sorted(runner.buckets.items()):
         if holds(bucket.shape, need):
-            call_ms, replay_ms = runner._thread.submit(measure, bucket).result()
+            call_ms, replay_ms, gpu_ms = runner._thread.submit(measure, bucket).result()
             out["ms"][str(tokens)] = round(call_ms, 4)
             out["replay_ms"][str(tokens)] = round(replay_ms, 4)
+            out["gpu_ms"][str(tokens)] = round(gpu_ms, 4)
     out["unique_graphs"] = counters["stats"]["unique_graphs"]
     try:
         from torch._dynamo.eval_frame import _debug_get_cache_entry_list
@@ -294,20 +318,22 @@ def main() -> None:
     cold = PromptTokenizer(engine.prompts.tokenizer, engine.prompts.config, engine.prompts.mode, resolved=True,
                            piece_cache=PieceCache(0), question_cache_entries=0)
     for name in args.workloads:
-        request = load(name, tokenizer, args.data)
-        prepared = engine.prepare(request)
-        prepare_ms = median_ms(partial(engine.prepare, request, cold), 5)
-        engine.run([prepared])  # warm
-        row = {"workload": name, "questions": len(request["questions"]), "stream_tokens": prepared.stream_tokens,
-               "latency_ms": round(median_ms(partial(engine.run, [prepared]), args.repeats), 3),
+        requests = load(name, tokenizer, args.data)
+        prepared = [engine.prepare(request) for request in requests]
+        prepare_ms = median_ms(lambda: [engine.prepare(request, cold) for request in requests], 5)
+        engine.run(prepared)  # warm
+        row = {"workload": name, "requests": len(requests),
+               "questions": sum(len(request["questions"]) for request in requests),
+               "stream_tokens": sum(p.stream_tokens for p in prepared),
+               "latency_ms": round(median_ms(partial(engine.run, prepared), args.repeats), 3),
                "prepare_ms": round(prepare_ms, 3),
-               # the request from its JSON to its answers, as if never seen (what a client of the engine waits)
-               "request_ms": round(median_ms(lambda: engine.run([engine.prepare(request, cold)]),
+               # the requests from their JSON to their answers, as if never seen (what a client of the engine waits)
+               "request_ms": round(median_ms(lambda: engine.run([engine.prepare(r, cold) for r in requests]),
                                              max(5, args.repeats // 2)), 3)}
         if eager is not None:
-            p2 = eager.prepare(request)
-            eager.run([p2])
-            row["eager_latency_ms"] = round(median_ms(partial(eager.run, [p2]), max(3, args.repeats // 4)), 3)
+            p2 = [eager.prepare(request) for request in requests]
+            eager.run(p2)
+            row["eager_latency_ms"] = round(median_ms(partial(eager.run, p2), max(3, args.repeats // 4)), 3)
         if engine.runner is not None and engine.runner._forward is not None:
             row["host_split_ms"] = host_split(engine, prepared, args.repeats, args.cprofile_enqueue)
             if args.enqueue_by_bucket and name == args.workloads[0]:
@@ -320,7 +346,7 @@ def main() -> None:
                     print(json.dumps({"enqueue_by_bucket_skip_guards": report["enqueue_by_bucket_skip_guards"]}),
                           flush=True)
                     row["host_split_ms_skip_guards"] = host_split(engine, prepared, args.repeats, False)
-        row["profile"] = profile(partial(engine.run, [prepared]), args.profile_runs)
+        row["profile"] = profile(partial(engine.run, prepared), args.profile_runs)
         report["rows"].append(row)
         print(json.dumps(row), flush=True)
     report["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)

@@ -36,13 +36,26 @@ from flide.bench.loadgen import closed_loop  # noqa: E402
 from flide.bench.server import free_port, prometheus_samples, wait_healthy  # noqa: E402
 
 
+def split_top_level(text: str) -> list[str]:
+    """Splits at the commas outside brackets: 'a=[1, 2],b=x' -> ['a=[1, 2]', 'b=x']."""
+    items, depth, start = [], 0, 0
+    for i, char in enumerate(text):
+        depth += char in "[{"
+        depth -= char in "]}"
+        if char == "," and depth == 0:
+            items.append(text[start:i])
+            start = i + 1
+    items.append(text[start:])
+    return items
+
+
 def parse_variant(text: str) -> tuple[str, dict]:
-    """'name=a.b=1,c.d=x' -> ('name', {'a': {'b': 1}, 'c': {'d': 'x'}})."""
+    """'name=a.b=1,c.d=[1, 2]' -> ('name', {'a': {'b': 1}, 'c': {'d': [1, 2]}}) (values are YAML)."""
     name, _, assignments = text.partition("=")
     if not name:
         raise ValueError(f"--variant {text!r}: give it a name, NAME=[KEY=VALUE,...]")
     overrides: dict = {}
-    for item in filter(None, assignments.split(",")):
+    for item in filter(None, split_top_level(assignments)):
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ValueError(f"--variant {text!r}: {item!r} is not KEY=VALUE")

@@ -39,15 +39,18 @@ class KernelConfig:
 class CapacityConfig:
     """Fixed capacities of a round's metadata. A round takes the smallest token bucket that holds it."""
 
-    # ~1.12x apart from 1,536 up (a round pads ~6 % of its stream on average instead of ~13 % at the ~1.25x of
-    # sessions 8-14: padding rows cost full GEMM and pointwise work, and the rounds of `flide serve` under load, ~3
-    # RACE requests at 8 clients and ~15 at 32, land anywhere in 1-9k tokens), up to 16,384: every single request of
-    # the benchmarks fits (QuALITY whole: ~8k tokens), larger rounds split into several replays, and graph memory
-    # stays ~that of the 16k bucket (the graphs share one memory pool; with 32,768 as well, peak memory of 0.8B was
-    # 4.1 GiB on the H200, over issue 8's 3.4 GiB). Each bucket past the first compiles in a few seconds (the first,
-    # ~30-50 s, holds most of the compile) and captures in ~0.5 s.
-    buckets: tuple[int, ...] = (256, 512, 768, 1024, 1280, 1536, 1792, 2048, 2304, 2560, 2816, 3072, 3584, 4096, 4608,
-                                5120, 5632, 6144, 7168, 8192, 9216, 10240, 11264, 12288, 14336, 16384)
+    # ~1.25x apart (a round pads at most a quarter of its stream: padding rows cost full GEMM and pointwise work; at
+    # 1.5x apart the H200 profile of 2026-11-30 ran MultiRC's 1,028 tokens in the 2,048 bucket and sweep 64's 9,176
+    # in 12,288), up to 16,384: every single request of the benchmarks fits (QuALITY whole: ~8k tokens), larger
+    # rounds split into several replays, and graph memory stays ~that of the 16k bucket (with 32,768 as well, peak
+    # memory of 0.8B was 4.1 GiB on the H200, over issue 8's 3.4 GiB). Each bucket past the first compiles in a few
+    # seconds (the first, ~30-50 s, holds most of the compile).
+    # A family ~1.12x apart (26 buckets, configs/h200/buckets_fine.yaml) was measured on the H200 on 2026-12-01: the
+    # padding is real (16 RACE requests, 7,392 tokens: 31.7 ms of device time in the 8,192 bucket, 34.7 in 9,216,
+    # 42.3 in 12,288, 51.0 in 16,384: ~2.4 ms per 1,000 padding rows) but `flide serve` gained nothing clear (A/B:
+    # -4 % at 8 clients, +4 % at 32, both within the run-to-run spread) and the graphs held 4.3 GiB instead of 2.7.
+    buckets: tuple[int, ...] = (256, 512, 768, 1024, 1280, 1536, 2048, 2560, 3072, 4096, 5120, 6144, 8192, 10240,
+                                12288, 16384)
     requests: int = 64
     states: int = 192
     branches: int = 1024

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from functools import partial
 from pathlib import Path
@@ -52,20 +53,25 @@ STREAMS = {"2000+64x40": (1, 2000, 64, 40), "64xRACE": (64, 300, 4, 45)}
 BUCKETED = {"RACE@bucket": (1, 300, 4, 45),
             # the sweep workload's shapes: a 2,000-token state with 1 or 8 QuALITY-sized questions (~120 tokens),
             # where a question's token chain, not the number of programs, sets the question call's time
-            "sweep1@bucket": (1, 2000, 1, 120), "sweep8@bucket": (1, 2000, 8, 120)}
+            "sweep1@bucket": (1, 2000, 1, 120), "sweep8@bucket": (1, 2000, 8, 120),
+            # the round of `flide serve` at 32 clients: ~16 RACE requests in the 8,192 bucket
+            "16xRACE@bucket": (16, 300, 4, 45)}
 CHUNK = 64
 # --sweep: (value columns per program, warps[, chunk]) of the question kernel's two forms (branches.py's defaults:
 # 16 / 1 recurrent, 64 / 4 / 16 chunk). 32-token chunks: half as many dependent chunk steps and twice the rows per
 # tensor-core product, for the longer (~120-token) questions of QuALITY and the sweep
-SWEEP = {"recurrent": [(8, 1), (32, 1), (32, 2), (64, 2), (64, 4)],
+# The recurrent form's third element: tokens per load block (branches.BLOCK_T)
+SWEEP = {"recurrent": [(8, 1), (32, 1), (32, 2), (64, 2), (64, 4), (16, 1, 2), (16, 1, 4), (16, 1, 8), (16, 1, 16),
+                       (32, 1, 4), (32, 1, 8), (8, 1, 8)],
          "chunk": [(32, 4), (64, 8), (128, 4), (128, 8), (64, 4, 32), (64, 8, 32), (128, 8, 32)]}
 
 
-def tile_label(tiles: tuple[int, ...] | None) -> str:
-    """`[BV16,w1]` / `[BV64,w4,C32]` for swept tiles; empty for the form's defaults."""
+def tile_label(tiles: tuple[int, ...] | None, third: str = "C") -> str:
+    """`[BV16,w1]` / `[BV64,w4,C32]` (chunk) / `[BV16,w1,T8]` (tokens per load block) for swept tiles; empty for the
+    form's defaults."""
     if not tiles:
         return ""
-    return f"[BV{tiles[0]},w{tiles[1]}" + (f",C{tiles[2]}" if len(tiles) > 2 else "") + "]"
+    return f"[BV{tiles[0]},w{tiles[1]}" + (f",{third}{tiles[2]}" if len(tiles) > 2 else "") + "]"
 
 
 def stream(requests: int, state: int, questions: int, question: int, bucketed: bool = False):
@@ -98,6 +104,7 @@ def main() -> None:
     parser.add_argument("--no-ceilings", action="store_true",
                         help="skip measuring the matmul rate and copy bandwidth (floors then use 759 TFLOP/s, 4.22 TB/s,"
                              " the H200's measured 2026-11-30)")
+    parser.add_argument("--only", default=None, help="a regular expression: time only the impls it matches")
     parser.add_argument("--sweep", action="store_true",
                         help="also time the question kernel's other tiles (value columns, warps) in both forms")
     args = parser.parse_args()
@@ -153,12 +160,14 @@ def main() -> None:
                 _, finals = fns["fork"]()
                 for form in branches.FORMS:
                     for tiles in (None, *(SWEEP[form] if args.sweep else ())):  # None: the form's default tiles
-                        label = f"questions:{form}{tile_label(tiles)}"
+                        label = f"questions:{form}{tile_label(tiles, 'C' if form == 'chunk' else 'T')}"
                         fns[label] = partial(branches.branches, q, kk, vv, decay, beta, r.branch_start, r.branch_len,
                                              finals, r.branch_state, scale, True, form=form, tiles=tiles)
             states = int((r.state_len > 0).sum())
             floor = floor_ms(T, states, hv, k, v, hk, flops_rate, bandwidth)
             for engine, fn in fns.items():
+                if args.only and not re.search(args.only, engine):
+                    continue
                 fn()
                 torch.cuda.synchronize()
                 ms = do_bench_cudagraph(fn, return_mode="median")

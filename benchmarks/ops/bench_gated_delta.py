@@ -60,18 +60,15 @@ CHUNK = 64
 # --sweep: (value columns per program, warps[, chunk]) of the question kernel's two forms (branches.py's defaults:
 # 16 / 1 recurrent, 64 / 4 / 16 chunk). 32-token chunks: half as many dependent chunk steps and twice the rows per
 # tensor-core product, for the longer (~120-token) questions of QuALITY and the sweep
-# The recurrent form's third element: tokens per load block (branches.BLOCK_T)
-SWEEP = {"recurrent": [(8, 1), (32, 1), (32, 2), (64, 2), (64, 4), (16, 1, 2), (16, 1, 4), (16, 1, 8), (16, 1, 16),
-                       (32, 1, 4), (32, 1, 8), (8, 1, 8)],
+SWEEP = {"recurrent": [(8, 1), (32, 1), (32, 2), (64, 2), (64, 4)],
          "chunk": [(32, 4), (64, 8), (128, 4), (128, 8), (64, 4, 32), (64, 8, 32), (128, 8, 32)]}
 
 
-def tile_label(tiles: tuple[int, ...] | None, third: str = "C") -> str:
-    """`[BV16,w1]` / `[BV64,w4,C32]` (chunk) / `[BV16,w1,T8]` (tokens per load block) for swept tiles; empty for the
-    form's defaults."""
+def tile_label(tiles: tuple[int, ...] | None) -> str:
+    """`[BV16,w1]` / `[BV64,w4,C32]` for swept tiles; empty for the form's defaults."""
     if not tiles:
         return ""
-    return f"[BV{tiles[0]},w{tiles[1]}" + (f",{third}{tiles[2]}" if len(tiles) > 2 else "") + "]"
+    return f"[BV{tiles[0]},w{tiles[1]}" + (f",C{tiles[2]}" if len(tiles) > 2 else "") + "]"
 
 
 def stream(requests: int, state: int, questions: int, question: int, bucketed: bool = False):
@@ -160,7 +157,7 @@ def main() -> None:
                 _, finals = fns["fork"]()
                 for form in branches.FORMS:
                     for tiles in (None, *(SWEEP[form] if args.sweep else ())):  # None: the form's default tiles
-                        label = f"questions:{form}{tile_label(tiles, 'C' if form == 'chunk' else 'T')}"
+                        label = f"questions:{form}{tile_label(tiles)}"
                         fns[label] = partial(branches.branches, q, kk, vv, decay, beta, r.branch_start, r.branch_len,
                                              finals, r.branch_state, scale, True, form=form, tiles=tiles)
             states = int((r.state_len > 0).sum())

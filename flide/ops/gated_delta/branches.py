@@ -39,12 +39,14 @@ import triton.language as tl
 # with 2-4 warps. One warp keeps the two sums over K of every token inside a warp (shuffles, no shared memory or
 # barrier: the per-token latency is what a question's length multiplies); [K=128, 16] fp32 is 64 registers a thread,
 # and the programs still fill the GPU for one request's few questions (RACE: 5 x 16 heads x 8 tiles = 640).
+# Re-measured 2026-12-01 (`benchmarks/results/ops_gated_delta_block_loads_h200.md`): 32 columns, one warp, is faster
+# on RACE rounds (RACE@bucket 0.034 vs 0.037 ms, 16 RACE requests 0.244 vs 0.289, 64 x RACE 0.848 vs 0.923) and
+# slower on one long question (sweep 1: 0.086 vs 0.068): kept at 16. Loading 2-16 tokens' q/k/v per block instead of
+# one token ahead was slower everywhere (RACE@bucket 0.046-0.10 ms, 16 RACE 0.45-0.92) and changed bits (other
+# reduction layouts): dropped.
 BLOCK_V = 16
 NUM_WARPS = 1
 NUM_STAGES = 3  # the next tokens' q/k/v loads in flight while this one's update runs
-# Tokens per load block: 1 loads each token's q/k/v one step ahead; BT > 1 loads BT tokens at once and waits once
-# per block (unmeasured on the H200 yet: `bench_gated_delta.py --sweep` times (BV, warps, BT) tiles)
-BLOCK_T = 1
 
 # The chunked form (not the default: see the module docstring): 16 tokens a chunk (the smallest tl.dot tile;
 # questions are tens of tokens, so a larger chunk would mostly compute masked rows). 64 value columns a program and 4
@@ -73,7 +75,7 @@ def _initial_state(h0_ptr, index_ptr, i_n, i_h, o_k, o_v, k_ok, v_ok, HV: tl.con
 def _branch_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, start_ptr, len_ptr, index_ptr, scale,
                    ht_ptr, snap_at_ptr, hs_ptr, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                    V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr,
-                   STORE_FINAL: tl.constexpr, SNAPSHOT: tl.constexpr, BT: tl.constexpr):
+                   STORE_FINAL: tl.constexpr, SNAPSHOT: tl.constexpr):
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1)
     i_n = i_nh // HV
@@ -103,77 +105,36 @@ def _branch_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, start_pt
     if n > 0:
         bos = tl.load(start_ptr + i_n).to(tl.int64)
         h = _initial_state(h0_ptr, index_ptr, i_n, i_h, o_k, o_v, k_ok, v_ok, HV, K, V, BK, BV)
-        if BT == 1:
-            # Each step's loads are issued one step ahead (software prefetch): the chain from one token's state to the
-            # next is only the decay, one sum over K and the rank-1 update, and the H200 showed ~2 us a step when each
-            # step also waited for its own q/k/v loads. Same arithmetic, same bits.
-            nq = tl.load(q_ptr + (bos * HK + i_hk) * K + o_k, mask=k_ok, other=0.0)
-            nk = tl.load(k_ptr + (bos * HK + i_hk) * K + o_k, mask=k_ok, other=0.0)
-            nv = tl.load(v_ptr + (bos * HV + i_h) * V + o_v, mask=v_ok, other=0.0)
-            ng = tl.load(g_ptr + bos * HV + i_h)
-            nbeta = tl.load(beta_ptr + bos * HV + i_h)
-            for t in range(bos, bos + n):
-                b_q, b_k, b_v = nq.to(tl.float32), nk.to(tl.float32), nv.to(tl.float32)
-                b_g, b_beta = ng.to(tl.float32), nbeta.to(tl.float32)
-                ahead = tl.minimum(t + 1, bos + n - 1)  # the last step reloads its own token: in bounds, unused
-                nq = tl.load(q_ptr + (ahead * HK + i_hk) * K + o_k, mask=k_ok, other=0.0)
-                nk = tl.load(k_ptr + (ahead * HK + i_hk) * K + o_k, mask=k_ok, other=0.0)
-                nv = tl.load(v_ptr + (ahead * HV + i_h) * V + o_v, mask=v_ok, other=0.0)
-                ng = tl.load(g_ptr + ahead * HV + i_h)
-                nbeta = tl.load(beta_ptr + ahead * HV + i_h)
-                if L2NORM:
-                    # the state call's formula (l2norm.py, as fla's): x * (1 / sqrt(sum(x^2) + 1e-6)) in fp32, rounded
-                    # to the input dtype (a no-op for fp32), so states and questions see keys normalised alike
-                    b_q = (b_q * (1 / tl.sqrt(tl.sum(b_q * b_q) + 1e-6))).to(q_ptr.dtype.element_ty).to(tl.float32)
-                    b_k = (b_k * (1 / tl.sqrt(tl.sum(b_k * b_k) + 1e-6))).to(k_ptr.dtype.element_ty).to(tl.float32)
-                h *= tl.exp(b_g)
-                b_v = (b_v - tl.sum(h * b_k[:, None], 0)) * b_beta
-                h += b_k[:, None] * b_v[None, :]
-                b_o = tl.sum(h * (b_q * scale)[:, None], 0)
-                tl.store(o_ptr + (t * HV + i_h) * V + o_v, b_o.to(o_ptr.dtype.element_ty), mask=v_ok)
-                if SNAPSHOT:
-                    if t == bos + snap_at - 1:  # a checkpoint inside the segment: the same h the next token starts from
-                        tl.store(hs_ptr + state_at, h, mask=state_ok)
-        else:
-            # BT tokens' q / k / v / g / beta in one load per block (q and k as [BK, BT]: a token's column, taken out
-            # by a masked sum over the block's axis, lies along h's rows like the loaded vectors above): a block
-            # waits for its loads once, not every token, so the token chain runs at the arithmetic's pace. The
-            # same products and sums per token as BT == 1 (the masked sums add zeros): the same bits.
-            o_t = tl.arange(0, BT)
-            end = bos + n
-            for blk in range(bos, end, BT):
-                rows = blk + o_t
-                r_ok = rows < end
-                bq = tl.load(q_ptr + (rows[None, :] * HK + i_hk) * K + o_k[:, None],
-                             mask=k_ok[:, None] & r_ok[None, :], other=0.0).to(tl.float32)
-                bk = tl.load(k_ptr + (rows[None, :] * HK + i_hk) * K + o_k[:, None],
-                             mask=k_ok[:, None] & r_ok[None, :], other=0.0).to(tl.float32)
-                bv = tl.load(v_ptr + (rows[:, None] * HV + i_h) * V + o_v[None, :],
-                             mask=r_ok[:, None] & v_ok[None, :], other=0.0).to(tl.float32)
-                bg = tl.load(g_ptr + rows * HV + i_h, mask=r_ok, other=0.0).to(tl.float32)
-                bb = tl.load(beta_ptr + rows * HV + i_h, mask=r_ok, other=0.0).to(tl.float32)
-                for j in tl.static_range(BT):
-                    t = blk + j
-                    if t < end:
-                        sel = o_t == j
-                        b_q = tl.sum(tl.where(sel[None, :], bq, 0.0), 1)
-                        b_k = tl.sum(tl.where(sel[None, :], bk, 0.0), 1)
-                        b_v = tl.sum(tl.where(sel[:, None], bv, 0.0), 0)
-                        b_g = tl.sum(tl.where(sel, bg, 0.0), 0)
-                        b_beta = tl.sum(tl.where(sel, bb, 0.0), 0)
-                        if L2NORM:
-                            b_q = (b_q * (1 / tl.sqrt(tl.sum(b_q * b_q) + 1e-6))).to(q_ptr.dtype.element_ty).to(
-                                tl.float32)
-                            b_k = (b_k * (1 / tl.sqrt(tl.sum(b_k * b_k) + 1e-6))).to(k_ptr.dtype.element_ty).to(
-                                tl.float32)
-                        h *= tl.exp(b_g)
-                        b_v = (b_v - tl.sum(h * b_k[:, None], 0)) * b_beta
-                        h += b_k[:, None] * b_v[None, :]
-                        b_o = tl.sum(h * (b_q * scale)[:, None], 0)
-                        tl.store(o_ptr + (t * HV + i_h) * V + o_v, b_o.to(o_ptr.dtype.element_ty), mask=v_ok)
-                        if SNAPSHOT:
-                            if t == bos + snap_at - 1:
-                                tl.store(hs_ptr + state_at, h, mask=state_ok)
+        # Each step's loads are issued one step ahead (software prefetch): the chain from one token's state to the
+        # next is only the decay, one sum over K and the rank-1 update, and the H200 showed ~2 us a step when each
+        # step also waited for its own q/k/v loads. Same arithmetic, same bits.
+        nq = tl.load(q_ptr + (bos * HK + i_hk) * K + o_k, mask=k_ok, other=0.0)
+        nk = tl.load(k_ptr + (bos * HK + i_hk) * K + o_k, mask=k_ok, other=0.0)
+        nv = tl.load(v_ptr + (bos * HV + i_h) * V + o_v, mask=v_ok, other=0.0)
+        ng = tl.load(g_ptr + bos * HV + i_h)
+        nbeta = tl.load(beta_ptr + bos * HV + i_h)
+        for t in range(bos, bos + n):
+            b_q, b_k, b_v = nq.to(tl.float32), nk.to(tl.float32), nv.to(tl.float32)
+            b_g, b_beta = ng.to(tl.float32), nbeta.to(tl.float32)
+            ahead = tl.minimum(t + 1, bos + n - 1)  # the last step reloads its own token: in bounds, unused
+            nq = tl.load(q_ptr + (ahead * HK + i_hk) * K + o_k, mask=k_ok, other=0.0)
+            nk = tl.load(k_ptr + (ahead * HK + i_hk) * K + o_k, mask=k_ok, other=0.0)
+            nv = tl.load(v_ptr + (ahead * HV + i_h) * V + o_v, mask=v_ok, other=0.0)
+            ng = tl.load(g_ptr + ahead * HV + i_h)
+            nbeta = tl.load(beta_ptr + ahead * HV + i_h)
+            if L2NORM:
+                # the state call's formula (l2norm.py, as fla's): x * (1 / sqrt(sum(x^2) + 1e-6)) in fp32, rounded
+                # to the input dtype (a no-op for fp32), so states and questions see keys normalised alike
+                b_q = (b_q * (1 / tl.sqrt(tl.sum(b_q * b_q) + 1e-6))).to(q_ptr.dtype.element_ty).to(tl.float32)
+                b_k = (b_k * (1 / tl.sqrt(tl.sum(b_k * b_k) + 1e-6))).to(k_ptr.dtype.element_ty).to(tl.float32)
+            h *= tl.exp(b_g)
+            b_v = (b_v - tl.sum(h * b_k[:, None], 0)) * b_beta
+            h += b_k[:, None] * b_v[None, :]
+            b_o = tl.sum(h * (b_q * scale)[:, None], 0)
+            tl.store(o_ptr + (t * HV + i_h) * V + o_v, b_o.to(o_ptr.dtype.element_ty), mask=v_ok)
+            if SNAPSHOT:
+                if t == bos + snap_at - 1:  # a checkpoint inside the segment: the same h the next token starts from
+                    tl.store(hs_ptr + state_at, h, mask=state_ok)
         if STORE_FINAL:  # the state after the segment's last token (checkpoint rounds: a state's rest, ops/resume.py)
             tl.store(ht_ptr + state_at, h, mask=state_ok)
 
@@ -303,9 +264,9 @@ def branches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     meta = (q, k, v, g, beta, o, h0, seg_start.contiguous(), seg_len.contiguous(), initial_index.contiguous(),
             float(scale))
     BK = max(16, triton.next_power_of_2(K))  # tl.dot needs 16 at least
-    if tiles is not None and len(tiles) not in (2, 3):
+    if tiles is not None and len(tiles) not in ((2, 3) if form == "chunk" else (2,)):
         raise ValueError(f"`tiles` of the {form} form: (value columns, warps"
-                         f"{'[, chunk]' if form == 'chunk' else '[, tokens per block]'}), got {tiles!r}")
+                         f"{'[, chunk]' if form == 'chunk' else ''}), got {tiles!r}")
     if form == "chunk":
         BV, warps, chunk = (*tiles, CHUNK)[:3] if tiles else (min(CHUNK_BLOCK_V, max(16, triton.next_power_of_2(V))),
                                                              CHUNK_NUM_WARPS, CHUNK)
@@ -317,16 +278,13 @@ def branches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                                             LOG2_BC=chunk.bit_length() - 1, L2NORM=use_qk_l2norm,
                                                             PRECISION=precision, num_warps=warps)
     else:
-        BV, warps, block_t = (*tiles, BLOCK_T)[:3] if tiles else (min(BLOCK_V, triton.next_power_of_2(V)), NUM_WARPS,
-                                                                 BLOCK_T)
-        if block_t < 1 or block_t & (block_t - 1):
-            raise ValueError(f"the recurrent form's tokens per block must be a power of two >= 1, got {block_t}")
+        BV, warps = tiles or (min(BLOCK_V, triton.next_power_of_2(V)), NUM_WARPS)
         snap_at, states = snapshot if snapshot is not None else (seg_start, h0)  # unread without SNAPSHOT
         _branch_kernel[(triton.cdiv(V, BV), N * HV)](*meta, final if final is not None else h0,
                                                       snap_at.contiguous(), states, HK=HK, HV=HV, K=K,
                                                       V=V, BK=BK, BV=BV, L2NORM=use_qk_l2norm,
                                                       STORE_FINAL=final is not None, SNAPSHOT=snapshot is not None,
-                                                      BT=block_t, num_warps=warps, num_stages=NUM_STAGES)
+                                                      num_warps=warps, num_stages=NUM_STAGES)
     return o
 
 

@@ -135,8 +135,12 @@ class ServeConfig:
     # bucket fill: of the waiting requests that fit one round, the model thread takes the prefix that fills its
     # stream-length bucket best (graphs/buckets.py `fill_prefix`; the rest lead the next round), pricing a round's
     # fixed cost at `round_overhead_tokens` (H200, 0.8B: ~3.5 ms for a 512-token RACE replay, ~4 us a token more, and
-    # ~1.5 ms of host work: ~1,000 tokens). Off until measured (the http bench's `fill-buckets` row)
-    fill_buckets: bool = False
+    # ~1.5 ms of host work: ~1,000 tokens). Why on: a padding row costs ~60 % of a real token (16 RACE requests,
+    # 7,392 tokens: 31.7 ms in the 8,192 bucket, 36.9 in 10,240; H200 2026-12-01), and at 32 clients a round of ~15
+    # RACE requests sits at the 8,192 edge. Serve A/B (`benchmarks/results/h200_serve_ab_fill_buckets.md`, 3
+    # interleaved rounds): 472.7 vs 460.4 req/s at 32 clients, 376.4 vs 383.4 at 8 (within the spread), p99 at 32
+    # 97 vs 106 ms
+    fill_buckets: bool = True
     round_overhead_tokens: int = 1024
     # launch ahead: with overlap_rounds, the model thread takes and launches the next round when the device has about
     # as much work left as the launch's host side takes (its build and the compiled call, ~1-2.5 ms on the H200 host,

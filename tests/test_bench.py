@@ -295,3 +295,24 @@ def test_op_benchmark_markdown_beside_its_json(tmp_path):
     lines = [line for line in text.splitlines() if line.startswith("| race64")]
     assert "NVIDIA H200" in text and len(lines) == 2
     assert lines[0].split("|")[3].strip() == "triton" and lines[1].endswith("| 5.0 |")
+
+
+def test_serve_ab_variants_take_yaml_values_with_commas():
+    """benchmarks/serve_ab.py: a variant is NAME=[KEY=VALUE,...]; a bracketed YAML value keeps its commas (a bucket
+    list), dotted keys nest, and a malformed item is refused naming it."""
+    import sys
+    from pathlib import Path
+
+    import pytest
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from serve_ab import parse_variant, split_top_level
+
+    assert split_top_level("a=[1, 2],b={c: 3, d: 4},e=x") == ["a=[1, 2]", "b={c: 3, d: 4}", "e=x"]
+    assert parse_variant("default=") == ("default", {})
+    assert parse_variant("coarse=capacities.buckets=[256, 512],serve.launch_ahead=false") == (
+        "coarse", {"capacities": {"buckets": [256, 512]}, "serve": {"launch_ahead": False}})
+    with pytest.raises(ValueError, match="'oops' is not KEY=VALUE"):
+        parse_variant("bad=serve.fill_buckets=true,oops")
+    with pytest.raises(ValueError, match="give it a name"):
+        parse_variant("=serve.fill_buckets=true")

@@ -467,8 +467,36 @@ else:
                 torch.zeros(0, 1, 16, 16), torch.tensor([-1]), 0.25, True)
         with pytest.raises(ValueError, match="power of two"):
             delta_branches.branches(*args, form="chunk", tiles=(16, 4, 24))
+        with pytest.raises(ValueError, match="row programs"):
+            delta_branches.branches(*args, form="recurrent", tiles=(16, 1, -1))
         with pytest.raises(ValueError, match="tiles"):
-            delta_branches.branches(*args, form="recurrent", tiles=(16, 1, 32))
+            delta_branches.branches(*args, form="recurrent", tiles=(16, 1, 4, 2))
+
+    @pytest.mark.parametrize("row_programs", [1, 3, 64])
+    def test_gated_delta_branches_row_programs_keep_the_bits(row_programs):
+        """The recurrent form with P programs per (value head, V tile), each looping over rows i, i + P, ...: the
+        same outputs, final states and snapshots as a program per row, bit for bit (spare rows of length 0 among
+        the used ones and after them, grouped heads, K and V over partial tiles, P over the row count)."""
+        tokens, Hk, Hv, K, V = 90, 1, 2, 24, 40
+        q, k, v = randn(tokens, Hk, K, seed=61), randn(tokens, Hk, K, seed=62), randn(tokens, Hv, V, seed=63)
+        g = -torch.rand(tokens, Hv, generator=torch.Generator().manual_seed(64)) * 0.5
+        beta = torch.rand(tokens, Hv, generator=torch.Generator().manual_seed(65))
+        init = randn(2, Hv, K, V, seed=66) * 0.1
+        start, length = torch.tensor([0, 30, 30, 70, 90, 90]), torch.tensor([30, 0, 40, 20, 0, 0])
+        index, snap_at = torch.tensor([1, 0, -1, 0, 1, -1]), torch.tensor([13, 0, 0, 20, 0, 0])
+        args = (q, k, v, g, beta, start, length, init, index, 0.3, True)
+
+        def run(tiles, states: bool):
+            final, snap = torch.empty(6, Hv, K, V), torch.empty(6, Hv, K, V)
+            extra = {"final": final, "snapshot": (snap_at, snap)} if states else {}
+            o = delta_branches.branches(*args, out=poisoned(tokens, Hv, V, dtype=torch.float32), tiles=tiles,
+                                        **extra)
+            return (o, final, snap) if states else (o,)
+
+        for states in (False, True):
+            one, looped = run((16, 1, 0), states), run((16, 1, row_programs), states)
+            assert all(torch.equal(a, b) for a, b in zip(one, looped))  # NaN-poisoned rows nowhere written
+            assert not looped[0].isnan().any()
 
     def test_gated_delta_branches_chunk_form_with_alike_keys():
         """The chunked form's inverse is a series whose terms grow before they cancel when a chunk's keys are alike

@@ -47,7 +47,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_fork_attention import measure_ceilings
 
 MODELS = {"0.8B": (16, 16, 128, 128), "9B": (16, 32, 128, 128)}  # key heads, value heads, K, V
-STREAMS = {"2000+64x40": (1, 2000, 64, 40), "64xRACE": (64, 300, 4, 45)}
+STREAMS = {"2000+64x40": (1, 2000, 64, 40), "64xRACE": (64, 300, 4, 45),
+           # 16xRACE@bucket's requests without the bucket's 960 spare branch rows: what the spare rows cost
+           "16xRACE": (16, 300, 4, 45)}
 # One RACE-sized request in the tables of the smallest default bucket that holds it, spare rows included: a captured
 # round pays for its bucket's capacities, not its own (the first H200 profile found 30 ms there, 2026-11-30)
 BUCKETED = {"RACE@bucket": (1, 300, 4, 45),
@@ -60,15 +62,18 @@ CHUNK = 64
 # --sweep: (value columns per program, warps[, chunk]) of the question kernel's two forms (branches.py's defaults:
 # 16 / 1 recurrent, 64 / 4 / 16 chunk). 32-token chunks: half as many dependent chunk steps and twice the rows per
 # tensor-core product, for the longer (~120-token) questions of QuALITY and the sweep
-SWEEP = {"recurrent": [(8, 1), (32, 1), (32, 2), (64, 2), (64, 4)],
+# The recurrent form's third element: row programs (branches.ROW_PROGRAMS; 0 = a program per row)
+SWEEP = {"recurrent": [(8, 1), (32, 1), (32, 2), (64, 2), (64, 4), (16, 1, 16), (16, 1, 32), (16, 1, 64),
+                       (16, 1, 128), (32, 1, 64)],
          "chunk": [(32, 4), (64, 8), (128, 4), (128, 8), (64, 4, 32), (64, 8, 32), (128, 8, 32)]}
 
 
-def tile_label(tiles: tuple[int, ...] | None) -> str:
-    """`[BV16,w1]` / `[BV64,w4,C32]` for swept tiles; empty for the form's defaults."""
+def tile_label(tiles: tuple[int, ...] | None, third: str = "C") -> str:
+    """`[BV16,w1]` / `[BV64,w4,C32]` (chunk) / `[BV16,w1,P64]` (row programs) for swept tiles; empty for the form's
+    defaults."""
     if not tiles:
         return ""
-    return f"[BV{tiles[0]},w{tiles[1]}" + (f",C{tiles[2]}" if len(tiles) > 2 else "") + "]"
+    return f"[BV{tiles[0]},w{tiles[1]}" + (f",{third}{tiles[2]}" if len(tiles) > 2 else "") + "]"
 
 
 def stream(requests: int, state: int, questions: int, question: int, bucketed: bool = False):
@@ -157,7 +162,7 @@ def main() -> None:
                 _, finals = fns["fork"]()
                 for form in branches.FORMS:
                     for tiles in (None, *(SWEEP[form] if args.sweep else ())):  # None: the form's default tiles
-                        label = f"questions:{form}{tile_label(tiles)}"
+                        label = f"questions:{form}{tile_label(tiles, 'C' if form == 'chunk' else 'P')}"
                         fns[label] = partial(branches.branches, q, kk, vv, decay, beta, r.branch_start, r.branch_len,
                                              finals, r.branch_state, scale, True, form=form, tiles=tiles)
             states = int((r.state_len > 0).sum())

@@ -47,6 +47,11 @@ import triton.language as tl
 BLOCK_V = 16
 NUM_WARPS = 1
 NUM_STAGES = 3  # the next tokens' q/k/v loads in flight while this one's update runs
+# Row programs: 0 launches a program per (row, value head, V tile), and a bucket's spare rows (length 0) each cost a
+# program that returns at once: the 8,192 bucket has 1,024 branch rows, 131k programs for ~64 questions at 32 clients.
+# P > 0 launches P programs per (value head, V tile), each looping over rows i, i + P, ...: the same per-row code (the
+# same bits), no waves of empty programs. Unmeasured on the H200 yet: `bench_gated_delta.py --sweep` times it.
+ROW_PROGRAMS = 0
 
 # The chunked form (not the default: see the module docstring): 16 tokens a chunk (the smallest tl.dot tile;
 # questions are tens of tokens, so a larger chunk would mostly compute masked rows). 64 value columns a program and 4
@@ -73,13 +78,27 @@ def _initial_state(h0_ptr, index_ptr, i_n, i_h, o_k, o_v, k_ok, v_ok, HV: tl.con
 
 @triton.jit
 def _branch_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, start_ptr, len_ptr, index_ptr, scale,
-                   ht_ptr, snap_at_ptr, hs_ptr, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                   ht_ptr, snap_at_ptr, hs_ptr, N, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                    V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr,
-                   STORE_FINAL: tl.constexpr, SNAPSHOT: tl.constexpr):
+                   STORE_FINAL: tl.constexpr, SNAPSHOT: tl.constexpr, ROW_PROGRAMS: tl.constexpr):
     i_v = tl.program_id(0)
-    i_nh = tl.program_id(1)
-    i_n = i_nh // HV
-    i_h = i_nh % HV
+    if ROW_PROGRAMS == 0:  # a program per (row, value head, V tile): a row of length 0 returns at once
+        _branch_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, start_ptr, len_ptr, index_ptr, scale, ht_ptr,
+                    snap_at_ptr, hs_ptr, tl.program_id(1) // HV, tl.program_id(1) % HV, i_v, HK, HV, K, V, BK, BV,
+                    L2NORM, STORE_FINAL, SNAPSHOT)
+    else:  # ROW_PROGRAMS programs per (value head, V tile), each over rows i, i + ROW_PROGRAMS, ...
+        for i_n in range(tl.program_id(2), N, ROW_PROGRAMS):
+            _branch_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, start_ptr, len_ptr, index_ptr, scale,
+                        ht_ptr, snap_at_ptr, hs_ptr, i_n, tl.program_id(1), i_v, HK, HV, K, V, BK, BV, L2NORM,
+                        STORE_FINAL, SNAPSHOT)
+
+
+@triton.jit
+def _branch_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, start_ptr, len_ptr, index_ptr, scale, ht_ptr,
+                snap_at_ptr, hs_ptr, i_n, i_h, i_v, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, STORE_FINAL: tl.constexpr,
+                SNAPSHOT: tl.constexpr):
+    """Row i_n's question (or segment) for value head i_h, V tile i_v: the recurrent form's work for one row."""
     i_hk = i_h // (HV // HK)  # grouped value heads: value head h reads key head h // (HV // HK)
     n = tl.load(len_ptr + i_n)
     o_k = tl.arange(0, BK)
@@ -264,9 +283,9 @@ def branches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     meta = (q, k, v, g, beta, o, h0, seg_start.contiguous(), seg_len.contiguous(), initial_index.contiguous(),
             float(scale))
     BK = max(16, triton.next_power_of_2(K))  # tl.dot needs 16 at least
-    if tiles is not None and len(tiles) not in ((2, 3) if form == "chunk" else (2,)):
+    if tiles is not None and len(tiles) not in (2, 3):
         raise ValueError(f"`tiles` of the {form} form: (value columns, warps"
-                         f"{'[, chunk]' if form == 'chunk' else ''}), got {tiles!r}")
+                         f"{'[, chunk]' if form == 'chunk' else '[, row programs]'}), got {tiles!r}")
     if form == "chunk":
         BV, warps, chunk = (*tiles, CHUNK)[:3] if tiles else (min(CHUNK_BLOCK_V, max(16, triton.next_power_of_2(V))),
                                                              CHUNK_NUM_WARPS, CHUNK)
@@ -278,13 +297,17 @@ def branches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                                             LOG2_BC=chunk.bit_length() - 1, L2NORM=use_qk_l2norm,
                                                             PRECISION=precision, num_warps=warps)
     else:
-        BV, warps = tiles or (min(BLOCK_V, triton.next_power_of_2(V)), NUM_WARPS)
+        BV, warps, row_programs = (*tiles, ROW_PROGRAMS)[:3] if tiles else (min(BLOCK_V, triton.next_power_of_2(V)),
+                                                                          NUM_WARPS, ROW_PROGRAMS)
+        if row_programs < 0:
+            raise ValueError(f"the recurrent form's row programs must be >= 0 (0: one per row), got {row_programs}")
+        row_programs = min(row_programs, N)
+        grid = (triton.cdiv(V, BV), N * HV) if row_programs == 0 else (triton.cdiv(V, BV), HV, row_programs)
         snap_at, states = snapshot if snapshot is not None else (seg_start, h0)  # unread without SNAPSHOT
-        _branch_kernel[(triton.cdiv(V, BV), N * HV)](*meta, final if final is not None else h0,
-                                                      snap_at.contiguous(), states, HK=HK, HV=HV, K=K,
-                                                      V=V, BK=BK, BV=BV, L2NORM=use_qk_l2norm,
-                                                      STORE_FINAL=final is not None, SNAPSHOT=snapshot is not None,
-                                                      num_warps=warps, num_stages=NUM_STAGES)
+        _branch_kernel[grid](*meta, final if final is not None else h0, snap_at.contiguous(), states, N, HK=HK, HV=HV,
+                             K=K, V=V, BK=BK, BV=BV, L2NORM=use_qk_l2norm, STORE_FINAL=final is not None,
+                             SNAPSHOT=snapshot is not None, ROW_PROGRAMS=row_programs, num_warps=warps,
+                             num_stages=NUM_STAGES)
     return o
 
 

@@ -86,11 +86,17 @@ class RuntimeConfig:
     # pipeline) rounds; fused: intermediates of a fused kernel stay fp32 (Inductor's default). Random 4B, MultiRC,
     # bf16 on the H200: TV to the float32 reference 4.36 points fused vs 1.27 with the eager kernels (fidelity bisection)
     rounding: str = "eager"
-    # dynamo's guards on each compiled call after the capture: check (every call evaluates them) or skip (torch's
-    # `set_stance(skip_guard_eval_unsafe=True)` around the replays: only the guards that tell dynamo's cache entries
-    # apart run). Every call passes the bucket's own static views, which the capture already checked, so skipping
-    # cannot pick a wrong graph; what it saves is host time before each replay (0.15-0.5 ms of the 0.6-2.1 ms enqueue
-    # on the H200 host, session 13's cProfile). Off until measured there (`profile_round.py --skip-guard-eval`)
+    # dynamo's guards on each compiled call after the capture: check (every call evaluates them); skip_modules (the
+    # compile keeps no guard on the model's modules and parameters, `torch.compiler.skip_guard_on_all_nn_modules_
+    # unsafe`: the inputs' and global state's guards stay); or skip (torch's `set_stance(skip_guard_eval_unsafe=
+    # True)` around the replays: only the guards that tell dynamo's cache entries apart run).
+    # Why safe here: every call passes a bucket's own static views, and the graphs replay the parameters' captured
+    # addresses whatever the guards say, so a module changed after the capture is not served either way. What they
+    # save is host time before each replay, while the GPU waits: on the H200, RACE alone, skip took the compiled
+    # call's host time from 0.86 to 0.41 ms (2026-12-01, `profile_round.py --skip-guard-eval`); on this CPU (tiny
+    # model, 4 layers) skip_modules took guard evaluation from 92 to 41 us (1,250 guard lines to 473; the module
+    # guards grow with the layers), with the same answers bit for bit. skip_modules is unmeasured on the GPU yet; an
+    # engine with it compiles its own forward (another engine's unguarded compile must not serve it, nor its theirs).
     guards: str = "check"
     # how cuBLAS may sum the bf16/fp16 GEMMs of Flide's forward passes (flide/precision.py): torch: as the process
     # has it (torch's default: split-K partials may be added in reduced precision); fp32: partials added in fp32;
@@ -197,7 +203,7 @@ _CHOICES = {
     ("runtime", "graphs"): ("auto", "on", "off"),
     ("runtime", "compiler"): ("inductor", "cudagraphs"),
     ("runtime", "rounding"): ("eager", "fused"),
-    ("runtime", "guards"): ("check", "skip"),
+    ("runtime", "guards"): ("check", "skip_modules", "skip"),
     ("runtime", "gemm_reductions"): ("torch", "fp32", "single_pass"),
 }
 

@@ -20,7 +20,8 @@ from flide.models.tiny import tiny_model, tiny_tokenizer
 from flide.testing import ScoreRecorder, max_difference, random_request
 
 BUCKETS = [256, 512, 1024]
-MODES = {"default": {}, "batch-invariant": {"kernels": {"batch_invariant": True}}}
+MODES = {"default": {}, "batch-invariant": {"kernels": {"batch_invariant": True}},
+         "skip-modules": {"runtime": {"guards": "skip_modules"}}}
 
 
 @pytest.fixture(scope="module", params=list(MODES))
@@ -35,7 +36,8 @@ def compiled(request):
     engine = flide.patch(model, tok, config={**mode, "capacities": {"buckets": BUCKETS, "requests": 8}})
     counters.clear()
     runner = GraphRunner(engine.flat, engine.config.capacities, engine.max_options, engine.device, engine.pad_id,
-                         compile=True, progress=False, batch_invariant=engine.config.kernels.batch_invariant)
+                         compile=True, progress=False, batch_invariant=engine.config.kernels.batch_invariant,
+                         guards=engine.config.runtime.guards)
     runner.capture()
     engine.runner = runner
     rng = random.Random(21)
@@ -88,6 +90,21 @@ def test_skipping_guards_after_capture_changes_no_bit(compiled, monkeypatch):
     assert counters["stats"]["unique_graphs"] == graphs_before == 1
 
 
+@pytest.mark.parametrize("compiled", ["default", "skip-modules"], indirect=True)
+def test_guards_on_the_model_only_where_asked(compiled):
+    """`runtime.guards: skip_modules` compiles without guards on the model's modules and parameters (`L['flat']`,
+    the flat model the forward closes over); the inputs' guards stay. By default both are guarded."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    mode, _, engine, _ = compiled
+    entries = _debug_get_cache_entry_list(engine.runner._forward._torchdynamo_orig_callable.__code__)
+    assert len(entries) == 1
+    lines = str(entries[0].guard_manager).splitlines()
+    on_model = [line for line in lines if "L['flat']" in line]
+    on_inputs = [line for line in lines if "L['tensors']" in line]
+    assert on_inputs and (not on_model if mode == "skip-modules" else len(on_model) > 100), (mode, len(on_model))
+
+
 @pytest.mark.parametrize("compiled", ["batch-invariant"], indirect=True)  # the only mode that promises it
 def test_compiled_scores_keep_their_bits_in_any_round(compiled):
     _, _, engine, requests = compiled
@@ -136,3 +153,21 @@ def test_eager_rounding_keeps_the_eager_models_bf16_answers():
     eager, fused = moved["eager"], moved["fused"]
     assert max(eager) < 2e-4, eager
     assert sum(eager) < sum(fused) / 4, (eager, fused)
+
+
+def test_skip_modules_forwards_compile_on_their_own():
+    """`runtime.guards: skip_modules`: each runner's forward has a code object of its own, so dynamo's compile cache
+    (kept per code object) never hands it another engine's compile, nor another engine its unguarded one; the default
+    keeps one shared forward code (engines of one model structure share a compile)."""
+    tok, model = tiny_tokenizer(), tiny_model("qwen3_5_text")
+    engine = flide.patch(model, tok, config={"capacities": {"buckets": BUCKETS, "requests": 8}})
+
+    def forward_code(guards: str):
+        runner = GraphRunner(engine.flat, engine.config.capacities, engine.max_options, engine.device,
+                             engine.pad_id, compile=True, progress=False, guards=guards)
+        return runner._compiled_forward()._torchdynamo_orig_callable.__code__  # compiles nothing until called
+
+    shared, own = forward_code("check"), [forward_code("skip_modules") for _ in range(2)]
+    assert forward_code("check") is shared
+    assert own[0] is not own[1] and shared not in own
+    assert own[0].co_code == shared.co_code  # the same bytecode

@@ -35,9 +35,11 @@ recompiles between buckets and wrong fake kernels before a GPU sees them.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
+import types
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
@@ -50,6 +52,8 @@ from .buckets import bucket_shape
 from .thread import graph_thread
 
 log = logging.getLogger("flide.graphs")
+
+GUARDS = ("check", "skip_modules", "skip")  # `runtime.guards` (flide/config.py says what each does)
 
 @dataclass
 class Bucket:
@@ -80,6 +84,16 @@ class Launched:
     turn: int
 
 
+_OWN_CODES = itertools.count()
+
+
+def _own_code(fn: Callable) -> Callable:
+    """`fn` with a code object of its own (the same bytecode under another name), so dynamo's compile cache for it
+    starts empty and no other function's compiles are looked up for it."""
+    code = fn.__code__.replace(co_name=f"{fn.__code__.co_name}_{next(_OWN_CODES)}")
+    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+
+
 class GraphRunner:
     """Runs rounds of bucketed shapes through one compiled, captured forward per bucket."""
 
@@ -89,8 +103,8 @@ class GraphRunner:
                  batch_invariant: bool = False):
         self.flat, self.caps, self.options, self.pad_id = flat, caps, options, pad_id
         self.rounding = rounding
-        if guards not in ("check", "skip"):
-            raise ValueError(f"guards must be 'check' or 'skip', got {guards!r}.")
+        if guards not in GUARDS:
+            raise ValueError(f"guards must be one of {', '.join(GUARDS)}, got {guards!r}.")
         self.guards = guards
         self._skip_guards = False  # set once the capture has run every bucket with its guards (`runtime.guards`)
         self.batch_invariant = batch_invariant
@@ -192,15 +206,27 @@ class GraphRunner:
         def forward(*tensors: torch.Tensor) -> torch.Tensor:
             return flat(RoundTensors(**dict(zip(names, tensors))))
 
+        # runtime.guards: skip_modules: no guards on the model's modules and parameters (the graphs replay their
+        # captured addresses anyway). Dynamo keeps its compiles per code object, and another engine's forward in this
+        # process (another model, dtype, kernel variant) would pass an unguarded entry and run the wrong code: so this
+        # forward gets a code object of its own, and compiles of its own. (Dynamo's `install_free_tensors`, parameters
+        # as graph attributes rather than inputs looked up before each call, fails to trace the nested compile
+        # regions, FlatBlock, in torch 2.13: "Freevar has no source".)
+        guard_filter = {}
+        if self.guards == "skip_modules":
+            guard_filter = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+            forward = _own_code(forward)
+
         if self.compiler == "cudagraphs":
             # No Inductor: the eager kernels, captured by cudagraph trees. Static sizes, one dynamo trace per bucket
             # (cheap: nothing is compiled): with dynamic sizes the backend took the graph recorded for one bucket as
             # the match for the next and copied a 512-row input into a 256-row slot (seen on the H200)
-            return torch.compile(forward, backend="cudagraphs", dynamic=False, fullgraph=True)
+            return torch.compile(forward, backend="cudagraphs", dynamic=False, fullgraph=True, options=guard_filter or None)
         # mode="reduce-overhead" spelled as its options, to add one: the rounding of fused kernels (`runtime.rounding`)
         from torch._inductor import list_mode_options
 
-        options = {**list_mode_options("reduce-overhead"), "emulate_precision_casts": self.rounding == "eager"}
+        options = {**list_mode_options("reduce-overhead"), "emulate_precision_casts": self.rounding == "eager",
+                   **guard_filter}
         return torch.compile(forward, dynamic=True, fullgraph=True, options=options)
 
     # ---- rounds ----

@@ -198,7 +198,8 @@ class GraphRunner:
             # one fixed layout for every bucket. One dynamic-size compile already gives every bucket the same kernels;
             # `deterministic` (where this torch has it) picks their configs by heuristics instead of by timing, so a
             # restart picks the same; `batch_invariant` (torch >= 2.13) keeps reduction configs off the row count.
-            # Process-wide settings: other compiles of this process get them too.
+            # Settings of the thread that sets them (torch's dynamo and Inductor configs are thread-local overrides):
+            # here the graph thread, where every compile of the flat forward runs.
             for name in ("deterministic", "batch_invariant"):
                 if hasattr(inductor_config, name):
                     setattr(inductor_config, name, True)

@@ -20,8 +20,10 @@ GRAPHS = {"runtime": {"device": "cuda", "graphs": "on"}, "capacities": {"buckets
 EAGER = {"runtime": {"device": "cuda", "graphs": "off"}}
 
 
-@pytest.fixture(scope="module")
-def setup():
+@pytest.fixture(scope="module", params=["check", "skip_modules"])
+def setup(request):
+    """The captured engine, with dynamo's guards as default (check) and without guards on the model's modules
+    (`runtime.guards: skip_modules`, its own compile): every test holds for both."""
     torch.manual_seed(0)
     tok = tiny_tokenizer()
     model = tiny_model("qwen3_5_text").cuda()
@@ -30,7 +32,7 @@ def setup():
     spare = [copy.deepcopy(model) for _ in range(3)]
     rng = random.Random(11)
     requests = [random_request(rng, max_questions=12, max_words=60) for _ in range(40)]
-    engine = flide.patch(model, tok, config=GRAPHS)
+    engine = flide.patch(model, tok, config={**GRAPHS, "runtime": {**GRAPHS["runtime"], "guards": request.param}})
     return spare, tok, requests, engine
 
 

@@ -168,9 +168,10 @@ def enqueue_by_bucket(engine, prepared: list, repeats: int) -> dict:
     """The compiled call's host time (dynamo's guards, the AOT and cudagraph-tree wrappers, the graph launch) per
     bucket, every bucket that holds the round replaying it, medians in ms, plus how many graphs dynamo compiled and
     how many cache entries the compiled forward has. `gpu_ms`: the device's time for the same round in each bucket
-    (CUDA events around the replay, median): what the padding rows of a larger bucket cost. Sessions 12-13 saw this time grow with the bucket: 0.62 ms at
-    512 tokens, 2.1 ms at 8,192, `CUDAGraph.replay` alone 0.05 vs 0.4-0.7 ms: does it follow the bucket's size, or
-    its position among the recorded graphs (a linear search somewhere)?"""
+    (CUDA events around the replay, median): what the padding rows of a larger bucket cost (H200, 2026-12-01: ~2.4
+    ms per 1,000 padding rows on 0.8B). Sessions 12-13 saw the host time grow with the bucket (0.62 ms at 512
+    tokens, 2.1 ms at 8,192); on 2026-12-01 it was 0.38-0.73 ms up to 8,192 and 1.2-1.6 above, one cache entry, one
+    graph, `CUDAGraph.replay` alone 0.02-0.30 ms."""
     from torch._dynamo.utils import counters
 
     from flide.graphs.buckets import holds

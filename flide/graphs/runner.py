@@ -222,7 +222,8 @@ class GraphRunner:
             # No Inductor: the eager kernels, captured by cudagraph trees. Static sizes, one dynamo trace per bucket
             # (cheap: nothing is compiled): with dynamic sizes the backend took the graph recorded for one bucket as
             # the match for the next and copied a 512-row input into a 256-row slot (seen on the H200)
-            return torch.compile(forward, backend="cudagraphs", dynamic=False, fullgraph=True, options=guard_filter or None)
+            return torch.compile(forward, backend="cudagraphs", dynamic=False, fullgraph=True,
+                                 options=guard_filter or None)
         # mode="reduce-overhead" spelled as its options, to add one: the rounding of fused kernels (`runtime.rounding`)
         from torch._inductor import list_mode_options
 

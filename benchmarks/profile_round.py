@@ -276,10 +276,11 @@ def main() -> None:
     parser.add_argument("--cprofile-enqueue", action="store_true",
                         help="cProfile the compiled call's host side (host_split_ms.enqueue_cprofile, top 25 by cumtime)")
     parser.add_argument("--skip-guard-eval", action="store_true",
-                        help="after the capture, torch.compiler.set_stance(skip_guard_eval_unsafe=True): dynamo then "
-                             "checks only the guards that tell its cache entries apart (one entry: none); how much of "
-                             "the enqueue is guard evaluation (an experiment, not an engine setting). With "
-                             "--enqueue-by-bucket: the first workload measured with guards, then again without")
+                        help="after the capture, replays run as with `runtime.guards: skip` (torch.compiler.set_stance("
+                             "skip_guard_eval_unsafe=True) around each): dynamo then checks only the guards that tell "
+                             "its cache entries apart (one entry: none); how much of the enqueue is guard evaluation. "
+                             "With --enqueue-by-bucket: the first workload measured with guards, then again without, "
+                             "from one capture")
     parser.add_argument("--enqueue-by-bucket", action="store_true",
                         help="the compiled call's host time in every bucket holding the first workload's request, "
                              "and dynamo's graph and cache-entry counts (report key enqueue_by_bucket)")
@@ -308,8 +309,8 @@ def main() -> None:
         report["capture_s"] = round(engine.runner.capture_seconds, 1)
         report["graph_memory_gib"] = round(engine.runner.graph_memory_bytes / 2**30, 3)
     eager = flide.patch(spare, tokenizer, config={"runtime": {"graphs": "off"}}) if args.eager else None
-    if args.skip_guard_eval and not args.enqueue_by_bucket:
-        torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
+    if args.skip_guard_eval and not args.enqueue_by_bucket and engine.runner is not None:
+        engine.runner._skip_guards = True  # as `runtime.guards: skip` sets it after the capture
         report["skip_guard_eval"] = True
     print(json.dumps({k: v for k, v in report.items() if k != "rows"}), flush=True)
     from flide.piece_cache import PieceCache
@@ -341,7 +342,7 @@ def main() -> None:
                 report["enqueue_by_bucket"] = enqueue_by_bucket(engine, prepared, args.repeats)
                 print(json.dumps({"enqueue_by_bucket": report["enqueue_by_bucket"]}), flush=True)
                 if args.skip_guard_eval:  # the same, guards skipped from here on (one capture serves both)
-                    torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
+                    engine.runner._skip_guards = True  # as `runtime.guards: skip` sets it after the capture
                     report["skip_guard_eval"] = True
                     report["enqueue_by_bucket_skip_guards"] = enqueue_by_bucket(engine, prepared, args.repeats)
                     print(json.dumps({"enqueue_by_bucket_skip_guards": report["enqueue_by_bucket_skip_guards"]}),

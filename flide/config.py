@@ -197,13 +197,15 @@ class FlideConfig:
         return config_from_dict(merged)
 
 
+GUARD_MODES = ("check", "skip_modules", "skip")  # `runtime.guards` (RuntimeConfig.guards says what each does)
+
 _CHOICES = {
     ("runtime", "dtype"): ("auto", "float32", "bfloat16", "float16"),
     ("runtime", "tokenization"): ("auto", "split", "full"),
     ("runtime", "graphs"): ("auto", "on", "off"),
     ("runtime", "compiler"): ("inductor", "cudagraphs"),
     ("runtime", "rounding"): ("eager", "fused"),
-    ("runtime", "guards"): ("check", "skip_modules", "skip"),
+    ("runtime", "guards"): GUARD_MODES,
     ("runtime", "gemm_reductions"): ("torch", "fp32", "single_pass"),
 }
 

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from ..config import CapacityConfig
+from ..config import GUARD_MODES, CapacityConfig
 from ..requests import PreparedRequest
 from ..round import Round, RoundTensors, Shape, build_round, packed_size
 from .buckets import bucket_shape
@@ -53,7 +53,6 @@ from .thread import graph_thread
 
 log = logging.getLogger("flide.graphs")
 
-GUARDS = ("check", "skip_modules", "skip")  # `runtime.guards` (flide/config.py says what each does)
 
 @dataclass
 class Bucket:
@@ -103,8 +102,8 @@ class GraphRunner:
                  batch_invariant: bool = False):
         self.flat, self.caps, self.options, self.pad_id = flat, caps, options, pad_id
         self.rounding = rounding
-        if guards not in GUARDS:
-            raise ValueError(f"guards must be one of {', '.join(GUARDS)}, got {guards!r}.")
+        if guards not in GUARD_MODES:
+            raise ValueError(f"guards must be one of {', '.join(GUARD_MODES)}, got {guards!r}.")
         self.guards = guards
         self._skip_guards = False  # set once the capture has run every bucket with its guards (`runtime.guards`)
         self.batch_invariant = batch_invariant

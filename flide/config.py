@@ -89,7 +89,9 @@ class RuntimeConfig:
     # dynamo's guards on each compiled call after the capture: check (every call evaluates them); skip_modules (the
     # compile keeps no guard on the model's modules and parameters, `torch.compiler.skip_guard_on_all_nn_modules_
     # unsafe`: the inputs' and global state's guards stay); or skip (torch's `set_stance(skip_guard_eval_unsafe=
-    # True)` around the replays: only the guards that tell dynamo's cache entries apart run).
+    # True)` around the replays: only the guards that tell dynamo's cache entries apart run); or none (no compiled
+    # call after the capture: a round launches the CUDA graph cudagraph trees recorded for its bucket, no guards, no
+    # AOT or cudagraph-tree wrappers; flide/graphs/direct.py).
     # Why safe here: every call passes a bucket's own static views, and the graphs replay the parameters' captured
     # addresses whatever the guards say, so a module changed after the capture is not served either way. What they
     # save is host time before each replay, while the GPU waits: on the H200, RACE alone, skip took the compiled
@@ -197,7 +199,7 @@ class FlideConfig:
         return config_from_dict(merged)
 
 
-GUARD_MODES = ("check", "skip_modules", "skip")  # `runtime.guards` (RuntimeConfig.guards says what each does)
+GUARD_MODES = ("check", "skip_modules", "skip", "none")  # `runtime.guards` (RuntimeConfig.guards says what each does)
 
 _CHOICES = {
     ("runtime", "dtype"): ("auto", "float32", "bfloat16", "float16"),

@@ -66,6 +66,10 @@ class Bucket:
     # fields, ~6 us a call on this CPU, in the host time before every replay)
     views: tuple[torch.Tensor, ...] = ()
     scores: list = field(default_factory=lambda: [None, None])  # per turn: the pinned float32 copy of the scores
+    # `runtime.guards: none` (graphs/direct.py): the bucket's recorded CUDA graph, launched by itself, and the device
+    # memory its scores come out in; None: the compiled call runs
+    graph: torch.cuda.CUDAGraph | None = None
+    output: torch.Tensor | None = None
     busy: list = field(default_factory=lambda: [False, False])  # per turn: launched and not yet finished
     turn: int = 0
     replays: int = 0
@@ -155,10 +159,28 @@ class GraphRunner:
             torch.cuda.synchronize(self.device)
             self.graph_memory_bytes = torch.cuda.memory_reserved(self.device) - before
         self._skip_guards = self.compile and self.guards == "skip"
+        if self.compile and cuda and self.guards == "none":
+            self._keep_recorded_graphs()
         self.capture_seconds = time.perf_counter() - start
         log.info("flide: %s %d buckets (%s tokens) in %.1f s; %.2f GiB reserved for graphs and buffers",
                  "captured" if self.compile else "prepared", len(shapes),
                  "/".join(str(s.tokens) for s in shapes), self.capture_seconds, self.graph_memory_bytes / 2**30)
+
+    def _keep_recorded_graphs(self) -> None:
+        """`runtime.guards: none`: one more compiled call per bucket, after every bucket is recorded, then the graph
+        cudagraph trees replayed for it is kept (`direct.recorded_graph`) and later rounds launch it themselves. A
+        bucket whose graph cannot be taken keeps the compiled call (logged with the reason)."""
+        from .direct import recorded_graph
+
+        for bucket in self.buckets.values():
+            scores = self._replay(bucket)
+            try:
+                bucket.graph, bucket.output = recorded_graph(scores)
+            except LookupError as e:
+                log.warning("flide: the %d-token bucket keeps the compiled call (runtime.guards: none): %s",
+                            bucket.shape.tokens, e)
+        direct = sum(b.graph is not None for b in self.buckets.values())
+        log.info("flide: %d of %d buckets launch their recorded graphs directly", direct, len(self.buckets))
 
     def _allocate(self, shape: Shape) -> Bucket:
         size = packed_size(shape)
@@ -301,6 +323,10 @@ class GraphRunner:
 
     def _replay(self, bucket: Bucket) -> torch.Tensor:
         """The bucket's graph (or the eager forward) on its device buffer: the scores on the device."""
+        if bucket.graph is not None:  # runtime.guards: none (graphs/direct.py)
+            bucket.graph.replay()
+            bucket.replays += 1
+            return bucket.output
         with torch.inference_mode():
             if self._forward is not None:
                 torch.compiler.cudagraph_mark_step_begin()  # each round is a new step: the last one's outputs are dead
@@ -317,5 +343,5 @@ class GraphRunner:
     def close(self) -> None:
         """Drops the buckets' buffers (the graphs stay with cudagraph trees until the process ends); the shared
         graph thread lives on for other runners."""
-        self.buckets.clear()
+        self.buckets.clear()  # the recorded graphs kept by `runtime.guards: none` go with them
         self._forward = None

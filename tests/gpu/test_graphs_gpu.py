@@ -20,10 +20,11 @@ GRAPHS = {"runtime": {"device": "cuda", "graphs": "on"}, "capacities": {"buckets
 EAGER = {"runtime": {"device": "cuda", "graphs": "off"}}
 
 
-@pytest.fixture(scope="module", params=["check", "skip_modules"])
+@pytest.fixture(scope="module", params=["check", "skip_modules", "none"])
 def setup(request):
-    """The captured engine, with dynamo's guards as default (check) and without guards on the model's modules
-    (`runtime.guards: skip_modules`, its own compile): every test holds for both."""
+    """The captured engine, with dynamo's guards as default (check), without guards on the model's modules
+    (`runtime.guards: skip_modules`, its own compile), and with no compiled call after the capture (`none`: each
+    round launches its bucket's recorded graph): every test holds for all three."""
     torch.manual_seed(0)
     tok = tiny_tokenizer()
     model = tiny_model("qwen3_5_text").cuda()
@@ -90,6 +91,40 @@ def test_thousand_random_rounds_replay_without_recompiles(setup, monkeypatch):
     assert len(used) >= 2, f"the random rounds used only buckets {used}"
     # the same request in another round, at another offset, in another bucket: equal within tf32 rounding
     assert worst < 1e-4
+
+
+def test_guards_none_launches_the_recorded_graphs_with_the_same_bits(setup):
+    """`runtime.guards: none` keeps every bucket's recorded CUDA graph and launches it without the compiled call
+    (the other modes keep none): rounds with the compiled forward made unusable give the answers of the same rounds
+    through the compiled call (cudagraph trees' own replays), bit for bit."""
+    _, _, requests, engine = setup
+    runner = engine.runner
+    direct = engine.config.runtime.guards == "none"
+    assert all((b.graph is not None) == direct for b in runner.buckets.values())
+    if not direct:
+        return
+    prepared = [engine.prepare(r) for r in requests[:24]]
+    rounds = [prepared[i:i + n] for i, n in ((0, 1), (1, 3), (4, 8), (12, 12))]
+    graphs = {tokens: b.graph for tokens, b in runner.buckets.items()}
+    compiled = runner._forward
+    try:
+        for b in runner.buckets.values():  # the compiled call, as in the other modes
+            b.graph = None
+        through_trees = [engine.run(r) for r in rounds]
+    finally:
+        for tokens, b in runner.buckets.items():
+            b.graph = graphs[tokens]
+
+    def unusable(*args):
+        raise AssertionError("the compiled forward ran after the capture with runtime.guards: none")
+
+    runner._forward = unusable
+    try:
+        launched = [engine.run(r) for r in rounds]
+    finally:
+        runner._forward = compiled
+    for a, b in zip(through_trees, launched):
+        assert max(max_difference(x, y) for x, y in zip(a, b)) == 0.0
 
 
 def test_overlapped_rounds_equal_rounds_alone(setup):

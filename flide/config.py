@@ -86,20 +86,21 @@ class RuntimeConfig:
     # pipeline) rounds; fused: intermediates of a fused kernel stay fp32 (Inductor's default). Random 4B, MultiRC,
     # bf16 on the H200: TV to the float32 reference 4.36 points fused vs 1.27 with the eager kernels (fidelity bisection)
     rounding: str = "eager"
-    # dynamo's guards on each compiled call after the capture: check (every call evaluates them); skip_modules (the
-    # compile keeps no guard on the model's modules and parameters, `torch.compiler.skip_guard_on_all_nn_modules_
-    # unsafe`: the inputs' and global state's guards stay); or skip (torch's `set_stance(skip_guard_eval_unsafe=
-    # True)` around the replays: only the guards that tell dynamo's cache entries apart run); or none (no compiled
-    # call after the capture: a round launches the CUDA graph cudagraph trees recorded for its bucket, no guards, no
-    # AOT or cudagraph-tree wrappers; flide/graphs/direct.py).
-    # Why safe here: every call passes a bucket's own static views, and the graphs replay the parameters' captured
-    # addresses whatever the guards say, so a module changed after the capture is not served either way. What they
-    # save is host time before each replay, while the GPU waits: on the H200, RACE alone, skip took the compiled
-    # call's host time from 0.86 to 0.41 ms (2026-12-01, `profile_round.py --skip-guard-eval`); on this CPU (tiny
-    # model, 4 layers) skip_modules took guard evaluation from 92 to 41 us (1,250 guard lines to 473; the module
-    # guards grow with the layers), with the same answers bit for bit. skip_modules is unmeasured on the GPU yet; an
-    # engine with it compiles its own forward (another engine's unguarded compile must not serve it, nor its theirs).
-    guards: str = "check"
+    # what runs before each replay after the capture. none (the default): no compiled call at all: a round launches
+    # the CUDA graph that cudagraph trees recorded for its bucket (flide/graphs/direct.py; a bucket whose graph cannot
+    # be taken keeps the compiled call, logged). check: the compiled call with all of dynamo's guards; skip_modules:
+    # compiled without guards on the model's modules and parameters (`torch.compiler.skip_guard_on_all_nn_modules_
+    # unsafe`: the inputs' and global state's guards stay); skip: torch's `set_stance(skip_guard_eval_unsafe=True)`
+    # around the compiled calls (only the guards that tell dynamo's cache entries apart run).
+    # Why safe: every call passes a bucket's own static views, and the graphs replay the parameters' captured addresses
+    # whatever the guards say, so a module changed after the capture is not served either way. What it saves is host
+    # time before each replay, while the GPU waits. H200, Qwen3.5-0.8B, bf16 (2026-12-01, `benchmarks/profile_round.py
+    # --config configs/h200/guards_none.yaml`, one call each): RACE alone 4.25 ms with none vs 4.78 with check (the
+    # compiled call's host time 0.08 vs 0.51 ms), MultiRC 7.18 vs 7.40, QuALITY 34.1 vs 35.4, sweep 1 / 64 12.7 / 42.2
+    # vs 13.2 / 42.7; the same answers bit for bit (tests/gpu/test_graphs_gpu.py). skip (session 15) took RACE's
+    # compiled call from 0.86 to 0.41 ms. An engine with skip_modules compiles its own forward (another engine's
+    # unguarded compile must not serve it, nor its theirs).
+    guards: str = "none"
     # how cuBLAS may sum the bf16/fp16 GEMMs of Flide's forward passes (flide/precision.py): torch: as the process
     # has it (torch's default: split-K partials may be added in reduced precision); fp32: partials added in fp32;
     # single_pass: no split-K at all, every output summed in one pass over K (a row's bits then depend on the

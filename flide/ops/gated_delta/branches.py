@@ -21,8 +21,7 @@ Two forms of the same rule, both exact to fp32 rounding (`branches(..., form=)`)
   chunk, fp32 `ieee` dots) was ~10x SLOWER than the recurrent form on the H200 (2026-11-30,
   `benchmarks/ops/bench_gated_delta.py`, the question call alone on Qwen3.5-0.8B: RACE in its bucket 0.39 vs
   0.042 ms, 2,000 + 64 x 40 tokens 4.87 vs 0.31 ms). This version (tf32 dots for half-precision inputs, ieee for
-  fp32) measured no faster (H200, 2026-12-01, `ops_gated_delta_wy_h200.md`: RACE in its bucket 0.041 vs 0.037 ms,
-  64 x RACE 0.88-1.26 vs 0.92 with its best tiles): the recurrent form stays the default.
+  fp32) is not yet timed: the op benchmark compares both forms; the default follows the faster.
 
 Runs on CPU tensors under TRITON_INTERPRET=1 (read by `triton.jit` when this module is imported), which is how the
 CPU tests check it against the reference.
@@ -45,21 +44,20 @@ import triton.language as tl
 # slower on one long question (sweep 1: 0.086 vs 0.068): kept at 16. Loading 2-16 tokens' q/k/v per block instead of
 # one token ahead was slower everywhere (RACE@bucket 0.046-0.10 ms, 16 RACE 0.45-0.92) and changed bits (other
 # reduction layouts): dropped.
+# Loads issued 2 or 4 tokens ahead (blocks of tokens, the next block's loads before this block's steps; the same bits)
+# gained nothing (2026-12-01, `ops_gated_delta_ahead_h200.md`: RACE@bucket 0.0366 ms all three, 16 RACE 0.305 / 0.340
+# vs 0.287, sweep 1 0.066 / 0.069 vs 0.067): a step waits on its own chain (decay, two sums over K, the rank-1
+# update), not on its loads. Dropped.
 BLOCK_V = 16
 NUM_WARPS = 1
 NUM_STAGES = 3  # the next tokens' q/k/v loads in flight while this one's update runs
 # Row programs: 0 launches a program per (row, value head, V tile), and a bucket's spare rows (length 0) each cost a
 # program that returns at once: the 8,192 bucket has 1,024 branch rows, 131k programs for ~64 questions at 32 clients.
 # P > 0 launches P programs per (value head, V tile), each looping over rows i, i + P, ...: the same per-row code (the
-# same bits), no waves of empty programs. Unmeasured on the H200 yet: `bench_gated_delta.py --sweep` times it.
+# same bits), no waves of empty programs. H200, 2026-12-01 (`ops_gated_delta_rows_h200.md`, question call alone,
+# 0.8B): P = 128 took 16 RACE requests in the 8,192 bucket from 0.287 to 0.253 ms (without spare rows: 0.243), but
+# 64 x RACE 0.969 vs 0.922 and one long question (sweep 1) 0.079 vs 0.067: no default gain, kept at 0.
 ROW_PROGRAMS = 0
-# Tokens ahead: how far ahead of its step a token's q/k/v/g/beta loads are issued. 1: one token (the next step's
-# loads in flight during this one). 2 or 4: blocks of that many tokens, the next block's loads issued before this
-# block's steps, so a load has 2-7 steps to arrive. The per-token arithmetic is the same function (`_step`) in the
-# same order: the same bits whatever the choice. A step's chain (decay, a sum over K, the rank-1 update) is shorter
-# than a load's latency: the H200 took ~0.6-0.8 us a token with 1.
-TOKENS_AHEAD = 1
-AHEAD_CHOICES = (1, 2, 4)
 
 # The chunked form (not the default: see the module docstring): 16 tokens a chunk (the smallest tl.dot tile;
 # questions are tens of tokens, so a larger chunk would mostly compute masked rows). 64 value columns a program and 4
@@ -85,64 +83,27 @@ def _initial_state(h0_ptr, index_ptr, i_n, i_h, o_k, o_v, k_ok, v_ok, HV: tl.con
 
 
 @triton.jit
-def _token(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, t, end, i_hk, i_h, o_k, o_v, k_ok, v_ok, HK: tl.constexpr,
-           HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr):
-    """Token t's q, k [BK], v [BV], g and beta as stored. Past the segment (t >= end: loaded ahead) the last token's,
-    in bounds and never used (no step runs for it)."""
-    t = tl.minimum(t, end - 1)
-    b_q = tl.load(q_ptr + (t * HK + i_hk) * K + o_k, mask=k_ok, other=0.0)
-    b_k = tl.load(k_ptr + (t * HK + i_hk) * K + o_k, mask=k_ok, other=0.0)
-    b_v = tl.load(v_ptr + (t * HV + i_h) * V + o_v, mask=v_ok, other=0.0)
-    b_g = tl.load(g_ptr + t * HV + i_h)
-    b_beta = tl.load(beta_ptr + t * HV + i_h)
-    return b_q, b_k, b_v, b_g, b_beta
-
-
-@triton.jit
-def _step(h, b_q, b_k, b_v, b_g, b_beta, t, q_ptr, k_ptr, o_ptr, hs_ptr, scale, state_at, state_ok, snap_t, i_h, o_v,
-          v_ok, HV: tl.constexpr, V: tl.constexpr, L2NORM: tl.constexpr, SNAPSHOT: tl.constexpr):
-    """One token of the delta rule on the [BK, BV] state slice h: token t's output stored, the next state returned."""
-    b_q, b_k, b_v = b_q.to(tl.float32), b_k.to(tl.float32), b_v.to(tl.float32)
-    b_g, b_beta = b_g.to(tl.float32), b_beta.to(tl.float32)
-    if L2NORM:
-        # the state call's formula (l2norm.py, as fla's): x * (1 / sqrt(sum(x^2) + 1e-6)) in fp32, rounded to the
-        # input dtype (a no-op for fp32), so states and questions see keys normalised alike
-        b_q = (b_q * (1 / tl.sqrt(tl.sum(b_q * b_q) + 1e-6))).to(q_ptr.dtype.element_ty).to(tl.float32)
-        b_k = (b_k * (1 / tl.sqrt(tl.sum(b_k * b_k) + 1e-6))).to(k_ptr.dtype.element_ty).to(tl.float32)
-    h *= tl.exp(b_g)
-    b_v = (b_v - tl.sum(h * b_k[:, None], 0)) * b_beta
-    h += b_k[:, None] * b_v[None, :]
-    b_o = tl.sum(h * (b_q * scale)[:, None], 0)
-    tl.store(o_ptr + (t * HV + i_h) * V + o_v, b_o.to(o_ptr.dtype.element_ty), mask=v_ok)
-    if SNAPSHOT:
-        if t == snap_t:  # a checkpoint inside the segment: the same h the next token starts from
-            tl.store(hs_ptr + state_at, h, mask=state_ok)
-    return h
-
-
-@triton.jit
 def _branch_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, start_ptr, len_ptr, index_ptr, scale,
                    ht_ptr, snap_at_ptr, hs_ptr, N, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                    V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr,
-                   STORE_FINAL: tl.constexpr, SNAPSHOT: tl.constexpr, ROW_PROGRAMS: tl.constexpr,
-                   AHEAD: tl.constexpr):
+                   STORE_FINAL: tl.constexpr, SNAPSHOT: tl.constexpr, ROW_PROGRAMS: tl.constexpr):
     i_v = tl.program_id(0)
     if ROW_PROGRAMS == 0:  # a program per (row, value head, V tile): a row of length 0 returns at once
         _branch_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, start_ptr, len_ptr, index_ptr, scale, ht_ptr,
                     snap_at_ptr, hs_ptr, tl.program_id(1) // HV, tl.program_id(1) % HV, i_v, HK, HV, K, V, BK, BV,
-                    L2NORM, STORE_FINAL, SNAPSHOT, AHEAD)
+                    L2NORM, STORE_FINAL, SNAPSHOT)
     else:  # ROW_PROGRAMS programs per (value head, V tile), each over rows i, i + ROW_PROGRAMS, ...
         for i_n in range(tl.program_id(2), N, ROW_PROGRAMS):
             _branch_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, start_ptr, len_ptr, index_ptr, scale,
                         ht_ptr, snap_at_ptr, hs_ptr, i_n, tl.program_id(1), i_v, HK, HV, K, V, BK, BV, L2NORM,
-                        STORE_FINAL, SNAPSHOT, AHEAD)
+                        STORE_FINAL, SNAPSHOT)
 
 
 @triton.jit
 def _branch_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, start_ptr, len_ptr, index_ptr, scale, ht_ptr,
                 snap_at_ptr, hs_ptr, i_n, i_h, i_v, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                 V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, STORE_FINAL: tl.constexpr,
-                SNAPSHOT: tl.constexpr, AHEAD: tl.constexpr):
+                SNAPSHOT: tl.constexpr):
     """Row i_n's question (or segment) for value head i_h, V tile i_v: the recurrent form's work for one row."""
     i_hk = i_h // (HV // HK)  # grouped value heads: value head h reads key head h // (HV // HK)
     n = tl.load(len_ptr + i_n)
@@ -168,61 +129,37 @@ def _branch_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, start_ptr, 
                     tl.store(hs_ptr + state_at, h, mask=state_ok)
     if n > 0:
         bos = tl.load(start_ptr + i_n).to(tl.int64)
-        end = bos + n
         h = _initial_state(h0_ptr, index_ptr, i_n, i_h, o_k, o_v, k_ok, v_ok, HV, K, V, BK, BV)
-        if AHEAD == 1:
-            # Each step's loads are issued one step ahead (software prefetch): the chain from one token's state to
-            # the next is only the decay, one sum over K and the rank-1 update, and the H200 showed ~2 us a step
-            # when each step also waited for its own q/k/v loads.
-            nq, nk, nv, ng, nb = _token(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, bos, end, i_hk, i_h, o_k, o_v, k_ok,
-                                        v_ok, HK, HV, K, V)
-            for t in range(bos, end):
-                b_q, b_k, b_v, b_g, b_beta = nq, nk, nv, ng, nb
-                # the last step reloads its own token: in bounds, unused
-                nq, nk, nv, ng, nb = _token(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, t + 1, end, i_hk, i_h, o_k, o_v,
-                                            k_ok, v_ok, HK, HV, K, V)
-                h = _step(h, b_q, b_k, b_v, b_g, b_beta, t, q_ptr, k_ptr, o_ptr, hs_ptr, scale, state_at, state_ok,
-                          bos + snap_at - 1, i_h, o_v, v_ok, HV, V, L2NORM, SNAPSHOT)
-        else:
-            # Blocks of AHEAD tokens, the next block's loads issued before this block's steps: each load has
-            # AHEAD..2 AHEAD - 1 steps to arrive instead of one (a step's chain is shorter than a load from memory).
-            # The same steps in the same order: the same bits as one token ahead.
-            a0q, a0k, a0v, a0g, a0b = _token(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, bos, end, i_hk, i_h, o_k, o_v,
-                                             k_ok, v_ok, HK, HV, K, V)
-            a1q, a1k, a1v, a1g, a1b = _token(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, bos + 1, end, i_hk, i_h, o_k,
-                                             o_v, k_ok, v_ok, HK, HV, K, V)
-            if AHEAD == 4:
-                a2q, a2k, a2v, a2g, a2b = _token(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, bos + 2, end, i_hk, i_h, o_k,
-                                                 o_v, k_ok, v_ok, HK, HV, K, V)
-                a3q, a3k, a3v, a3g, a3b = _token(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, bos + 3, end, i_hk, i_h, o_k,
-                                                 o_v, k_ok, v_ok, HK, HV, K, V)
-            for t0 in range(bos, end, AHEAD):
-                t1 = t0 + AHEAD
-                b0q, b0k, b0v, b0g, b0b = _token(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, t1, end, i_hk, i_h, o_k, o_v,
-                                                 k_ok, v_ok, HK, HV, K, V)
-                b1q, b1k, b1v, b1g, b1b = _token(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, t1 + 1, end, i_hk, i_h, o_k,
-                                                 o_v, k_ok, v_ok, HK, HV, K, V)
-                if AHEAD == 4:
-                    b2q, b2k, b2v, b2g, b2b = _token(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, t1 + 2, end, i_hk, i_h,
-                                                     o_k, o_v, k_ok, v_ok, HK, HV, K, V)
-                    b3q, b3k, b3v, b3g, b3b = _token(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, t1 + 3, end, i_hk, i_h,
-                                                     o_k, o_v, k_ok, v_ok, HK, HV, K, V)
-                h = _step(h, a0q, a0k, a0v, a0g, a0b, t0, q_ptr, k_ptr, o_ptr, hs_ptr, scale, state_at, state_ok,
-                          bos + snap_at - 1, i_h, o_v, v_ok, HV, V, L2NORM, SNAPSHOT)
-                if t0 + 1 < end:  # the block's tokens past the segment take no step
-                    h = _step(h, a1q, a1k, a1v, a1g, a1b, t0 + 1, q_ptr, k_ptr, o_ptr, hs_ptr, scale, state_at,
-                              state_ok, bos + snap_at - 1, i_h, o_v, v_ok, HV, V, L2NORM, SNAPSHOT)
-                if AHEAD == 4:
-                    if t0 + 2 < end:
-                        h = _step(h, a2q, a2k, a2v, a2g, a2b, t0 + 2, q_ptr, k_ptr, o_ptr, hs_ptr, scale, state_at,
-                                  state_ok, bos + snap_at - 1, i_h, o_v, v_ok, HV, V, L2NORM, SNAPSHOT)
-                    if t0 + 3 < end:
-                        h = _step(h, a3q, a3k, a3v, a3g, a3b, t0 + 3, q_ptr, k_ptr, o_ptr, hs_ptr, scale, state_at,
-                                  state_ok, bos + snap_at - 1, i_h, o_v, v_ok, HV, V, L2NORM, SNAPSHOT)
-                    a2q, a2k, a2v, a2g, a2b = b2q, b2k, b2v, b2g, b2b
-                    a3q, a3k, a3v, a3g, a3b = b3q, b3k, b3v, b3g, b3b
-                a0q, a0k, a0v, a0g, a0b = b0q, b0k, b0v, b0g, b0b
-                a1q, a1k, a1v, a1g, a1b = b1q, b1k, b1v, b1g, b1b
+        # Each step's loads are issued one step ahead (software prefetch): the chain from one token's state to the
+        # next is only the decay, one sum over K and the rank-1 update, and the H200 showed ~2 us a step when each
+        # step also waited for its own q/k/v loads. Same arithmetic, same bits.
+        nq = tl.load(q_ptr + (bos * HK + i_hk) * K + o_k, mask=k_ok, other=0.0)
+        nk = tl.load(k_ptr + (bos * HK + i_hk) * K + o_k, mask=k_ok, other=0.0)
+        nv = tl.load(v_ptr + (bos * HV + i_h) * V + o_v, mask=v_ok, other=0.0)
+        ng = tl.load(g_ptr + bos * HV + i_h)
+        nbeta = tl.load(beta_ptr + bos * HV + i_h)
+        for t in range(bos, bos + n):
+            b_q, b_k, b_v = nq.to(tl.float32), nk.to(tl.float32), nv.to(tl.float32)
+            b_g, b_beta = ng.to(tl.float32), nbeta.to(tl.float32)
+            ahead = tl.minimum(t + 1, bos + n - 1)  # the last step reloads its own token: in bounds, unused
+            nq = tl.load(q_ptr + (ahead * HK + i_hk) * K + o_k, mask=k_ok, other=0.0)
+            nk = tl.load(k_ptr + (ahead * HK + i_hk) * K + o_k, mask=k_ok, other=0.0)
+            nv = tl.load(v_ptr + (ahead * HV + i_h) * V + o_v, mask=v_ok, other=0.0)
+            ng = tl.load(g_ptr + ahead * HV + i_h)
+            nbeta = tl.load(beta_ptr + ahead * HV + i_h)
+            if L2NORM:
+                # the state call's formula (l2norm.py, as fla's): x * (1 / sqrt(sum(x^2) + 1e-6)) in fp32, rounded
+                # to the input dtype (a no-op for fp32), so states and questions see keys normalised alike
+                b_q = (b_q * (1 / tl.sqrt(tl.sum(b_q * b_q) + 1e-6))).to(q_ptr.dtype.element_ty).to(tl.float32)
+                b_k = (b_k * (1 / tl.sqrt(tl.sum(b_k * b_k) + 1e-6))).to(k_ptr.dtype.element_ty).to(tl.float32)
+            h *= tl.exp(b_g)
+            b_v = (b_v - tl.sum(h * b_k[:, None], 0)) * b_beta
+            h += b_k[:, None] * b_v[None, :]
+            b_o = tl.sum(h * (b_q * scale)[:, None], 0)
+            tl.store(o_ptr + (t * HV + i_h) * V + o_v, b_o.to(o_ptr.dtype.element_ty), mask=v_ok)
+            if SNAPSHOT:
+                if t == bos + snap_at - 1:  # a checkpoint inside the segment: the same h the next token starts from
+                    tl.store(hs_ptr + state_at, h, mask=state_ok)
         if STORE_FINAL:  # the state after the segment's last token (checkpoint rounds: a state's rest, ops/resume.py)
             tl.store(ht_ptr + state_at, h, mask=state_ok)
 
@@ -314,10 +251,8 @@ def branches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     initial_state: [M, Hv, K, V] float32 (M may be 0 when every index is -1). `out`: where to write (tests poison
     it to see that every segment row is written). `form`: `chunk` or `recurrent` (see the module docstring).
     `tiles`: (value columns per program, warps) instead of the form's defaults (the op benchmark's sweep); the chunk
-    form takes a third, its chunk size (a power of two >= 16; default CHUNK); the recurrent form a third, its row
-    programs (ROW_PROGRAMS), and a fourth, its tokens ahead (TOKENS_AHEAD; neither changes a bit). A choice of
-    columns or warps may change the bits (the sums over K follow the program's layout): batch invariance holds for one
-    fixed choice, as the defaults are.
+    form takes a third, its chunk size (a power of two >= 16; default CHUNK). A tile choice may change the bits (the
+    sums over K follow the program's layout): batch invariance holds for one fixed choice, as the defaults are.
     `final`: a [N, Hv, K, V] float32 tensor that receives each segment's state after its last token (its initial
     state for an empty one); the recurrent form only.
     `snapshot`: (snap_at [N] int64, states [N, Hv, K, V] float32): each segment's state after its first snap_at[n]
@@ -354,9 +289,9 @@ def branches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     meta = (q, k, v, g, beta, o, h0, seg_start.contiguous(), seg_len.contiguous(), initial_index.contiguous(),
             float(scale))
     BK = max(16, triton.next_power_of_2(K))  # tl.dot needs 16 at least
-    if tiles is not None and not (2 <= len(tiles) <= (3 if form == "chunk" else 4)):
+    if tiles is not None and len(tiles) not in (2, 3):
         raise ValueError(f"`tiles` of the {form} form: (value columns, warps"
-                         f"{'[, chunk]' if form == 'chunk' else '[, row programs[, tokens ahead]]'}), got {tiles!r}")
+                         f"{'[, chunk]' if form == 'chunk' else '[, row programs]'}), got {tiles!r}")
     if form == "chunk":
         BV, warps, chunk = (*tiles, CHUNK)[:3] if tiles else (min(CHUNK_BLOCK_V, max(16, triton.next_power_of_2(V))),
                                                              CHUNK_NUM_WARPS, CHUNK)
@@ -368,18 +303,16 @@ def branches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                                             LOG2_BC=chunk.bit_length() - 1, L2NORM=use_qk_l2norm,
                                                             PRECISION=precision, num_warps=warps)
     else:
-        defaults = (min(BLOCK_V, triton.next_power_of_2(V)), NUM_WARPS, ROW_PROGRAMS, TOKENS_AHEAD)
-        BV, warps, row_programs, ahead = (*tiles, *defaults[len(tiles):]) if tiles else defaults
+        BV, warps, row_programs = (*tiles, ROW_PROGRAMS)[:3] if tiles else (min(BLOCK_V, triton.next_power_of_2(V)),
+                                                                          NUM_WARPS, ROW_PROGRAMS)
         if row_programs < 0:
             raise ValueError(f"the recurrent form's row programs must be >= 0 (0: one per row), got {row_programs}")
-        if ahead not in AHEAD_CHOICES:
-            raise ValueError(f"the recurrent form's tokens ahead must be one of {AHEAD_CHOICES}, got {ahead}")
         row_programs = min(row_programs, N)
         grid = (triton.cdiv(V, BV), N * HV) if row_programs == 0 else (triton.cdiv(V, BV), HV, row_programs)
         snap_at, states = snapshot if snapshot is not None else (seg_start, h0)  # unread without SNAPSHOT
         _branch_kernel[grid](*meta, final if final is not None else h0, snap_at.contiguous(), states, N, HK=HK, HV=HV,
                              K=K, V=V, BK=BK, BV=BV, L2NORM=use_qk_l2norm, STORE_FINAL=final is not None,
-                             SNAPSHOT=snapshot is not None, ROW_PROGRAMS=row_programs, AHEAD=ahead, num_warps=warps,
+                             SNAPSHOT=snapshot is not None, ROW_PROGRAMS=row_programs, num_warps=warps,
                              num_stages=NUM_STAGES)
     return o
 

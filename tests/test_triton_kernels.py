@@ -470,9 +470,7 @@ else:
         with pytest.raises(ValueError, match="row programs"):
             delta_branches.branches(*args, form="recurrent", tiles=(16, 1, -1))
         with pytest.raises(ValueError, match="tiles"):
-            delta_branches.branches(*args, form="recurrent", tiles=(16, 1, 4, 1, 0))
-        with pytest.raises(ValueError, match="tiles"):
-            delta_branches.branches(*args, form="chunk", tiles=(16, 4, 16, 1))
+            delta_branches.branches(*args, form="recurrent", tiles=(16, 1, 4, 2))
 
     @pytest.mark.parametrize("row_programs", [1, 3, 64])
     def test_gated_delta_branches_row_programs_keep_the_bits(row_programs):
@@ -499,31 +497,6 @@ else:
             one, looped = run((16, 1, 0), states), run((16, 1, row_programs), states)
             assert all(torch.equal(a, b) for a, b in zip(one, looped))  # NaN-poisoned rows nowhere written
             assert not looped[0].isnan().any()
-
-    @pytest.mark.parametrize("tiles", [(16, 1, 0, 1), (8, 1, 3, 1)])
-    def test_gated_delta_branches_parallel_sums_match_the_reference(tiles):
-        """Parallel sums (each output from the decayed state before its token's update): question rows equal to the
-        reference's question call in fp32, and the state chain untouched: final states and snapshots bit for bit
-        those of the default sums (grouped heads, partial K and V tiles, empty rows)."""
-        tokens, Hk, Hv, K, V = 96, 1, 2, 24, 40
-        q, k, v = randn(tokens, Hk, K, seed=81), randn(tokens, Hk, K, seed=82), randn(tokens, Hv, V, seed=83)
-        g = -torch.rand(tokens, Hv, generator=torch.Generator().manual_seed(84)) * 0.5
-        beta = torch.rand(tokens, Hv, generator=torch.Generator().manual_seed(85))
-        init = randn(2, Hv, K, V, seed=86) * 0.1
-        start, length = torch.tensor([0, 1, 4, 35, 75, 96]), torch.tensor([1, 3, 31, 40, 21, 0])
-        index, snap_at = torch.tensor([1, 0, 0, 1, -1, 0]), torch.tensor([1, 2, 13, 40, 1, 0])
-        args = (q, k, v, g, beta, start, length, init, index, 0.3, True)
-        want, _ = delta_ref.gated_delta(*args)
-
-        def run(tiles):
-            final, snap = torch.empty(6, Hv, K, V), torch.empty(6, Hv, K, V)
-            o = delta_branches.branches(*args, out=poisoned(tokens, Hv, V, dtype=torch.float32), tiles=tiles,
-                                        final=final, snapshot=(snap_at, snap))
-            return o, final, snap
-
-        (o, final, snap), (_, final0, snap0) = run(tiles), run((*tiles[:3], 0))
-        assert torch.equal(final, final0) and torch.equal(snap, snap0)
-        torch.testing.assert_close(o, want, atol=2e-5, rtol=1e-5)
 
     def test_gated_delta_branches_chunk_form_with_alike_keys():
         """The chunked form's inverse is a series whose terms grow before they cancel when a chunk's keys are alike

@@ -63,20 +63,17 @@ CHUNK = 64
 # 16 / 1 recurrent, 64 / 4 / 16 chunk). 32-token chunks: half as many dependent chunk steps and twice the rows per
 # tensor-core product, for the longer (~120-token) questions of QuALITY and the sweep
 # The recurrent form's third element: row programs (branches.ROW_PROGRAMS; 0 = a program per row)
-# and a fourth, parallel sums (branches.PARALLEL_SUMS: 1 on)
 SWEEP = {"recurrent": [(8, 1), (32, 1), (32, 2), (64, 2), (64, 4), (16, 1, 16), (16, 1, 32), (16, 1, 64),
-                       (16, 1, 128), (32, 1, 64), (16, 1, 0, 1), (32, 1, 0, 1), (8, 1, 0, 1), (16, 1, 128, 1),
-                       (16, 1, 0, 0)],
+                       (16, 1, 128), (32, 1, 64)],
          "chunk": [(32, 4), (64, 8), (128, 4), (128, 8), (64, 4, 32), (64, 8, 32), (128, 8, 32)]}
 
 
 def tile_label(tiles: tuple[int, ...] | None, third: str = "C") -> str:
-    """`[BV16,w1]` / `[BV64,w4,C32]` (chunk) / `[BV16,w1,P64]` (row programs) / `[BV16,w1,P0,S1]` (parallel sums
-    on) for swept tiles; empty for the form's defaults."""
+    """`[BV16,w1]` / `[BV64,w4,C32]` (chunk) / `[BV16,w1,P64]` (row programs) for swept tiles; empty for the form's
+    defaults."""
     if not tiles:
         return ""
-    return (f"[BV{tiles[0]},w{tiles[1]}" + (f",{third}{tiles[2]}" if len(tiles) > 2 else "")
-            + (f",S{tiles[3]}" if len(tiles) > 3 else "") + "]")
+    return f"[BV{tiles[0]},w{tiles[1]}" + (f",{third}{tiles[2]}" if len(tiles) > 2 else "") + "]"
 
 
 def stream(requests: int, state: int, questions: int, question: int, bucketed: bool = False):

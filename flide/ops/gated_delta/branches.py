@@ -48,6 +48,11 @@ import triton.language as tl
 # gained nothing (2026-12-01, `ops_gated_delta_ahead_h200.md`: RACE@bucket 0.0366 ms all three, 16 RACE 0.305 / 0.340
 # vs 0.287, sweep 1 0.066 / 0.069 vs 0.067): a step waits on its own chain (decay, two sums over K, the rank-1
 # update), not on its loads. Dropped.
+# Parallel sums (each output from the decayed state, o = h^T q + (k . q) u, so the two sums over K sit side by side and
+# the token chain holds one) gained nothing either (`ops_gated_delta_parallel_sums_h200.md`: RACE@bucket 0.0371 vs
+# 0.0373 ms, 16 RACE 0.294 vs 0.288, sweep 1 0.0676 vs 0.0674): a program is one warp issuing ~16 x 128 x 6 fp32
+# operations a token, and the few warps an SM holds for a question call cannot hide their latencies. Dropped: what
+# would move this kernel is tensor cores (the chunked form), which the Triton chunk form above did not get out of.
 BLOCK_V = 16
 NUM_WARPS = 1
 NUM_STAGES = 3  # the next tokens' q/k/v loads in flight while this one's update runs
@@ -58,11 +63,6 @@ NUM_STAGES = 3  # the next tokens' q/k/v loads in flight while this one's update
 # 0.8B): P = 128 took 16 RACE requests in the 8,192 bucket from 0.287 to 0.253 ms (without spare rows: 0.243), but
 # 64 x RACE 0.969 vs 0.922 and one long question (sweep 1) 0.079 vs 0.067: no default gain, kept at 0.
 ROW_PROGRAMS = 0
-# Parallel sums: a token's output from the decayed state before its update, o = h^T q + (k . q) u, instead of from the
-# updated state, o = (h + k u^T)^T q. The same function (fp32 rounding apart: other bits); the two sums over K then
-# read the same h side by side, and the token-to-token chain holds one sum over K instead of two in a row (a
-# program is one warp issuing in order: the output sum of one token delayed the next token's decay).
-PARALLEL_SUMS = False
 
 # The chunked form (not the default: see the module docstring): 16 tokens a chunk (the smallest tl.dot tile;
 # questions are tens of tokens, so a larger chunk would mostly compute masked rows). 64 value columns a program and 4
@@ -91,25 +91,24 @@ def _initial_state(h0_ptr, index_ptr, i_n, i_h, o_k, o_v, k_ok, v_ok, HV: tl.con
 def _branch_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, start_ptr, len_ptr, index_ptr, scale,
                    ht_ptr, snap_at_ptr, hs_ptr, N, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                    V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr,
-                   STORE_FINAL: tl.constexpr, SNAPSHOT: tl.constexpr, ROW_PROGRAMS: tl.constexpr,
-                   PARALLEL_SUMS: tl.constexpr):
+                   STORE_FINAL: tl.constexpr, SNAPSHOT: tl.constexpr, ROW_PROGRAMS: tl.constexpr):
     i_v = tl.program_id(0)
     if ROW_PROGRAMS == 0:  # a program per (row, value head, V tile): a row of length 0 returns at once
         _branch_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, start_ptr, len_ptr, index_ptr, scale, ht_ptr,
                     snap_at_ptr, hs_ptr, tl.program_id(1) // HV, tl.program_id(1) % HV, i_v, HK, HV, K, V, BK, BV,
-                    L2NORM, STORE_FINAL, SNAPSHOT, PARALLEL_SUMS)
+                    L2NORM, STORE_FINAL, SNAPSHOT)
     else:  # ROW_PROGRAMS programs per (value head, V tile), each over rows i, i + ROW_PROGRAMS, ...
         for i_n in range(tl.program_id(2), N, ROW_PROGRAMS):
             _branch_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, start_ptr, len_ptr, index_ptr, scale,
                         ht_ptr, snap_at_ptr, hs_ptr, i_n, tl.program_id(1), i_v, HK, HV, K, V, BK, BV, L2NORM,
-                        STORE_FINAL, SNAPSHOT, PARALLEL_SUMS)
+                        STORE_FINAL, SNAPSHOT)
 
 
 @triton.jit
 def _branch_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, start_ptr, len_ptr, index_ptr, scale, ht_ptr,
                 snap_at_ptr, hs_ptr, i_n, i_h, i_v, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                 V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, STORE_FINAL: tl.constexpr,
-                SNAPSHOT: tl.constexpr, PARALLEL_SUMS: tl.constexpr):
+                SNAPSHOT: tl.constexpr):
     """Row i_n's question (or segment) for value head i_h, V tile i_v: the recurrent form's work for one row."""
     i_hk = i_h // (HV // HK)  # grouped value heads: value head h reads key head h // (HV // HK)
     n = tl.load(len_ptr + i_n)
@@ -159,18 +158,9 @@ def _branch_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, start_ptr, 
                 b_q = (b_q * (1 / tl.sqrt(tl.sum(b_q * b_q) + 1e-6))).to(q_ptr.dtype.element_ty).to(tl.float32)
                 b_k = (b_k * (1 / tl.sqrt(tl.sum(b_k * b_k) + 1e-6))).to(k_ptr.dtype.element_ty).to(tl.float32)
             h *= tl.exp(b_g)
-            if PARALLEL_SUMS:
-                # o = (h + k u^T)^T q = h^T q + (k . q) u: both sums over K read the decayed state, side by side,
-                # and the next token's chain (decay, sum, update) no longer waits behind this token's output sum
-                b_q = b_q * scale
-                b_o = tl.sum(h * b_q[:, None], 0)
-                b_v = (b_v - tl.sum(h * b_k[:, None], 0)) * b_beta
-                h += b_k[:, None] * b_v[None, :]
-                b_o += tl.sum(b_k * b_q) * b_v
-            else:
-                b_v = (b_v - tl.sum(h * b_k[:, None], 0)) * b_beta
-                h += b_k[:, None] * b_v[None, :]
-                b_o = tl.sum(h * (b_q * scale)[:, None], 0)
+            b_v = (b_v - tl.sum(h * b_k[:, None], 0)) * b_beta
+            h += b_k[:, None] * b_v[None, :]
+            b_o = tl.sum(h * (b_q * scale)[:, None], 0)
             tl.store(o_ptr + (t * HV + i_h) * V + o_v, b_o.to(o_ptr.dtype.element_ty), mask=v_ok)
             if SNAPSHOT:
                 if t == bos + snap_at - 1:  # a checkpoint inside the segment: the same h the next token starts from
@@ -266,10 +256,8 @@ def branches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     initial_state: [M, Hv, K, V] float32 (M may be 0 when every index is -1). `out`: where to write (tests poison
     it to see that every segment row is written). `form`: `chunk` or `recurrent` (see the module docstring).
     `tiles`: (value columns per program, warps) instead of the form's defaults (the op benchmark's sweep); the chunk
-    form takes a third, its chunk size (a power of two >= 16; default CHUNK); the recurrent form a third, its row
-    programs (ROW_PROGRAMS: the same bits), and a fourth, 1 for parallel sums (PARALLEL_SUMS). A choice of columns,
-    warps or sums may change the bits (the sums over K follow the program's layout): batch invariance holds for one
-    fixed choice, as the defaults are.
+    form takes a third, its chunk size (a power of two >= 16; default CHUNK). A tile choice may change the bits (the
+    sums over K follow the program's layout): batch invariance holds for one fixed choice, as the defaults are.
     `final`: a [N, Hv, K, V] float32 tensor that receives each segment's state after its last token (its initial
     state for an empty one); the recurrent form only.
     `snapshot`: (snap_at [N] int64, states [N, Hv, K, V] float32): each segment's state after its first snap_at[n]
@@ -306,9 +294,9 @@ def branches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     meta = (q, k, v, g, beta, o, h0, seg_start.contiguous(), seg_len.contiguous(), initial_index.contiguous(),
             float(scale))
     BK = max(16, triton.next_power_of_2(K))  # tl.dot needs 16 at least
-    if tiles is not None and not (2 <= len(tiles) <= (3 if form == "chunk" else 4)):
+    if tiles is not None and len(tiles) not in (2, 3):
         raise ValueError(f"`tiles` of the {form} form: (value columns, warps"
-                         f"{'[, chunk]' if form == 'chunk' else '[, row programs[, parallel sums]]'}), got {tiles!r}")
+                         f"{'[, chunk]' if form == 'chunk' else '[, row programs]'}), got {tiles!r}")
     if form == "chunk":
         BV, warps, chunk = (*tiles, CHUNK)[:3] if tiles else (min(CHUNK_BLOCK_V, max(16, triton.next_power_of_2(V))),
                                                              CHUNK_NUM_WARPS, CHUNK)
@@ -320,8 +308,8 @@ def branches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                                             LOG2_BC=chunk.bit_length() - 1, L2NORM=use_qk_l2norm,
                                                             PRECISION=precision, num_warps=warps)
     else:
-        defaults = (min(BLOCK_V, triton.next_power_of_2(V)), NUM_WARPS, ROW_PROGRAMS, int(PARALLEL_SUMS))
-        BV, warps, row_programs, parallel_sums = (*tiles, *defaults[len(tiles):]) if tiles else defaults
+        BV, warps, row_programs = (*tiles, ROW_PROGRAMS)[:3] if tiles else (min(BLOCK_V, triton.next_power_of_2(V)),
+                                                                          NUM_WARPS, ROW_PROGRAMS)
         if row_programs < 0:
             raise ValueError(f"the recurrent form's row programs must be >= 0 (0: one per row), got {row_programs}")
         row_programs = min(row_programs, N)
@@ -329,8 +317,7 @@ def branches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
         snap_at, states = snapshot if snapshot is not None else (seg_start, h0)  # unread without SNAPSHOT
         _branch_kernel[grid](*meta, final if final is not None else h0, snap_at.contiguous(), states, N, HK=HK, HV=HV,
                              K=K, V=V, BK=BK, BV=BV, L2NORM=use_qk_l2norm, STORE_FINAL=final is not None,
-                             SNAPSHOT=snapshot is not None, ROW_PROGRAMS=row_programs,
-                             PARALLEL_SUMS=bool(parallel_sums), num_warps=warps,
+                             SNAPSHOT=snapshot is not None, ROW_PROGRAMS=row_programs, num_warps=warps,
                              num_stages=NUM_STAGES)
     return o
 

@@ -42,6 +42,11 @@ class PieceCache:
             self.hits += 1
             return ids
 
+    def count_misses(self, pieces: int) -> None:
+        """Counts pieces encoded without asking (a cache of 0 characters, which keeps nothing, is not asked)."""
+        with self._lock:
+            self.misses += pieces
+
     def put(self, text: str, tail: bool, ids: np.ndarray) -> None:
         if len(text) > self.max_chars:
             return

@@ -19,9 +19,12 @@ proven and probed exact (flide/split_check.py), and tokenizes whole otherwise.
 from __future__ import annotations
 
 import json
+import logging
+import os
+import re
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
-from itertools import pairwise
+from itertools import chain, pairwise
 from typing import Any
 
 import numpy as np
@@ -29,6 +32,8 @@ from transformers.decision import DECISION_PROMPT, Question
 from transformers.decision.template_utils import MARK, SPLIT
 from transformers.tokenization_utils_base import AddedToken
 from transformers.utils.chat_template_utils import (
+    _CONTROL_TOKEN_END,
+    _CONTROL_TOKEN_START,
     _encode_chat_piece,
     _get_control_token_patterns,
     _get_template_variables,
@@ -41,6 +46,8 @@ from .config import RuntimeConfig
 from .decision_prompt import render_decision_prompt
 from .piece_cache import PieceCache
 from .questions import QuestionCache, parse_question
+
+log = logging.getLogger("flide.requests")
 
 
 class RequestError(ValueError):
@@ -170,15 +177,17 @@ def _jsonable(value) -> bool:
 def common_prefix_length(a: str, b: str) -> int:
     """Length of the longest common prefix: equal blocks skipped by C-level compares of 4k-character slices, then a
     binary search inside the first block that differs (a binary search over the whole strings copied ~17 slices of
-    up to their full length: 0.35 ms for a 100k-character agent history, 4x what this costs)."""
+    up to their full length: 0.35 ms for a 100k-character agent history, 4x what this costs). The search compares
+    only the part not yet known equal, [lo, mid), so its slices halve as it goes (RACE's ~1.8k-character prompts:
+    9 -> 6.5 us a pair)."""
     block, n = 4096, min(len(a), len(b))
     start = 0
     while start + block <= n and a[start:start + block] == b[start:start + block]:
         start += block
-    lo, hi = start, min(start + block, n)
+    lo, hi = start, min(start + block, n)  # a[:lo] == b[:lo], and they differ before hi (or hi == n)
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if a[start:mid] == b[start:mid]:
+        if a[lo:mid] == b[lo:mid]:
             lo = mid
         else:
             hi = mid - 1
@@ -213,16 +222,34 @@ def safe_cut(text: str, limit: int) -> int:
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 
+# the CPUs this process may run on, which tokenizers' batch encode spreads its items over
+_CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
 
 def _drop_sentinels(ids: np.ndarray, mark_id: int, split_id: int) -> tuple[np.ndarray, np.ndarray]:
     """(ids without the sentinels, for each mark the number of kept ids up to it), as transformers' read_marks
-    drops them. Ids without sentinels (DECISION_PROMPT's prompts) come back as they are: no mask, cumsum or copy."""
+    drops them. Ids without sentinels (DECISION_PROMPT's prompts) come back as they are: no mask, cumsum or copy. A
+    maximum below both sentinels proves there are none in one reduction instead of two masks and a test (~3 vs ~8 us
+    on a question's tail); they are usually the tokenizer's last ids (added by PromptTokenizer), above any other."""
+    if not len(ids) or ids.max() < min(mark_id, split_id):
+        return ids, _EMPTY
     is_mark = ids == mark_id
     sentinels = is_mark | (ids == split_id)
     if not sentinels.any():
         return ids, _EMPTY
     keep = ~sentinels
     return ids[keep], np.cumsum(keep)[is_mark]
+
+
+# right after a newline whose following whitespace holds no line break and is followed by more text: a safe cut
+# (`\s` and `\S` of a str pattern are `str.isspace`'s, as `_newline_follows` tests them)
+_SAFE_LINE_CUT = re.compile(r"(?<=\n)(?=[^\S\r\n]*\S)")
+
+
+def safe_lines(text: str) -> list[str]:
+    """`text` cut at every safe cut (`piece_cuts(text, 1)`: a tail cut into its lines), by one regex split instead
+    of a Python loop per newline and a slice per line."""
+    return _SAFE_LINE_CUT.split(text)
 
 
 class _Trunk:
@@ -234,8 +261,15 @@ class _Trunk:
         self.kept_count = len(self.kept)
 
 
-def _join(parts: list[np.ndarray]) -> np.ndarray:
-    return parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else _EMPTY
+def _join(parts: list[np.ndarray | list[int]]) -> np.ndarray:
+    """The parts' ids (int64 arrays, or lists of ints) as one int64 array."""
+    if len(parts) == 1:
+        return np.asarray(parts[0], dtype=np.int64)
+    if not parts:
+        return _EMPTY
+    if np.ndarray in map(type, parts):  # pieces from the cache among them
+        return np.concatenate([np.asarray(part, dtype=np.int64) for part in parts])
+    return np.array(list(chain.from_iterable(parts)), dtype=np.int64)  # one conversion, no array per part
 
 
 def piece_cuts(text: str, every: int) -> list[int]:
@@ -254,12 +288,197 @@ def piece_cuts(text: str, every: int) -> list[int]:
     return cuts
 
 
+# ---- ASCII text through byte-level BPE in Python (`AsciiByteLevelBPE`) ----
+
+# the Unicode classes of a split regex, as their ASCII members: letters, digits, and no marks
+_ASCII_CLASSES = {r"\p{L}": "A-Za-z", r"\p{N}": "0-9", r"\p{M}": ""}
+# escapes kept as they are: under re.ASCII, \s is [ \t\n\r\f\v], Unicode's White_Space (oniguruma's \s) on ASCII
+_KEPT_ESCAPES = frozenset((r"\s", r"\S", r"\r", r"\n", r"\t"))
+# other characters kept: ASCII letters, digits, spaces and the regex syntax of the split regexes (Qwen's, Llama 3's);
+# anything else is not translated (., \b, \w, anchors, capturing groups, lookbehinds, inline flags other than (?i:))
+_KEPT_SYNTAX = frozenset("'|?*+{},-)] ")
+
+
+def ascii_split_pattern(pattern: str) -> str | None:
+    r"""A Split pre-tokenizer's regex as a Python regex (compiled with re.ASCII) that finds the same pieces in ASCII
+    text: \p{L}, \p{N} and \p{M} become their ASCII members; None where the regex uses something not translated
+    (`AsciiByteLevelBPE.of` also checks the result against the tokenizer on probes)."""
+    out, i, in_class = [], 0, False
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            token = pattern[i:i + 5] if pattern.startswith("\\p{", i) else pattern[i:i + 2]
+            if token in _ASCII_CLASSES:
+                members = _ASCII_CLASSES[token]
+                out.append(members if in_class else f"[{members}]" if members else "(?!)")  # (?!): never matches
+            elif token in _KEPT_ESCAPES:
+                out.append(token)
+            else:
+                return None
+            i += len(token)
+        elif c == "(":
+            group = next((g for g in ("(?i:", "(?:", "(?!") if pattern.startswith(g, i)), None)
+            if group is None or in_class:
+                return None
+            out.append(group)
+            i += len(group)
+        elif c == "[":
+            if in_class:
+                return None
+            in_class = True
+            group = "[^" if pattern.startswith("[^", i) else "["
+            out.append(group)
+            i += len(group)
+        elif c.isascii() and (c.isalnum() or c in _KEPT_SYNTAX):
+            in_class = in_class and c != "]"
+            out.append(c)
+            i += 1
+        else:
+            return None
+    return "".join(out)
+
+
+def _byte_level_images() -> dict[int, str]:
+    """GPT-2's byte -> character map, as tokenizers' ByteLevel pre-tokenizer applies it: printable bytes stand for
+    themselves, the others for chr(256 + n) in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)]
+    images = {b: chr(b) for b in printable}
+    for b in range(256):
+        if b not in images:
+            images[b] = chr(256 + len(images) - len(printable))
+    return images
+
+
+# ASCII texts on which `AsciiByteLevelBPE.of` checks the Python path against the tokenizer itself: every ASCII
+# character, contractions in both cases, runs of every kind of whitespace, digits, punctuation and added tokens
+ASCII_PROBES = (
+    "".join(map(chr, range(128))),
+    "".join(map(chr, reversed(range(128)))),
+    "I'm you're he's they've we'll I'd don't I'M YOU'RE HE'S THEY'VE WE'LL I'D DON'T 's 'S 'st x'y ' '' 'll'd",
+    "a  b   c\t\td \n\n  \n e \r\n f\x0b\x0c g \x1c\x1d\x1e\x1f h   \n   \t\n\n\r\r\n \x7f end  ",
+    "Numbers 123456 3.14 1,000,000 x1y2 -42 +7% 2024-01-02 0x1F 007\n10000000000",
+    "!!! ... ?!? \"quoted\" 'single' (paren) [1] {a: b} a<b>c ~`@#$%^&*_=+\\|/ --- \t; :\n\n.\n,",
+    ("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n<|im_start|><|im_end|><<|mark|>>"
+     "<|split|><|im_start<|im_end|>|> <|endoftext|> x<|mark|>y"),
+    "Line one.\n\nLine two.\n", "  leading and trailing  ", "\n", " ", "\n\n", "a\n\nb", "A. see its color\n",
+    "When something reflects light, we can   _  .\nAnswer with the letter of the option that fits best (A to D) only.",
+)
+
+
+class AsciiByteLevelBPE:
+    """What a byte-level BPE tokenizer's `encode(text, add_special_tokens=False)` gives for ASCII text, computed in
+    Python: added tokens split out (leftmost, longest first, as tokenizers' added vocabulary matches them), the
+    pre-tokenizer's split regex run by Python's `re` (`ascii_split_pattern`), and each piece's ids from the
+    tokenizer's own BPE model (`model.tokenize` of its byte-level image), kept by piece.
+
+    Why: tokenizers spends ~1.5-2 us per pre-token around the BPE itself (a NormalizedString with alignment vectors
+    per piece, token strings and offsets per token): ~0.5 us a character of English text on a 2-core CPU, ~70 % of
+    a RACE request's prepare. Here it is the regex (~0.1 us a character) and a dictionary look-up per piece.
+
+    Built (`of`) only for the structure it reproduces: no normalizer but a Unicode normal form (ASCII text is left
+    as it is), a Sequence of an isolating Split regex that `ascii_split_pattern` translates and a ByteLevel without
+    prefix space or regex of its own, a BPE model without dropout or affixes, added tokens matched as written (not
+    normalized, no stripping, not single-word); and only when it equals the tokenizer on `ASCII_PROBES`. `encode`
+    answers None for text that is not ASCII, which the tokenizer then encodes."""
+
+    CACHE_PIECES = 1 << 16  # pieces kept (~10 MB at most); cleared when full (only speed depends on them)
+
+    def __init__(self, backend, split_re: re.Pattern, added: dict[str, int]):
+        self.backend, self.split_re, self.added = backend, split_re, added
+        self.model = backend.model
+        self.images = str.maketrans({chr(b): image for b, image in _byte_level_images().items() if b < 128})
+        longest_first = sorted(added, key=len, reverse=True)
+        self.added_re = re.compile("(" + "|".join(map(re.escape, longest_first)) + ")") if added else None
+        self.vocab_size = backend.get_vocab_size(with_added_tokens=True)  # tokens added later: back to the tokenizer
+        self.pieces: dict[str, tuple[int, ...]] = {}  # piece (as written) -> its ids
+
+    @classmethod
+    def of(cls, tokenizer) -> AsciiByteLevelBPE | None:
+        """The Python path for this (fast) tokenizer, or None where it does not have the structure reproduced."""
+        backend = getattr(tokenizer, "_tokenizer", None)
+        if backend is None or type(backend.model).__name__ != "BPE" or backend.pre_tokenizer is None:
+            return None
+        model = backend.model
+        if model.dropout or model.continuing_subword_prefix or model.end_of_word_suffix:
+            return None
+        normalizer = json.loads(backend.normalizer.__getstate__()) if backend.normalizer is not None else None
+        if normalizer is not None and normalizer.get("type") not in ("NFC", "NFD", "NFKC", "NFKD"):
+            return None
+        pre = json.loads(backend.pre_tokenizer.__getstate__())
+        steps = pre.get("pretokenizers") if pre.get("type") == "Sequence" else None
+        if not steps or len(steps) != 2:
+            return None
+        split, byte_level = steps
+        if (split.get("type") != "Split" or split.get("behavior") != "Isolated" or split.get("invert")
+                or "Regex" not in split.get("pattern", {}) or byte_level.get("type") != "ByteLevel"
+                or byte_level.get("add_prefix_space") or byte_level.get("use_regex")):
+            return None
+        pattern = ascii_split_pattern(split["pattern"]["Regex"])
+        try:
+            split_re = re.compile(pattern, re.ASCII) if pattern is not None else None
+        except re.error:
+            return None
+        if split_re is None or split_re.groups:  # (findall would return groups, not pieces)
+            return None
+        added = {}
+        for token_id, token in backend.get_added_tokens_decoder().items():
+            if token.normalized or token.lstrip or token.rstrip or token.single_word:
+                return None
+            added[token.content] = token_id
+        encoder = cls(backend, split_re, added)
+        for probe in ASCII_PROBES:
+            if encoder.encode(probe) != backend.encode(probe, add_special_tokens=False).ids:
+                log.info("flide: the Python byte-level BPE differs from the tokenizer on a probe; not used")
+                return None
+        encoder.pieces.clear()  # what the probes put there
+        return encoder
+
+    def current(self) -> bool:
+        """Whether the tokenizer still splits out the added tokens this was built with (asked once per batch): none
+        added since, and special tokens not set to be encoded as text (transformers sets that for a moment while it
+        encodes control tokens of user text)."""
+        return (not self.backend.encode_special_tokens
+                and self.backend.get_vocab_size(with_added_tokens=True) == self.vocab_size)
+
+    def encode(self, text: str) -> list[int] | None:
+        """The tokenizer's ids of `text` (no special tokens added), or None where the tokenizer must encode it."""
+        if not text.isascii():
+            return None
+        parts = self.added_re.split(text) if self.added_re is not None else (text,)
+        ids: list[int] = []
+        for index, part in enumerate(parts):
+            if index % 2:  # an added token (split's captured group)
+                ids.append(self.added[part])
+            elif part:
+                found = self.split_re.findall(part)
+                if len("".join(found)) != len(part):  # text between matches, which the tokenizer makes a piece
+                    return None
+                hits = list(map(self.pieces.get, found))
+                if None in hits:
+                    hits = [self._piece(piece) if got is None else got for piece, got in zip(found, hits)]
+                ids.extend(chain.from_iterable(hits))
+        return ids
+
+    def _piece(self, piece: str) -> tuple[int, ...]:
+        """A piece's ids from the BPE model, kept."""
+        ids = tuple(token.id for token in self.model.tokenize(piece.translate(self.images)))
+        if len(self.pieces) >= self.CACHE_PIECES:
+            self.pieces.clear()
+        self.pieces[piece] = ids
+        return ids
+
+
 class PromptTokenizer:
     """Renders and tokenizes decision prompts exactly as `transformers.decision.prepare_inputs` does, in two parts."""
 
     PIECE_CHARS = 2048  # a long trunk is encoded in pieces of about this size, in parallel (`encode_trunk`)
 
     PROBE = "\u2460"  # an instruction unlike any real one from its first character on
+
+    # tokenizers' pipeline spends ~2.5x what `ascii_bpe` does on a character on one thread (0.5 vs 0.2 us on RACE
+    # passages, 2-core EPYC); it runs a batch's items on every CPU (`_python_is_sooner`)
+    ASCII_SPEEDUP = 2.5
 
     def __init__(self, tokenizer, decision_config, mode: str = "auto", resolved: bool = False,
                  piece_cache: PieceCache | None = None,
@@ -288,9 +507,14 @@ class PromptTokenizer:
         self.sanitize = decision_config.sanitize_control_tokens
         if self.sanitize:
             # user text is marked with the template's control tokens; encoding splits at every added token's mark
-            self.control_re = _get_control_token_patterns(tok._get_control_tokens(self.chat_template))[0]
+            control_tokens = tok._get_control_tokens(self.chat_template)
+            self.control_re = _get_control_token_patterns(control_tokens)[0]
+            # no control token holds a newline: marking text cut right before a newline marks each part apart
+            self.marks_cut_at_newlines = not any("\n" in token for token in control_tokens)
             self.markers_re = _get_control_token_patterns(tuple(tok.added_tokens_encoder))[1]
         self.newline_ids = tok.encode("\n", add_special_tokens=False)
+        # ASCII pieces encoded in Python where that provably gives the tokenizer's ids (~3x faster); None: all Rust
+        self.ascii_bpe = AsciiByteLevelBPE.of(tok)
         if not resolved:
             from .split_check import resolve_tokenization
 
@@ -347,6 +571,26 @@ class PromptTokenizer:
         return self.tokenizer.apply_chat_template(conversation, chat_template=self.chat_template, tokenize=False,
                                                   **kwargs)
 
+    def render_prompts(self, state: Any, groups: list[list[Question]]) -> list[str]:
+        """`[self.render(state, group) for group in groups]`, marking a string state's control tokens once for all
+        its prompts (transformers marks each prompt whole: ~10 us a question for a RACE passage, more for longer
+        states). With DECISION_PROMPT inside a chat template that only prints the content, a prompt is the state
+        followed by a newline and the question's lines; no control token holds a newline, so no match crosses that
+        point and the marked prompt is the marked state followed by the marked rest."""
+        affixes = self.chat_affixes() if self.config.chat_template is None else None
+        if not (self.sanitize and affixes is not None and self.marks_cut_at_newlines and isinstance(state, str)
+                and state):
+            return [self.render(state, group) for group in groups]
+        marked_state = mark_control_tokens(state, self.control_re)
+        texts = []
+        for group in groups:
+            text = render_decision_prompt(state, group[0])
+            if text.startswith(state) and text.startswith("\n", len(state)):
+                texts.append(affixes.render(marked_state + mark_control_tokens(text[len(state):], self.control_re)))
+            else:
+                texts.append(self.render(state, group))
+        return texts
+
     def chat_affixes(self) -> ChatAffixes | None:
         """The chat template's prefix and suffix around a user message's content, where it provably only prints
         the content (flide/chat_template.py); None where each prompt must be rendered. Found once."""
@@ -401,15 +645,16 @@ class PromptTokenizer:
             spans.append((len(items), len(items) + len(bounds) - 1))
             items += [(text[a:b], i > 0) for i, (a, b) in enumerate(pairwise(bounds))]
         for text in tails:
-            bounds = [0, *piece_cuts(text, 1), len(text)] if text else [0, 0]
-            spans.append((len(items), len(items) + len(bounds) - 1))
-            items += [(text[a:b], True) for a, b in pairwise(bounds)]
-        parts = self._encode_many(items)
+            lines = safe_lines(text)  # [""] for an empty tail
+            spans.append((len(items), len(items) + len(lines)))
+            items += [(line, True) for line in lines]
+        parts = self._encode_many(items, arrays=False)
         encoded = [_join(parts[a:b]) for a, b in spans]
         return encoded[:len(trunks)], encoded[len(trunks):]
 
-    def _encode_many(self, items: list[tuple[str, bool]]) -> list[np.ndarray]:
-        """Each (text, is_tail) as `encode_tail(text)` (is_tail) or `encode(text)`, as int64 arrays. In split mode
+    def _encode_many(self, items: list[tuple[str, bool]], arrays: bool = True) -> list[np.ndarray | list[int]]:
+        """Each (text, is_tail) as `encode_tail(text)` (is_tail) or `encode(text)`, as int64 arrays (`arrays=False`:
+        the ones encoded here as lists, for `_join` to make one array of many: ~2 us an item less). In split mode
         pieces come from the piece cache when they can (and go into it). Texts holding a marked control token
         (sanitized user text) take the one-by-one path; the others go to the tokenizer in one batch, which runs them
         in parallel: a tail as transformers' `_encode_chat_piece` encodes it (after a newline that is then dropped,
@@ -417,24 +662,31 @@ class PromptTokenizer:
         lead. Items that repeat within the call (a request's questions end in the same template lines) are encoded
         once."""
         cache = self.piece_cache if self.mode == "split" else None
+        # a cache of 0 characters keeps nothing: not asked piece by piece, only told how many pieces it missed
+        keeps = cache is not None and cache.max_chars > 0
         out: list[np.ndarray | None] = [None] * len(items)
         batch, where = [], []
         first: dict[tuple[str, bool], int] = {}  # item -> where it first stands; repeats are filled from there
         repeats: list[tuple[int, int]] = []
+        misses = 0
         for i, (text, tail) in enumerate(items):
             if not text:
                 out[i] = _EMPTY
             elif (seen := first.setdefault((text, tail), i)) != i:
                 repeats.append((i, seen))
-            elif cache is not None and (ids := cache.get(text, tail)) is not None:
+            elif keeps and (ids := cache.get(text, tail)) is not None:
                 out[i] = ids
-            elif self.sanitize and self.markers_re.search(text):
-                out[i] = np.asarray(self.encode_tail(text) if tail else self.encode(text), dtype=np.int64)
-                if cache is not None:
-                    cache.put(text, tail, out[i])
             else:
-                batch.append("\n" + text if tail else text)
-                where.append(i)
+                misses += 1
+                if self.sanitize and self._has_markers(text):
+                    out[i] = np.asarray(self.encode_tail(text) if tail else self.encode(text), dtype=np.int64)
+                    if keeps:
+                        cache.put(text, tail, out[i])
+                else:
+                    batch.append("\n" + text if tail else text)
+                    where.append(i)
+        if cache is not None and not keeps:
+            cache.count_misses(misses)
         if batch:
             encoded = self._encode_batch(batch)
             newline = self.newline_ids
@@ -443,23 +695,50 @@ class PromptTokenizer:
                 if tail:
                     ids = ids[len(newline):] if ids[:len(newline)] == newline else self.tokenizer.encode(
                         text, add_special_tokens=False)
-                out[i] = np.asarray(ids, dtype=np.int64)
-                if cache is not None:
-                    cache.put(text, tail, out[i])
+                if arrays or keeps:
+                    ids = np.asarray(ids, dtype=np.int64)
+                    if keeps:
+                        cache.put(text, tail, ids)
+                out[i] = ids
         for i, seen in repeats:
             out[i] = out[seen]
         return out
+
+    def _python_is_sooner(self, texts: list[str]) -> bool:
+        """Whether `ascii_bpe` would encode the batch sooner than tokenizers, which spreads a batch's items over the
+        CPUs: its time is then its longest item's or an even share of the whole, whichever is longer. Batches of up
+        to a few pieces' characters stay in Python whatever the CPUs (a RACE request's, ~2k characters in ~30 items,
+        took as long in tokenizers on 2 threads as on 1 here); a long state's ~2k-character pieces go to
+        tokenizers where there are many CPUs."""
+        lengths = list(map(len, texts))
+        total = sum(lengths)
+        return (total <= 4 * self.PIECE_CHARS
+                or total <= self.ASCII_SPEEDUP * max(max(lengths, default=0), total / _CPUS))
+
+    def _has_markers(self, text: str) -> bool:
+        """`markers_re.search(text)`: every match of transformers' markers regex holds a marker character, and the
+        C-level `in` checks for them cost a fraction of the regex's scan (which ran on every piece of every prompt)."""
+        return (_CONTROL_TOKEN_START in text or _CONTROL_TOKEN_END in text) and self.markers_re.search(text) is not None
 
     def _encode_batch(self, texts: list[str]) -> list[list[int]]:
         """`tokenizer(texts, add_special_tokens=False)["input_ids"]`. A fast tokenizer's Rust backend is called
         directly when transformers' call would change nothing around it (no truncation or padding set on the
         backend, its special-token splitting as the tokenizer's): transformers then only converts each encoding to
-        Python dicts, ~5 us an item, and a request's tails are dozens of items. `encode_batch_fast` skips offsets."""
+        Python dicts, ~5 us an item, and a request's tails are dozens of items. `encode_batch_fast` skips offsets.
+        There, ASCII texts are encoded in Python (`ascii_bpe`, the same ids) where that is sooner than the backend's
+        parallel batch (`_python_is_sooner`), and the backend encodes the rest."""
         backend = getattr(self.tokenizer, "_tokenizer", None)
         if (backend is not None and backend.truncation is None and backend.padding is None
                 and backend.encode_special_tokens == bool(getattr(self.tokenizer, "split_special_tokens", False))):
-            encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
-            return [encoding.ids for encoding in encode(texts, add_special_tokens=False)]
+            out: list[list[int] | None] = [None] * len(texts)
+            if self.ascii_bpe is not None and self._python_is_sooner(texts) and self.ascii_bpe.current():
+                out = [self.ascii_bpe.encode(text) for text in texts]  # None where the tokenizer must encode it
+            rest = [i for i, ids in enumerate(out) if ids is None]
+            if rest:
+                encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
+                for i, encoding in zip(rest, encode([texts[i] for i in rest], add_special_tokens=False)):
+                    out[i] = encoding.ids
+            return out
         return self.tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
 
     def _trunk_prefixes(self, state: Any, groups: list[list[Question]], texts: list[str]) -> list[str]:
@@ -476,9 +755,9 @@ class PromptTokenizer:
         Any common prefix cut at a safe boundary is exact (`prepare`); this one is at least as long as the
         question-independent part of the prompt, without rendering probes when a type is asked twice or more
         (rendering is most of the host's cost: one probe instead of two, or none, saves a third of RACE's)."""
-        kinds: dict[str, list[int]] = {}
+        kinds: dict[tuple[str, ...], list[int]] = {}
         for index, group in enumerate(groups):
-            kinds.setdefault(json.dumps([q.type for q in group]), []).append(index)
+            kinds.setdefault(tuple(q.type for q in group), []).append(index)
         prefixes = [""] * len(groups)
         state_chars = len(state) if isinstance(state, str) else len(json.dumps(state, ensure_ascii=False))
         for members in kinds.values():
@@ -494,7 +773,9 @@ class PromptTokenizer:
                 probed = [Question(q.name, q.type, self.PROBE, q.options, q.labels, q.descriptions)
                           for q in group]
                 pool.append(self.render(state, probed))
-            length = min(common_prefix_length(pool[0], other) for other in pool[1:])
+            # the common prefix of a set of strings is that of its least and greatest: two C-level scans of the pool
+            # and one common_prefix_length, not one per prompt (MultiRC: 34 prompts of ~2k characters)
+            length = common_prefix_length(min(pool), max(pool))
             for i in members:
                 prefixes[i] = pool[0][:length]
         return prefixes
@@ -504,7 +785,7 @@ class PromptTokenizer:
         """Renders and tokenizes one request. Keeps no state between calls, but transformers' fast tokenizers flip
         a flag while encoding control tokens as text: give each thread its own tokenizer (see `copy_for_thread`)."""
         groups = [questions] if self.groups_all else [[q] for q in questions]
-        texts = [self.render(state, group) for group in groups]
+        texts = self.render_prompts(state, groups)
         prefixes = self._trunk_prefixes(state, groups, texts) if self.mode != "full" else [""] * len(groups)
         trunk_ids: dict[str, int] = {}
         trunks: list[_Trunk] = []
@@ -537,6 +818,17 @@ class PromptTokenizer:
         or the last token of a prompt without marks. Marks are counted over trunk + tail without joining them (the
         trunk's part is counted once per trunk: an agent's history is long, its questions' tails short)."""
         branch_tokens, tail_marks = _drop_sentinels(tail, self.mark_id, self.split_id)
+        if not len(tail_marks) and not len(head.marks):
+            # no marks (DECISION_PROMPT): one read, at the last token; what the general path below does then, without
+            # its numpy calls (~8 us a question)
+            n = head.kept_count + len(branch_tokens)
+            if len(group) != 1:
+                raise RequestError("questions", f"the decision template placed 1 marks for {len(group)} question(s).",
+                                   400)
+            if n < 1:
+                raise RequestError("questions", "the decision template reads before the first token.", 400)
+            return Branch(trunk_index, branch_tokens, np.array([n - 1], dtype=np.int64), list(group),
+                          branch_tokens[len(branch_tokens):])
         if len(tail_marks):
             tail_marks = head.kept_count + tail_marks
         marks = np.concatenate([head.marks, tail_marks]) if len(head.marks) else tail_marks

@@ -79,3 +79,16 @@ def test_the_engine_takes_its_bound_from_the_config():
     assert flide.patch(model, tok).prompts.piece_cache.max_chars == 1 << 23
     with pytest.raises(ValueError, match="runtime.piece_cache_chars"):
         load_config({"runtime": {"piece_cache_chars": -1}})
+
+
+def test_a_cache_of_no_characters_counts_what_it_misses():
+    """A cache of 0 characters is not asked piece by piece, but still counts each piece encoded as a miss (the
+    flide_piece_cache_misses metric), as many as a cache that keeps them misses on the same first request."""
+    tok, config = tiny_tokenizer(), DecisionConfig()
+    rng = random.Random(3)
+    for _ in range(10):
+        state, questions = parse_request(random_request(rng, max_questions=6, max_words=200), config, 64)
+        off, on = PieceCache(0), PieceCache(1 << 20)
+        PromptTokenizer(tok, config, piece_cache=off).prepare(state, questions)
+        PromptTokenizer(tok, config, piece_cache=on).prepare(state, questions)
+        assert off.misses == on.misses > 0 and off.hits == on.hits == 0 and len(off) == 0

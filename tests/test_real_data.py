@@ -156,3 +156,29 @@ def test_swe_agent_trajectories_grow():
     assert trajectories and all(1 <= len(states) <= 5 for states in trajectories)
     for states in trajectories:  # each step's state extends the one before (a growing history)
         assert all(later.startswith(earlier) and len(later) > len(earlier) for earlier, later in zip(states, states[1:]))
+
+
+def test_ascii_text_encoded_in_python_equals_the_qwen_tokenizer(qwen_tokenizer):
+    """Qwen3.5's tokenizer gets the Python path for ASCII text (flide.requests.AsciiByteLevelBPE), and it gives the
+    tokenizer's ids on the datasets' texts (whole, and line by line as tails are encoded) and on random ASCII."""
+    import random
+
+    from flide.requests import AsciiByteLevelBPE
+
+    encoder = AsciiByteLevelBPE.of(qwen_tokenizer)
+    assert encoder is not None
+    backend = qwen_tokenizer._tokenizer
+    texts = [r["state"] for r in workloads.race(limit=40) + workloads.multirc(limit=10) + workloads.quality(limit=2)]
+    texts += ["\n" + line for text in texts[:20] for line in text.split("\n")]
+    rng = random.Random(4)
+    alphabet = [chr(c) for c in range(128)] + ["'s", "'LL", "  ", "\r\n", "<|im_end|>", "<|mark|>", "<think>", "123"]
+    texts += ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 60))) for _ in range(2000)]
+    checked = 0
+    for text in texts:
+        got = encoder.encode(text)
+        if got is None:
+            assert not text.isascii()
+            continue
+        assert got == backend.encode(text, add_special_tokens=False).ids, repr(text[:80])
+        checked += 1
+    assert checked > 2000

@@ -822,11 +822,7 @@ class PromptTokenizer:
             # no marks (DECISION_PROMPT): one read, at the last token; what the general path below does then, without
             # its numpy calls (~8 us a question)
             n = head.kept_count + len(branch_tokens)
-            if len(group) != 1:
-                raise RequestError("questions", f"the decision template placed 1 marks for {len(group)} question(s).",
-                                   400)
-            if n < 1:
-                raise RequestError("questions", "the decision template reads before the first token.", 400)
+            _check_marks(1, len(group), n)
             return Branch(trunk_index, branch_tokens, np.array([n - 1], dtype=np.int64), list(group),
                           branch_tokens[len(branch_tokens):])
         if len(tail_marks):
@@ -834,15 +830,21 @@ class PromptTokenizer:
         marks = np.concatenate([head.marks, tail_marks]) if len(head.marks) else tail_marks
         if len(marks) == 0:
             marks = np.asarray([head.kept_count + len(branch_tokens)])
-        if len(marks) != len(group):
-            raise RequestError("questions", f"the decision template placed {len(marks)} marks for {len(group)} "
-                                            f"question(s).", 400)
-        if (marks < 1).any():
-            raise RequestError("questions", "the decision template reads before the first token.", 400)
+        _check_marks(len(marks), len(group), int(marks.min()))
         last = int(marks[-1])
         after_last_mark = (branch_tokens[last - head.kept_count:] if last >= head.kept_count
                            else np.concatenate([head.kept[last:], branch_tokens]))
         return Branch(trunk_index, branch_tokens, (marks - 1).astype(np.int64), list(group), after_last_mark)
+
+
+def _check_marks(count: int, questions: int, first: int) -> None:
+    """The template placed `count` marks, the earliest at token `first` (its read at `first - 1`): there must be one
+    per question and no read before the first token, else a RequestError naming the questions."""
+    if count != questions:
+        raise RequestError("questions", f"the decision template placed {count} marks for {questions} question(s).",
+                           400)
+    if first < 1:
+        raise RequestError("questions", "the decision template reads before the first token.", 400)
 
 
 def tokenize_request(request: Any, prompts: "PromptTokenizer", max_questions: int) -> PreparedRequest:

@@ -265,7 +265,7 @@ else:
         (260, (1, 2, 16, 16), True, 50),  # questions over several 16-token chunks, the last one partial
     ]
 
-    @pytest.mark.parametrize("form", delta_branches.INTERPRETED_FORMS)
+    @pytest.mark.parametrize("form", delta_branches.FORMS)
     @pytest.mark.parametrize("tokens,heads,l2norm,longest", BRANCH_CASES,
                              ids=[f"T{t}-Hk{h[0]}-Hv{h[1]}-K{h[2]}-V{h[3]}-{'l2' if n else 'nol2'}-Q{m}"
                                   for t, h, n, m in BRANCH_CASES])
@@ -331,7 +331,7 @@ else:
     def test_gated_delta_questions_wy_kernel_is_interpreted():
         assert isinstance(delta_wy._chain_kernel, InterpretedFunction)
 
-    @pytest.mark.parametrize("form", delta_branches.INTERPRETED_FORMS)
+    @pytest.mark.parametrize("form", delta_branches.FORMS)
     def test_gated_delta_branches_from_zero_and_empty_rows(form):
         """Index -1 starts from a zero state (no state tensor at all: M = 0), and length-0 rows (the bucket's spare
         capacity) write nothing."""

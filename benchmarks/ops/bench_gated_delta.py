@@ -65,17 +65,15 @@ CHUNK = 64
 # The recurrent form's third element: row programs (branches.ROW_PROGRAMS; 0 = a program per row)
 SWEEP = {"recurrent": [(8, 1), (32, 1), (32, 2), (64, 2), (64, 4), (16, 1, 16), (16, 1, 32), (16, 1, 64),
                        (16, 1, 128), (32, 1, 64)],
-         "chunk": [(32, 4), (64, 8), (128, 4), (128, 8), (64, 4, 32), (64, 8, 32), (128, 8, 32)],
-         # the recurrent form in Gluon (branches_gluon.py): (value columns, lanes along K), one warp
-         "gluon": [(4, 8), (8, 8), (8, 16), (16, 4), (16, 16), (32, 8), (8, 4)]}
+         "chunk": [(32, 4), (64, 8), (128, 4), (128, 8), (64, 4, 32), (64, 8, 32), (128, 8, 32)]}
 
 
-def tile_label(tiles: tuple[int, ...] | None, third: str = "C", second: str = "w") -> str:
-    """`[BV16,w1]` / `[BV64,w4,C32]` (chunk) / `[BV16,w1,P64]` (row programs) / `[BV8,LK8]` (gluon: lanes along K)
-    for swept tiles; empty for the form's defaults."""
+def tile_label(tiles: tuple[int, ...] | None, third: str = "C") -> str:
+    """`[BV16,w1]` / `[BV64,w4,C32]` (chunk) / `[BV16,w1,P64]` (row programs) for swept tiles; empty for the form's
+    defaults."""
     if not tiles:
         return ""
-    return f"[BV{tiles[0]},{second}{tiles[1]}" + (f",{third}{tiles[2]}" if len(tiles) > 2 else "") + "]"
+    return f"[BV{tiles[0]},w{tiles[1]}" + (f",{third}{tiles[2]}" if len(tiles) > 2 else "") + "]"
 
 
 def stream(requests: int, state: int, questions: int, question: int, bucketed: bool = False):
@@ -164,8 +162,7 @@ def main() -> None:
                 _, finals = fns["fork"]()
                 for form in branches.FORMS:
                     for tiles in (None, *(SWEEP[form] if args.sweep else ())):  # None: the form's default tiles
-                        tag = tile_label(tiles, "C" if form == "chunk" else "P", "LK" if form == "gluon" else "w")
-                        label = f"questions:{form}{tag}"
+                        label = f"questions:{form}{tile_label(tiles, 'C' if form == 'chunk' else 'P')}"
                         fns[label] = partial(branches.branches, q, kk, vv, decay, beta, r.branch_start, r.branch_len,
                                              finals, r.branch_state, scale, True, form=form, tiles=tiles)
             states = int((r.state_len > 0).sum())

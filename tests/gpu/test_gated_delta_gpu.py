@@ -131,7 +131,7 @@ def test_fla_fork_odd_lengths_stream_full_to_the_end(dtype):
         assert rel_err(o[start:start + n], ref_o[start:start + n]) < TOL[dtype]
 
 
-@pytest.mark.parametrize("form", ["chunk", "gluon", "recurrent", "gluon:8,8", "gluon:32,8", "gluon:8,16"])
+@pytest.mark.parametrize("form", ["chunk", "recurrent"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("heads", [(16, 16), (16, 32)], ids=["Hk16-Hv16", "Hk16-Hv32"])
 def test_branch_kernel_matches_reference_at_qwen_shapes(dtype, heads, form):
@@ -153,9 +153,7 @@ def test_branch_kernel_matches_reference_at_qwen_shapes(dtype, heads, form):
     args = (meta["branch_start"], meta["branch_len"], finals, meta["branch_state"], 128 ** -0.5, True)
     ref_o, _ = kernel("reference")(q.float(), k.float(), v.float(), decay, beta.float(), *args)
     out = torch.full((tokens, hv, 128), float("nan"), dtype=dtype, device="cuda")
-    form, _, tiles = form.partition(":")  # gluon:BV,LANES_K: other gluon tiles
-    tiles = tuple(int(x) for x in tiles.split(",")) if tiles else None
-    o = branches.branches(q, k, v, decay, beta, *args, out=out, form=form, tiles=tiles)
+    o = branches.branches(q, k, v, decay, beta, *args, out=out, form=form)
     first = int(meta["branch_start"][0])
     assert torch.isfinite(o[first:]).all() and o[:first].isnan().all()  # question rows written, state rows not
     assert rel_err(o[first:], ref_o[first:]) < (1e-5 if dtype == torch.float32 else 1e-2)
@@ -182,36 +180,6 @@ def test_branch_kernel_row_programs_keep_the_bits(dtype, row_programs):
     one = branches.branches(*args, tiles=(16, 1, 0))[first:]
     looped = branches.branches(*args, tiles=(16, 1, row_programs))[first:]
     assert torch.isfinite(one).all() and torch.equal(looped, one)
-
-
-@pytest.mark.parametrize("l2norm", [True, False], ids=["l2", "nol2"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_gluon_branch_kernel_keeps_a_question_bits_alone(dtype, l2norm):
-    """The gluon question kernel is batch-invariant: each question's outputs have the same bits when it is the only
-    row of its call (the others' lengths 0) as in the whole round, and match the Triton kernel within rounding."""
-    from flide.ops.gated_delta import branches
-
-    tokens, meta = segments_round([1, 63, 64, 65, 500], [1, 63, 64, 65, 40, 1, 7, 130], [0, 1, 2, 3, 4, 4, 0, 2],
-                                  6, 12)
-    g = torch.Generator(device="cuda").manual_seed(29)
-    q, k = (torch.randn(tokens, 16, 128, device="cuda", generator=g).to(dtype) for _ in range(2))
-    v = torch.randn(tokens, 16, 128, device="cuda", generator=g).to(dtype)
-    decay = -F.softplus(torch.randn(tokens, 16, device="cuda", generator=g)) * 0.5
-    beta = torch.sigmoid(torch.randn(tokens, 16, device="cuda", generator=g)).to(dtype)
-    finals = torch.randn(6, 16, 128, 128, device="cuda", generator=g) * 0.1
-    start, length = meta["branch_start"], meta["branch_len"]
-
-    def call(lengths, form="gluon"):
-        return branches.branches(q, k, v, decay, beta, start, lengths, finals, meta["branch_state"], 128 ** -0.5,
-                                 l2norm, out=torch.zeros(tokens, 16, 128, dtype=dtype, device="cuda"), form=form)
-
-    whole = call(length)
-    first = int(start[0])
-    assert rel_err(whole[first:], call(length, "recurrent")[first:]) < (1e-5 if dtype == torch.float32 else 1e-2)
-    for i in range(int((length > 0).sum())):
-        alone = call(torch.where(torch.arange(length.shape[0], device="cuda") == i, length, 0))
-        rows = slice(int(start[i]), int(start[i] + length[i]))
-        assert torch.equal(alone[rows], whole[rows]), f"question {i}"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -117,7 +117,7 @@ def gated_delta_branches_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     from . import branches  # imported on first use: `import flide` must not need triton
 
     return branches.branches(q, k, v, g, beta, seg_start, seg_len, initial_state, initial_index, scale,
-                             use_qk_l2norm, form=branches.default_form(q, k, v))
+                             use_qk_l2norm)
 
 
 @gated_delta_branches_triton.register_fake

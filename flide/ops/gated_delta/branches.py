@@ -71,22 +71,7 @@ ROW_PROGRAMS = 0
 CHUNK = 16
 CHUNK_BLOCK_V = 64
 CHUNK_NUM_WARPS = 4
-FORMS = ("chunk", "gluon", "recurrent")
-INTERPRETED_FORMS = ("chunk", "recurrent")  # Gluon kernels do not run in Triton's CPU interpreter
-# The form of the fork's question call (`flide::gated_delta_branches_triton`, `default_form`)
-DEFAULT_FORM = "recurrent"
-
-
-def default_form(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
-    """DEFAULT_FORM where it runs on these tensors, else `recurrent`: the gluon form needs CUDA, a Triton with Gluon
-    and its default tiles to fit the heads. Decided by the model's shapes alone, never by a round's contents, so
-    a question gets the same kernel (the same bits) whatever else is in its round."""
-    if DEFAULT_FORM != "gluon":
-        return DEFAULT_FORM
-    from . import branches_gluon
-
-    fits = branches_gluon.tiles_ok(k.shape[2], v.shape[2], branches_gluon.BLOCK_V, branches_gluon.LANES_K)
-    return "gluon" if q.is_cuda and branches_gluon.available() and fits else "recurrent"
+FORMS = ("chunk", "recurrent")
 
 
 @triton.jit
@@ -308,10 +293,6 @@ def branches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
         return o
     meta = (q, k, v, g, beta, o, h0, seg_start.contiguous(), seg_len.contiguous(), initial_index.contiguous(),
             float(scale))
-    if form == "gluon":  # the recurrent form with explicit register layouts (branches_gluon.py)
-        from .branches_gluon import branches_gluon
-
-        return branches_gluon(*meta, use_qk_l2norm, tiles)
     BK = max(16, triton.next_power_of_2(K))  # tl.dot needs 16 at least
     if tiles is not None and len(tiles) not in (2, 3):
         raise ValueError(f"`tiles` of the {form} form: (value columns, warps"

@@ -53,6 +53,12 @@ import triton.language as tl
 # 0.0373 ms, 16 RACE 0.294 vs 0.288, sweep 1 0.0676 vs 0.0674): a program is one warp issuing ~16 x 128 x 6 fp32
 # operations a token, and the few warps an SM holds for a question call cannot hide their latencies. Dropped: what
 # would move this kernel is tensor cores (the chunked form), which the Triton chunk form above did not get out of.
+# A Gluon version with explicit register layouts (edabb82, reverted): q, k and the output lived in the state slice's
+# own slice layouts, so a token step had no shared-memory layout conversions (the sm_90 SASS of this kernel's step
+# has 9 STS, 33 LDS and 3 BAR among ~490 instructions; the Gluon step none among ~490). It was NOT faster
+# (2026-12-01, `ops_gated_delta_gluon_h200.md`, 16 columns / 8 lanes along K: RACE@bucket 0.046 vs 0.037 ms, sweep 1
+# 0.094 vs 0.067, 64 x RACE 1.12 vs 0.92; other tiles 0.037-0.20 / 0.074-0.20 / 0.94-2.5; end to end RACE 4.16 vs
+# 4.27 ms, sweep 1 12.9 vs 12.8, `h200_profile_0_8b_gluon.json`): the conversions are off the step's critical path.
 BLOCK_V = 16
 NUM_WARPS = 1
 NUM_STAGES = 3  # the next tokens' q/k/v loads in flight while this one's update runs

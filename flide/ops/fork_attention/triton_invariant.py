@@ -120,56 +120,31 @@ def default_config(head_dim: int, dtype: torch.dtype) -> Config:
 @triton.jit
 def _tile(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d, offs_dv, start, hi, active, row_lo,
           row_hi, qk_scale, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-          EVEN_D: tl.constexpr, PRECISION: tl.constexpr, FULL: tl.constexpr):
+          EVEN_D: tl.constexpr, PRECISION: tl.constexpr):
     """One tile of keys [start, start + BLOCK_N), loaded where < hi. An active row sees the keys in its
     [row_lo, row_hi); inactive rows see none. A row that sees no key of the tile keeps acc, l and m exactly (alpha
-    selected as 1.0, p = +0).
-
-    FULL: the caller checked that every row of the block is active and sees every key of the tile (the tiles of a
-    long causal scan left of the block's first row, the whole tiles of a state under a block of its questions):
-    then the per-element visibility mask, the bounds of the loads and the per-row `touched` test are skipped. The
-    arithmetic stays the masked path's, step for step: the scores still pass through a select (with an all-true
-    condition), so the scale is never contracted into `qk - m` as an FMA where the masked path cannot contract it,
-    and every other value is computed by the same operations on the same inputs. A row's bits therefore do not
-    depend on which path a tile takes (which does depend on the block), as tests/gpu/
-    test_fork_attention_invariant_gpu.py checks bitwise over random layouts."""
+    selected as 1.0, p = +0)."""
     keys = start + offs_n
+    in_range = keys < hi
     k_ptrs = k_base + keys[:, None] * stride_kt + offs_d[None, :]
     v_ptrs = v_base + keys[:, None] * stride_vt + offs_dv[None, :]
-    if FULL:
-        if EVEN_D:
-            k = tl.load(k_ptrs)
-        else:
-            k = tl.load(k_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
-    else:
-        in_range = keys < hi
-        k_mask = in_range[:, None]
-        v_mask = in_range[:, None]
-        if not EVEN_D:
-            k_mask = k_mask & (offs_d[None, :] < HEAD_DIM)
-            v_mask = v_mask & (offs_dv[None, :] < HEAD_DIM_V)
-        k = tl.load(k_ptrs, mask=k_mask, other=0.0)
+    k_mask = in_range[:, None]
+    v_mask = in_range[:, None]
+    if not EVEN_D:
+        k_mask = k_mask & (offs_d[None, :] < HEAD_DIM)
+        v_mask = v_mask & (offs_dv[None, :] < HEAD_DIM_V)
+    k = tl.load(k_ptrs, mask=k_mask, other=0.0)
     qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # log2 units: exp2 below
-    if FULL:
-        qk = tl.where(active[:, None], qk, float("-inf"))  # all true: the masked path's select, kept (see above)
-        touched = active
-    else:
-        # lo <= s < hi as one unsigned compare: (s - lo) wraps past hi - lo when s < lo
-        seen = (keys[None, :] - row_lo[:, None]).to(tl.uint32, bitcast=True) < (row_hi - row_lo).to(
-            tl.uint32, bitcast=True)[:, None]
-        qk = tl.where(active[:, None] & seen, qk, float("-inf"))
-        touched = active & (start < row_hi) & (start + BLOCK_N > row_lo)  # the row sees a key of this tile
+    # lo <= s < hi as one unsigned compare: (s - lo) wraps past hi - lo when s < lo
+    seen = (keys[None, :] - row_lo[:, None]).to(tl.uint32, bitcast=True) < (row_hi - row_lo).to(tl.uint32,
+                                                                                               bitcast=True)[:, None]
+    qk = tl.where(active[:, None] & seen, qk, float("-inf"))
+    touched = active & (start < row_hi) & (start + BLOCK_N > row_lo)  # the row sees a key of this tile
     m_new = tl.maximum(m_i, tl.max(qk, 1))  # untouched rows: max(m, -inf) = m
     p = tl.math.exp2(qk - m_new[:, None])  # m_new finite: masked entries are exactly +0
     alpha = tl.where(touched, tl.math.exp2(m_i - m_new), 1.0)
     l_i = l_i * alpha + tl.sum(p, 1)
-    if FULL:
-        if EVEN_D:
-            v = tl.load(v_ptrs)
-        else:
-            v = tl.load(v_ptrs, mask=offs_dv[None, :] < HEAD_DIM_V, other=0.0)
-    else:
-        v = tl.load(v_ptrs, mask=v_mask, other=0.0)
+    v = tl.load(v_ptrs, mask=v_mask, other=0.0)
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
     return acc, l_i, m_new
@@ -258,28 +233,12 @@ def _fork_attention_invariant_kernel(q_ptr, k_ptr, v_ptr, o_ptr, seg_lo_ptr, tru
             svt = tl.where(phase == 0, stride_pvt, stride_vt)
         else:
             kb, vb, skt, svt = k_base, v_base, stride_kt, stride_vt
-        # The range's tiles start at cur + j * BLOCK_N, j < n_t. Tiles j_a <= j < j_b are whole for every row of the
-        # block (all rows active in the range, each tile inside every row's [row_lo, row_hi)): they take the FULL
-        # path. Three loops in the one order of the tiles (masked before, full, masked after), each without a branch
-        # inside, so each keeps Triton's software pipelining of its loads.
-        n_t = (hi - cur + BLOCK_N - 1) // BLOCK_N
-        all_active = tl.min(active.to(tl.int32), 0) == 1
-        # all active: row_lo >= cur and row_hi > cur for every row (the differences below are >= 0)
-        j_a = tl.where(all_active, (tl.max(row_lo, 0) - cur + BLOCK_N - 1) // BLOCK_N, n_t)
-        j_b = tl.where(all_active, (tl.min(row_hi, 0) - cur) // BLOCK_N, n_t)
-        j_a = tl.minimum(j_a, n_t)
-        j_b = tl.minimum(tl.maximum(j_b, j_a), n_t)
-        for start in range(cur, cur + j_a * BLOCK_N, BLOCK_N):
-            acc, l_i, m_i = _tile(acc, l_i, m_i, q, kb, vb, skt, svt, offs_n, offs_d, offs_dv, start, hi, active,
-                                  row_lo, row_hi, qk_scale, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, PRECISION, False)
-        for start in range(cur + j_a * BLOCK_N, cur + j_b * BLOCK_N, BLOCK_N):
-            acc, l_i, m_i = _tile(acc, l_i, m_i, q, kb, vb, skt, svt, offs_n, offs_d, offs_dv, start, hi, active,
-                                  row_lo, row_hi, qk_scale, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, PRECISION, True)
-        for start in range(cur + j_b * BLOCK_N, hi, BLOCK_N):
-            acc, l_i, m_i = _tile(acc, l_i, m_i, q, kb, vb, skt, svt, offs_n, offs_d, offs_dv, start, hi, active,
-                                  row_lo, row_hi, qk_scale, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, PRECISION, False)
-        if STATS:
-            n_tiles += n_t
+        for start in range(cur, hi, BLOCK_N):
+            acc, l_i, m_i = _tile(acc, l_i, m_i, q, kb, vb, skt, svt, offs_n, offs_d, offs_dv,
+                                  start, hi, active, row_lo, row_hi, qk_scale, BLOCK_N, HEAD_DIM, HEAD_DIM_V,
+                                  EVEN_D, PRECISION)
+            if STATS:
+                n_tiles += 1
         nxt = tl.min(tl.where(row_id > cur, row_id, BIG), 0)
         # the phase's last range done: on to the next phase that has one (phase 3 may have none: then cur = BIG)
         to_a = (nxt == BIG) & (phase == 0) & (first_a < BIG)

@@ -82,6 +82,14 @@ requests padded to 30,720 tokens 3,330 / 3,170 (1.05x).
   (triton.py: none); 128 x 32 x 8 x 3 spills none (bench_fork_attention_invariant.py --sweep times both). Dim 128 and
   fp32 tiles: none or a few bytes.
 So expect ~1.0x-1.3x triton.py's time.
+Measured (H200, 2026-12-01, `benchmarks/results/ops_fork_attention_invariant_h200.md`): 1.5x triton.py's time on a
+2,000-token state (0.8B: 0.255 vs 0.169 ms), 1.0x on 64 RACE requests. Tried and reverted (388e74e,
+`h200_profile_attention_experiments.json`): a FULL path for tiles whole for every row of the block (no visibility
+mask, no load bounds; the score select kept so the bits stay the masked path's: the GPU invariance tests passed
+bitwise) took QuALITY's attention from 4.71 to 4.44 ms (0.8B) and 12.4 to 11.2 (4B), but RACE's from 0.150 to
+0.169 and 64 RACE from 0.307 to 0.338: the mask is not what costs 1.5x on long states (the 140-byte spills of the
+default tile may be). Other tiles (--sweep): [M64, N32, w4, s2] is faster on the op streams (0.216 ms on the
+2,000-token state) but slower on QuALITY's 8k-token state (5.62 vs 4.71 ms end to end): the default stays.
 
 Runs on CPU tensors under TRITON_INTERPRET=1 (read by `triton.jit` when this module is imported), which is how the CPU
 tests check it (tests/test_fork_attention_invariant.py); the GPU checks are tests/gpu/

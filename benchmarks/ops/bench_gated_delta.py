@@ -65,10 +65,7 @@ CHUNK = 64
 # The recurrent form's third element: row programs (branches.ROW_PROGRAMS; 0 = a program per row)
 SWEEP = {"recurrent": [(8, 1), (32, 1), (32, 2), (64, 2), (64, 4), (16, 1, 16), (16, 1, 32), (16, 1, 64),
                        (16, 1, 128), (32, 1, 64)],
-         "chunk": [(32, 4), (64, 8), (128, 4), (128, 8), (64, 4, 32), (64, 8, 32), (128, 8, 32)],
-         # our WY kernel over 16-token sub-chunks, then the chain (questions_wy.questions_chunked): the chain's
-         # (value columns, warps, stages)
-         "wy": [(16, 1, 2), (16, 4, 2), (32, 2, 2), (64, 4, 2), (64, 8, 2), (32, 4, 1), (32, 4, 3)]}
+         "chunk": [(32, 4), (64, 8), (128, 4), (128, 8), (64, 4, 32), (64, 8, 32), (128, 8, 32)]}
 
 
 def tile_label(tiles: tuple[int, ...] | None, third: str = "C") -> str:
@@ -165,7 +162,7 @@ def main() -> None:
                 _, finals = fns["fork"]()
                 for form in branches.FORMS:
                     for tiles in (None, *(SWEEP[form] if args.sweep else ())):  # None: the form's default tiles
-                        label = f"questions:{form}{tile_label(tiles, {'chunk': 'C', 'wy': 'S'}.get(form, 'P'))}"
+                        label = f"questions:{form}{tile_label(tiles, 'C' if form == 'chunk' else 'P')}"
                         fns[label] = partial(branches.branches, q, kk, vv, decay, beta, r.branch_start, r.branch_len,
                                              finals, r.branch_state, scale, True, form=form, tiles=tiles)
             states = int((r.state_len > 0).sum())

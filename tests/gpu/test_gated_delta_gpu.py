@@ -131,7 +131,7 @@ def test_fla_fork_odd_lengths_stream_full_to_the_end(dtype):
         assert rel_err(o[start:start + n], ref_o[start:start + n]) < TOL[dtype]
 
 
-@pytest.mark.parametrize("form", ["chunk", "recurrent", "wy"])
+@pytest.mark.parametrize("form", ["chunk", "recurrent"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("heads", [(16, 16), (16, 32)], ids=["Hk16-Hv16", "Hk16-Hv32"])
 def test_branch_kernel_matches_reference_at_qwen_shapes(dtype, heads, form):

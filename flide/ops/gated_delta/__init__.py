@@ -1,9 +1,7 @@
 """flide::gated_delta_* custom ops and the two-call fork built on them. Variants: `reference` (pure torch, any
 device), `fla` (fla-core's chunked Triton kernels with fixed-capacity chunk lists built on the GPU for the states,
-and our recurrent Triton kernel, `branches.py`, for the questions; CUDA), `fla_chunked` (the `fla` state call;
-the questions in 16-token sub-chunks, our own WY kernel then the chain, `questions_wy.questions_chunked`; CUDA),
-`fla_wy` (the same state call, whose chunk-local steps also prepare the questions' WY form, and our chunked
-question kernel, `questions_wy.py`; CUDA)."""
+and our recurrent Triton kernel, `branches.py`, for the questions; CUDA), `fla_wy` (the same state call, whose
+chunk-local steps also prepare the questions' WY form, and our chunked question kernel, `questions_wy.py`; CUDA)."""
 
 from __future__ import annotations
 
@@ -127,38 +125,6 @@ def _fake_branches(q, k, v, g, beta, seg_start, seg_len, initial_state, initial_
     return q.new_empty(v.shape)
 
 
-@torch.library.custom_op("flide::gated_delta_branches_chunked", mutates_args=(), device_types="cuda")
-def gated_delta_branches_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                                 beta: torch.Tensor, seg_start: torch.Tensor, seg_len: torch.Tensor,
-                                 initial_state: torch.Tensor, initial_index: torch.Tensor, scale: float,
-                                 use_qk_l2norm: bool) -> torch.Tensor:
-    """The question call in 16-token sub-chunks (`questions_wy.questions_chunked`): our WY kernel, then the chain."""
-    from . import branches
-
-    return branches.branches(q, k, v, g, beta, seg_start, seg_len, initial_state, initial_index, scale,
-                             use_qk_l2norm, form="wy")
-
-
-gated_delta_branches_chunked.register_fake(_fake_branches)
-
-
-@torch.library.custom_op("flide::gated_delta_fla_chunked", mutates_args=(), device_types="cuda")
-def gated_delta_fla_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                            seg_start: torch.Tensor, seg_len: torch.Tensor, initial_state: torch.Tensor,
-                            initial_index: torch.Tensor, scale: float,
-                            use_qk_l2norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The `fla` variant's op under the `fla_chunked` name: the same calls outside a fork; in a fork its questions
-    run in 16-token sub-chunks (BRANCH_KERNELS)."""
-    return fla.gated_delta(q, k, v, g, beta, seg_start, seg_len, initial_state, initial_index, scale, use_qk_l2norm)
-
-
-gated_delta_fla_chunked.register_fake(_fake)
-register("gated_delta", "fla_chunked", available=fla.available, batch_invariant=True)(gated_delta_fla_chunked)
-gated_delta_fla_chunked_resumable = register_resumable("gated_delta", "fla_chunked")(
-    gated_delta_with_snapshot(gated_delta_fla_chunked, rest=_rests_triton, short=_short_states_triton,
-                              short_tokens=RESUME_SHORT_TOKENS))
-
-
 @torch.library.custom_op("flide::gated_delta_fla_wy", mutates_args=(), device_types="cuda")
 def gated_delta_fla_wy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                        seg_start: torch.Tensor, seg_len: torch.Tensor, initial_state: torch.Tensor,
@@ -211,16 +177,13 @@ def _fake_questions_wy(q, k, w, u, gamma, seg_start, seg_len, initial_state, ini
 # The question call of a variant's fork, where a faster one than the variant itself exists: it returns only the
 # outputs (the questions' final states are never read) and reads each branch's initial state in place by index.
 BRANCH_KERNELS = {gated_delta_fla: gated_delta_branches_triton, gated_delta_fla_resumable: gated_delta_branches_triton,
-                  gated_delta_fla_chunked: gated_delta_branches_chunked,
-                  gated_delta_fla_chunked_resumable: gated_delta_branches_chunked,
                   gated_delta_fla_wy: gated_delta_questions_wy,
                   gated_delta_fla_wy_resumable: gated_delta_branches_triton}
 # variants whose state call can take the round's tables (`fork_tables`) instead of deriving them from the segment
 # lists in every layer: on the H200 that derivation was ~26 small launches per GDN layer (cumsums, searchsorted,
 # cats, fills; ~0.5 ms of a RACE replay's 5 ms over 18 layers), plus fla's own chunk offsets (7 more), the same in
 # every layer of a round
-STATE_KERNELS = {gated_delta_fla: gated_delta_fla_states, gated_delta_fla_chunked: gated_delta_fla_states,
-                 gated_delta_fla_wy: gated_delta_fla_states_wy}
+STATE_KERNELS = {gated_delta_fla: gated_delta_fla_states, gated_delta_fla_wy: gated_delta_fla_states_wy}
 # variants whose fork runs the questions in chunked (WY) form from the state call's chunk-local steps (`fork(wy=)`)
 WY_KERNELS = (gated_delta_fla_wy,)
 

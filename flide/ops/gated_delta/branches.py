@@ -77,7 +77,7 @@ ROW_PROGRAMS = 0
 CHUNK = 16
 CHUNK_BLOCK_V = 64
 CHUNK_NUM_WARPS = 4
-FORMS = ("chunk", "recurrent", "wy")
+FORMS = ("chunk", "recurrent")
 
 
 @triton.jit
@@ -176,24 +176,6 @@ def _branch_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, start_ptr, 
 
 
 @triton.jit
-def _unit_lower_inverse(nil, eye, LOG2_BC: tl.constexpr):
-    """(I - nil)^-1 of a strictly lower triangular [BC, BC] tile `nil` (nilpotent: nil^BC = 0), in fp32: the finite
-    series (I + nil)(I + nil^2)(I + nil^4)..., LOG2_BC products on the tensor cores' shapes instead of BC dependent
-    steps of forward substitution, then one Newton step. The series' terms grow before they cancel (alike keys and
-    beta near 1: entries of nil^m up to C(BC - 2, m - 1)), so its products stay in full fp32 (`ieee`) whatever the
-    model's dtype (BC^3 multiply-adds: cheap)."""
-    inv = eye + nil
-    power = nil
-    for _ in tl.static_range(LOG2_BC - 1):
-        power = tl.dot(power, power, input_precision="ieee")
-        inv = tl.dot(inv, eye + power, input_precision="ieee")
-    # one Newton step, X <- X + X (I - (I - nil) X), squares the series' rounding error away (its residual was
-    # ~1e-4 with 16 alike keys; fp32 forward substitution keeps ~1e-7)
-    residual = eye - tl.dot(eye - nil, inv, input_precision="ieee")
-    return inv + tl.dot(inv, residual, input_precision="ieee")
-
-
-@triton.jit
 def _branch_chunk_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, start_ptr, len_ptr, index_ptr, scale,
                          HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                          BV: tl.constexpr, BC: tl.constexpr, LOG2_BC: tl.constexpr, L2NORM: tl.constexpr,
@@ -238,10 +220,21 @@ def _branch_chunk_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, st
             # Everything that does not need the state first (off the chunk-to-chunk chain). Token i's update is
             # u_i = beta_i (v_i - S_{i-1}^T k_i), S_{i-1} = the decayed S plus the chunk's earlier updates, so
             # (I + A) U = beta V - beta e^gamma K S with A_ij = beta_i decay_ij (k_i . k_j), j < i (nilpotent).
-            # Its inverse: `_unit_lower_inverse` of nil = -A (a finite series of LOG2_BC products, in fp32).
+            # Its inverse is the finite series sum_m (-A)^m = (I - A)(I + A^2)(I + A^4)...: LOG2_BC products of
+            # [BC, BC] tiles on tensor cores, where forward substitution would be BC dependent steps.
+            # The series' terms grow before they cancel (keys alike and beta near 1: entries of A^m up to
+            # C(BC - 2, m - 1)), so its products stay in full fp32 whatever PRECISION (BC^3 multiply-adds: cheap).
             nil = -tl.where(o_c[:, None] > o_c[None, :], tl.dot(b_k, tl.trans(b_k), input_precision="ieee")
                             * decay, 0.0) * b_beta[:, None]
-            inv = _unit_lower_inverse(nil, eye, LOG2_BC)
+            inv = eye + nil
+            power = nil
+            for _ in tl.static_range(LOG2_BC - 1):
+                power = tl.dot(power, power, input_precision="ieee")
+                inv = tl.dot(inv, eye + power, input_precision="ieee")
+            # one Newton step, X <- X + X (I - (I + A) X), squares the series' rounding error away (its residual
+            # was ~1e-4 with 16 alike keys; fp32 forward substitution keeps ~1e-7)
+            residual = eye - tl.dot(eye - nil, inv, input_precision="ieee")
+            inv += tl.dot(inv, residual, input_precision="ieee")
             eg = tl.exp(gamma)
             w = tl.dot(inv, b_k * (b_beta * eg)[:, None], input_precision=PRECISION)  # U = U0 - W S
             u0 = tl.dot(inv, b_v * b_beta[:, None], input_precision=PRECISION)
@@ -306,11 +299,6 @@ def branches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
         return o
     meta = (q, k, v, g, beta, o, h0, seg_start.contiguous(), seg_len.contiguous(), initial_index.contiguous(),
             float(scale))
-    if form == "wy":  # 16-token sub-chunks: their WY form, then the chain (questions_wy.questions_chunked)
-        from .questions_wy import questions_chunked
-
-        return questions_chunked(q, k, v, g, beta, seg_start, seg_len, h0, initial_index, scale, use_qk_l2norm,
-                                 out=o, tiles=tiles)
     BK = max(16, triton.next_power_of_2(K))  # tl.dot needs 16 at least
     if tiles is not None and len(tiles) not in (2, 3):
         raise ValueError(f"`tiles` of the {form} form: (value columns, warps"

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from ...config import GDN_CHUNK
-from .branches import _initial_state, _unit_lower_inverse
+from .branches import _initial_state
 
 # 4 warps: on the H200 (benchmarks/results/ops_gated_delta_wy_h200.md) BV 32 with 4 warps took 0.022 ms a layer
 # for 0.8B's RACE bucket vs 0.036 with 8, 0.74 vs 1.20 ms for 64 RACE requests (9B: 0.040 vs 0.067, 1.46 vs 2.40 ms),
@@ -40,20 +40,6 @@ from .branches import _initial_state, _unit_lower_inverse
 BLOCK_V = 32
 NUM_WARPS = 4
 NUM_STAGES = 1
-
-# `questions_chunked`: the same chain over 16-token sub-chunks whose WY form our own kernel computes (no fla call, so
-# a bucket's spare question rows cost a program that returns at once). 16: the smallest tl.dot tile, and the size
-# at which `_unit_lower_inverse`'s series is exact enough in fp32 (branches.py's chunk form). PREP_PROGRAMS programs
-# per (question, value head) each take every PREP_PROGRAMS-th sub-chunk: a long question's sub-chunks in parallel.
-SUB_CHUNK = 16
-PREP_PROGRAMS = 4
-PREP_WARPS = 4  # [16, 128] fp32 tiles: 1 warp spills ~6 KB a thread, 2 some, 4 none (ptxas, sm_90)
-# the chain's tiles over 16-token sub-chunks: (value columns, warps, stages); no spills in bf16 (ptxas, sm_90: 2 warps
-# spill ~400 bytes, 64 columns ~20); the op bench's --sweep times others
-SUB_BLOCK_V = 32
-SUB_NUM_WARPS = 4
-SUB_NUM_STAGES = 2
-RCP_LN2 = tl.constexpr(1.4426950408889634)  # 1 / ln 2: gamma in log2 units, as the chain kernel reads it
 
 
 @triton.jit
@@ -102,91 +88,15 @@ def _chain_kernel(q_ptr, k_ptr, w_ptr, u_ptr, g_ptr, o_ptr, h0_ptr, start_ptr, l
             h = h * tl.exp2(g_last) + tl.dot(tl.trans(b_k), b_v, input_precision=PRECISION)
 
 
-@triton.jit
-def _wy_prep_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, gamma_ptr, start_ptr, len_ptr,
-                    HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
-                    BVF: tl.constexpr, BC: tl.constexpr, LOG2_BC: tl.constexpr, PROGRAMS: tl.constexpr):
-    """The chunk-local part of question i_n, value head i_h, for its sub-chunks z, z + PROGRAMS, ... (of BC tokens
-    from the question's first token): w = T (beta e^gamma k), u = T (beta v), gamma in log2 units, with
-    T = (I + A)^-1, A_ij = beta_i e^(gamma_i - gamma_j) (k_i . k_j) for j < i. `wy_reference`'s equations; fp32
-    (`ieee`) throughout: the tiles are small and the chain reads these as its exact inputs."""
-    i_nh = tl.program_id(0)
-    i_n = i_nh // HV
-    i_h = i_nh % HV
-    i_hk = i_h // (HV // HK)
-    n = tl.load(len_ptr + i_n)
-    if n > 0:
-        bos = tl.load(start_ptr + i_n).to(tl.int64)
-        o_c = tl.arange(0, BC)
-        o_k = tl.arange(0, BK)
-        o_v = tl.arange(0, BVF)
-        k_ok = o_k < K
-        v_ok = o_v < V
-        causal = o_c[:, None] >= o_c[None, :]
-        eye = tl.where(o_c[:, None] == o_c[None, :], 1.0, 0.0)
-        for c0 in range(tl.program_id(1) * BC, n, PROGRAMS * BC):
-            t = bos + c0 + o_c
-            t_ok = (c0 + o_c) < n  # rows past the question: zero k, v, g, beta add nothing to the real rows
-            m_k = t_ok[:, None] & k_ok[None, :]
-            m_v = t_ok[:, None] & v_ok[None, :]
-            b_k = tl.load(k_ptr + (t[:, None] * HK + i_hk) * K + o_k[None, :], mask=m_k, other=0.0).to(tl.float32)
-            b_v = tl.load(v_ptr + (t[:, None] * HV + i_h) * V + o_v[None, :], mask=m_v, other=0.0).to(tl.float32)
-            b_g = tl.load(g_ptr + t * HV + i_h, mask=t_ok, other=0.0).to(tl.float32)
-            b_beta = tl.load(beta_ptr + t * HV + i_h, mask=t_ok, other=0.0).to(tl.float32)
-            gamma = tl.cumsum(b_g, 0)  # natural log, within the sub-chunk
-            decay = tl.where(causal, tl.exp(tl.where(causal, gamma[:, None] - gamma[None, :], 0.0)), 0.0)
-            nil = -tl.where(o_c[:, None] > o_c[None, :], tl.dot(b_k, tl.trans(b_k), input_precision="ieee")
-                            * decay, 0.0) * b_beta[:, None]
-            inv = _unit_lower_inverse(nil, eye, LOG2_BC)
-            w = tl.dot(inv, b_k * (b_beta * tl.exp(gamma))[:, None], input_precision="ieee")
-            u = tl.dot(inv, b_v * b_beta[:, None], input_precision="ieee")
-            tl.store(w_ptr + (t[:, None] * HV + i_h) * K + o_k[None, :], w, mask=m_k)
-            tl.store(u_ptr + (t[:, None] * HV + i_h) * V + o_v[None, :], u, mask=m_v)
-            tl.store(gamma_ptr + t * HV + i_h, gamma * RCP_LN2, mask=t_ok)
-
-
-def questions_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                      seg_start: torch.Tensor, seg_len: torch.Tensor, initial_state: torch.Tensor,
-                      initial_index: torch.Tensor, scale: float, use_qk_l2norm: bool,
-                      out: torch.Tensor | None = None, tiles: tuple[int, ...] | None = None) -> torch.Tensor:
-    """The question call in chunked form without fla: `branches.branches`' arguments and result (o [T, Hv, V], rows
-    outside the segments unwritten). Two launches: the chunk-local WY form of every 16-token sub-chunk of every
-    question (`_wy_prep_kernel`, in parallel over questions, heads and sub-chunks), then the chain from each
-    question's initial state (`_chain_kernel` over 16-token sub-chunks: a question of L tokens is L / 16 dependent
-    steps of three products instead of L token steps). `tiles`: the chain's (value columns, warps[, stages])."""
-    T, HK, K = k.shape
-    HV, V = v.shape[1], v.shape[2]
-    if use_qk_l2norm:  # the state call's formula (l2norm.py), in torch: the fork passes them normalised already
-        q = (q.float() * torch.rsqrt((q.float() ** 2).sum(-1, keepdim=True) + 1e-6)).to(q.dtype)
-        k = (k.float() * torch.rsqrt((k.float() ** 2).sum(-1, keepdim=True) + 1e-6)).to(k.dtype)
-    o = torch.empty(T, HV, V, dtype=q.dtype, device=q.device) if out is None else out
-    N = seg_start.shape[0]
-    if N == 0:
-        return o
-    w = torch.empty(T, HV, K, dtype=torch.float32, device=q.device)
-    u = torch.empty(T, HV, V, dtype=torch.float32, device=q.device)
-    gamma = torch.empty(T, HV, dtype=torch.float32, device=q.device)
-    seg_start, seg_len = seg_start.contiguous(), seg_len.contiguous()
-    _wy_prep_kernel[(N * HV, PREP_PROGRAMS)](
-        k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(), w, u, gamma, seg_start, seg_len,
-        HK=HK, HV=HV, K=K, V=V, BK=max(16, triton.next_power_of_2(K)), BVF=max(16, triton.next_power_of_2(V)),
-        BC=SUB_CHUNK, LOG2_BC=SUB_CHUNK.bit_length() - 1, PROGRAMS=PREP_PROGRAMS, num_warps=PREP_WARPS)
-    BV, warps, stages = (*tiles, SUB_NUM_STAGES)[:3] if tiles else (SUB_BLOCK_V, SUB_NUM_WARPS, SUB_NUM_STAGES)
-    return questions_wy(q, k, w, u, gamma, seg_start, seg_len, initial_state, initial_index, scale, out=o,
-                        tiles=(min(BV, max(16, triton.next_power_of_2(V))), warps), chunk=SUB_CHUNK, stages=stages)
-
-
 def questions_wy(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, gamma: torch.Tensor,
                  seg_start: torch.Tensor, seg_len: torch.Tensor, initial_state: torch.Tensor,
                  initial_index: torch.Tensor, scale: float, out: torch.Tensor | None = None,
-                 tiles: tuple[int, int] | None = None, chunk: int = GDN_CHUNK,
-                 stages: int = NUM_STAGES) -> torch.Tensor:
+                 tiles: tuple[int, int] | None = None) -> torch.Tensor:
     """o [T, Hv, V] (q's dtype) of every segment from `initial_state[initial_index[n]]` (-1: zero), rows outside
     the segments unwritten. q, k: [T, Hk, K] as the recurrence reads them (normalised already); w: [T, Hv, K], u:
-    [T, Hv, V] and gamma [T, Hv] (float32, log2 units): each segment's chunk-local part, its chunks of `chunk`
-    tokens starting at the segment's first token (`wy_reference`, fla's intra-chunk kernels for GDN_CHUNK, or
-    `_wy_prep_kernel`). `tiles`: (value columns per program, warps); a choice may change bits, one fixed choice
-    keeps batch invariance."""
+    [T, Hv, V] and gamma [T, Hv] (float32, log2 units): each segment's chunk-local part, its chunks of GDN_CHUNK
+    tokens starting at the segment's first token (`wy_reference`, or fla's intra-chunk kernels). `tiles`: (value
+    columns per program, warps); a choice may change bits, one fixed choice keeps batch invariance."""
     T, HK, K = k.shape
     HV, V = u.shape[1], u.shape[2]
     if w.shape != (T, HV, K) or gamma.shape != (T, HV):
@@ -202,13 +112,12 @@ def questions_wy(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Ten
     # tf32 products on the GPU whatever the dtype, as fla's own kernels run fp32 inputs (ieee fp32 dots of these
     # tiles need ~260 KB of shared memory, over sm_90's 227 KB: benchmarks/ops/compile_sm90.py); ieee in the CPU
     # interpreter, where the tests check the fp32 sums against the reference
-    # (16-token sub-chunks of fp32 models keep ieee: their tiles fit)
-    precision = "ieee" if not q.is_cuda or (q.dtype == torch.float32 and chunk < GDN_CHUNK) else "tf32"
+    precision = "tf32" if q.is_cuda else "ieee"
     _chain_kernel[(triton.cdiv(V, BV), N * HV)](
         q.contiguous(), k.contiguous(), w.contiguous(), u.contiguous(), gamma.float().contiguous(), o,
         initial_state.float().contiguous(), seg_start.contiguous(), seg_len.contiguous(), initial_index.contiguous(),
-        float(scale), HK=HK, HV=HV, K=K, V=V, BK=BK, BV=BV, BT=chunk, PRECISION=precision, num_warps=warps,
-        num_stages=stages)
+        float(scale), HK=HK, HV=HV, K=K, V=V, BK=BK, BV=BV, BT=GDN_CHUNK, PRECISION=precision, num_warps=warps,
+        num_stages=NUM_STAGES)
     return o
 
 

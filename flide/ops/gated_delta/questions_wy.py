@@ -40,6 +40,12 @@ from .branches import _initial_state
 BLOCK_V = 32
 NUM_WARPS = 4
 NUM_STAGES = 1
+# Tried and reverted (a877640, 2026-12-01, H200, `ops_gated_delta_chunked_h200.md`, `h200_profile_0_8b_questions_
+# chunked.json`): this chain over 16-token sub-chunks, their WY form from our own kernel (the fused chunk form's series
+# inverse in fp32, in parallel over questions, heads and sub-chunks) instead of fla's: slower everywhere. End to end
+# (gated delta + prep + chain vs the recurrent question kernel's fork, 0.8B): RACE 1.79 vs 1.61 ms, sweep 1 4.91 vs
+# 4.65, sweep 64 20.8 vs 16.7; a 16-token chain step took ~6 us (three dependent products and their layout
+# conversions) against the recurrent kernel's ~9 us for 16 token steps, and the prep ~25-60 us a layer.
 
 
 @triton.jit

@@ -18,9 +18,10 @@ Metadata (all int64; capacities T tokens, NS states, NB branches, O readout rows
                                           empty segment (NS or NB), so a kernel with a fixed grid returns early there
     readout_rows [O], option_index [O, L] the stream row read for each question, and the head rows of its options
 
-Packed: the fields, in declaration order, are consecutive slices of ONE 1-D int64 buffer of `packed_size(shape)`
-elements (`layout(shape)`), so a round moves to the GPU in one copy (`RoundTensors.from_flat` gives the views, on any
-device). `build_round(..., out=buffer)` writes every element of a reused (e.g. pinned) buffer.
+Packed: the fields, in declaration order, are slices of ONE 1-D int64 buffer of `packed_size(shape)` elements
+(`layout(shape)`), each starting 16-byte aligned (a field after an odd-sized one leaves one element of padding), so a
+round moves to the GPU in one copy (`RoundTensors.from_flat` gives the views, on any device).
+`build_round(..., out=buffer)` writes every element of a reused (e.g. pinned) buffer, padding included.
 
 Building: each request's part of a round, relative to its own start, is computed once (`RequestLayout`, cached on the
 request as `PreparedRequest.round_layout`): token ids and positions (int32), segment lengths, branch -> state, GDN
@@ -138,6 +139,15 @@ def packed_size(shape: Shape) -> int:
 class _Packing(NamedTuple):
     fields: tuple[tuple[str, int, int, tuple[int, ...], tuple[int, ...]], ...]  # (name, offset, count, dims, strides)
     size: int
+    gaps: tuple[tuple[int, int], ...]  # [start, end) of the alignment padding between fields (written as zeros)
+
+
+# Fields start at a multiple of 2 int64 elements (16 bytes): Inductor's compiled code copies an input tensor that is
+# not 16-byte aligned into an aligned one before each call (`copy_misaligned_inputs`), and CUDA-graph replays then
+# cannot launch the bucket's graph directly (runtime.guards: none). A 448-token bucket (7 states) put `state_len` at
+# an odd offset and did that on the H200 (2026-12-01). positions stays right after input_ids (one copy writes both:
+# `build_round`); the buckets' token counts are even, so it is aligned there too.
+_ALIGN = 2
 
 
 @lru_cache(maxsize=256)
@@ -148,13 +158,16 @@ def _packing(shape: Shape) -> _Packing:
             "branch_len": (shape.branches,), "branch_state": (shape.branches,),
             "state_chunks": (shape.state_chunks, 2), "branch_chunks": (shape.branch_chunks, 2),
             "readout_rows": (shape.readout_rows,), "option_index": (shape.readout_rows, shape.options)}
-    out, offset = [], 0
+    out, gaps, offset = [], [], 0
     for f in fields(RoundTensors):
+        if f.name != "positions" and offset % _ALIGN:
+            gaps.append((offset, offset + _ALIGN - offset % _ALIGN))
+            offset = gaps[-1][1]
         size = dims[f.name]
         count = size[0] * (size[1] if len(size) == 2 else 1)
         out.append((f.name, offset, count, size, (size[1], 1) if len(size) == 2 else (1,)))
         offset += count
-    return _Packing(tuple(out), offset)
+    return _Packing(tuple(out), offset, tuple(gaps))
 
 
 @dataclass
@@ -334,6 +347,10 @@ def build_round(requests: list[PreparedRequest], shape: Shape, pad_id: int, out:
     `layouts`: each request's part when it is not `request.round_layout` (a request resuming from checkpoints).
     """
     out, tokens, view, tensors = _buffers(out, shape)
+    if _packing(shape).gaps:  # alignment padding: zeros, so that every element of the buffer is written
+        flat = out.numpy()
+        for start, end in _packing(shape).gaps:
+            flat[start:end] = 0
     T, L = shape.tokens, shape.options
     R = len(requests)
     layouts = layouts if layouts is not None else [request.round_layout for request in requests]

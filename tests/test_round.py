@@ -161,16 +161,19 @@ def test_layout_and_from_flat_round_trip():
     assert [name for name, _ in fields] == FIELDS
     assert dict(fields)["input_ids"] == (320,) and dict(fields)["option_index"] == (11, 3)
     assert dict(fields)["state_chunks"] == (shape.state_chunks, 2)
-    assert packed_size(shape) == sum(int(np.prod(dims)) for _, dims in fields)
+    # fields in order, each at the next 16-byte boundary (5 states: state_len would start at an odd element)
     flat = torch.arange(packed_size(shape), dtype=torch.int64)
     tensors = RoundTensors.from_flat(flat, shape)
     offset = 0
     for name, dims in fields:
         t = getattr(tensors, name)
         size = int(np.prod(dims))
+        offset += offset % 2
         assert tuple(t.shape) == dims and t.is_contiguous(), name
         assert torch.equal(t.reshape(-1), torch.arange(offset, offset + size)), name
+        assert t.data_ptr() % 16 == flat.data_ptr() % 16, name
         offset += size
+    assert packed_size(shape) == offset > sum(int(np.prod(dims)) for _, dims in fields)
     tensors.seg_lo[3] = -7  # views: a write shows in the flat buffer
     assert int(flat[2 * 320 + 3]) == -7
     # a view into a larger buffer keeps its offset; the wrong size or dtype is refused
@@ -410,3 +413,18 @@ def test_combined_tables_cover_states_then_questions(seed):
     real = sorted(row for row in rows if row[0] != NS + NB)
     assert real == want
     assert all(row == (NS + NB, 0) for row in rows if row[0] == NS + NB)
+
+
+@pytest.mark.parametrize("tokens", [256, 448, 512, 640, 16384, 32768])
+def test_every_field_of_a_bucket_is_16_byte_aligned(tokens):
+    """Inductor copies a misaligned input before every call, which keeps a bucket from launching its CUDA graph
+    directly: every field of a bucket's packed buffer starts at a multiple of 16 bytes (the 448-token bucket, with 7
+    states, once put `state_len` at an odd element)."""
+    from flide.config import CapacityConfig
+    from flide.graphs.buckets import bucket_shape
+
+    caps = CapacityConfig(buckets=tuple(sorted({*CapacityConfig().buckets, tokens})))
+    shape = bucket_shape(tokens, caps, 2)
+    flat = torch.empty(packed_size(shape), dtype=torch.int64)
+    for name, t in RoundTensors.from_flat(flat, shape).items():
+        assert (t.data_ptr() - flat.data_ptr()) % 16 == 0, name

@@ -1,4 +1,5 @@
-"""Registers, spills and shared memory of Flide's Triton kernels on sm_90 (H100/H200), without a GPU.
+"""Registers, spills and shared memory of Flide's Triton kernels on sm_90 (H100/H200), without a GPU: the conv, the
+fast fork attention and the batch-invariant one (the CUDA default).
 
     python benchmarks/ops/kernel_resources.py                      # the default tiles of every shape the tests use
     python benchmarks/ops/kernel_resources.py --attention 128,32,8,3  # one bf16 dim-256 attention tile config
@@ -74,16 +75,38 @@ def attention(dtype: str, head_dim: int, group: int, config) -> str:
     return resources(_compile(fa._fork_attention_kernel, sig, consts, config.num_warps, config.num_stages))
 
 
+def invariant_attention(dtype: str, head_dim: int, group: int, config) -> str:
+    """The batch-invariant fork attention (the CUDA default; fresh rounds: no checkpoint prefix)."""
+    import triton
+
+    from flide.ops.fork_attention import triton_invariant as fi
+
+    ptr = f"*{dtype}"
+    sig = {"q_ptr": ptr, "k_ptr": ptr, "v_ptr": ptr, "o_ptr": ptr, "seg_lo_ptr": "*i64", "trunk_lo_ptr": "*i64",
+           "trunk_hi_ptr": "*i64", "stats_ptr": "*i32", "pk_ptr": ptr, "pv_ptr": ptr, "pre_lo_ptr": "*i64",
+           "pre_hi_ptr": "*i64", "T": "i32", "qk_scale": "fp32"}
+    sig.update({f"stride_{n}": "i32" for n in ("qt", "qh", "kt", "kh", "vt", "vh", "ot", "oh", "pkt", "pkh", "pvt",
+                                               "pvh")})
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    consts = {"GROUP": group, "HEAD_DIM": head_dim, "HEAD_DIM_V": head_dim, "BLOCK_M": config.block_m,
+              "BLOCK_N": config.block_n, "BLOCK_D": block_d, "BLOCK_DV": block_d,
+              "PRECISION": "ieee" if dtype == "fp32" else "tf32", "STATS": False, "HAS_PREFIX": False}
+    sig.update({n: "constexpr" for n in consts})
+    return resources(_compile(fi._fork_attention_invariant_kernel, sig, consts, config.num_warps, config.num_stages))
+
+
 def conv(dtype: str) -> str:
     from flide.ops.fork_conv import triton as fc
 
     ptr = f"*{dtype}"
     sig = {"x_ptr": ptr, "w_ptr": ptr, "out_ptr": ptr, "seg_lo_ptr": "*i64", "trunk_lo_ptr": "*i64",
-           "trunk_hi_ptr": "*i64", "T": "i32", "D": "i32", "stride_xt": "i32", "stride_xd": "i32",
-           "stride_wd": "i32", "stride_ww": "i32", "stride_ot": "i32", "stride_od": "i32"}
-    # unit strides are specialised to constants by the JIT
-    consts = {"stride_xd": 1, "stride_ww": 1, "stride_od": 1, "W": 4, "SILU": True, "BLOCK_T": fc.BLOCK_T,
-              "BLOCK_D": fc.BLOCK_D}
+           "trunk_hi_ptr": "*i64", "win_ptr": ptr, "win_index_ptr": "*i64", "T": "i32", "D": "i32",
+           "stride_xt": "i32", "stride_xd": "i32", "stride_wd": "i32", "stride_ww": "i32", "stride_ot": "i32",
+           "stride_od": "i32", "stride_win_r": "i32", "stride_win_d": "i32"}
+    # unit strides are specialised to constants by the JIT; the checkpoint-window path (HAS_WINDOW) is compiled out,
+    # as in fresh rounds
+    consts = {"stride_xd": 1, "stride_ww": 1, "stride_od": 1, "stride_win_d": 1, "W": 4, "SILU": True,
+              "BLOCK_T": fc.BLOCK_T, "BLOCK_D": fc.BLOCK_D, "HAS_WINDOW": False}
     sig.update({n: "constexpr" for n in consts})
     return resources(_compile(fc._fork_conv_kernel, sig, consts, fc.NUM_WARPS, 1))
 
@@ -110,6 +133,13 @@ def main() -> None:
             config = fa.default_config(d, torch_dtype[dtype])
             print(f"fork_attention {dtype} Hq{hq}/Hkv{hkv} D{d} {config}: {attention(dtype, d, hq // hkv, config)}",
                   flush=True)
+    from flide.ops.fork_attention import triton_invariant as fi
+
+    for dtype in ("bf16", "fp32"):
+        for hq, hkv, d in [(8, 2, 256), (16, 4, 256)]:
+            config = fi.default_config(d, torch_dtype[dtype])
+            print(f"fork_attention (invariant) {dtype} Hq{hq}/Hkv{hkv} D{d} {config}: "
+                  f"{invariant_attention(dtype, d, hq // hkv, config)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ sys.path.insert(0, str(REPO))
 from benchmarks.http_phases import phases  # noqa: E402
 from flide.bench.config import merge_overrides  # noqa: E402
 from flide.bench.loadgen import closed_loop  # noqa: E402
-from flide.bench.server import free_port, prometheus_samples, wait_healthy  # noqa: E402
+from flide.bench.server import free_port, prometheus_samples, serve_command, wait_healthy  # noqa: E402
 
 
 def split_top_level(text: str) -> list[str]:
@@ -76,8 +76,8 @@ def start_server(name: str, config: dict, args, folder: Path) -> tuple[subproces
     port = free_port()
     config_path, log_path = folder / f"{name}.yaml", folder / f"{name}.log"
     config_path.write_text(yaml.safe_dump(config), encoding="utf-8")
-    command = [sys.executable, "-m", "flide.cli", "serve", "--config", str(config_path), "--port", str(port),
-               "--log-format", "json", "--model", args.model, "--random-weights", "--tokenizer", args.tokenizer]
+    # the benchmark's own launcher: the server goes when this script goes, even on kill -9
+    command = serve_command(config_path, port, args.model, args.tokenizer)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     with open(log_path, "w", encoding="utf-8") as log:
         process = subprocess.Popen(command, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=log,

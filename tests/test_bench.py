@@ -316,3 +316,19 @@ def test_serve_ab_variants_take_yaml_values_with_commas():
         parse_variant("bad=serve.fill_buckets=true,oops")
     with pytest.raises(ValueError, match="give it a name"):
         parse_variant("=serve.fill_buckets=true")
+
+
+def test_serve_command_runs_the_cli_behind_the_parent_death_launcher(tmp_path):
+    """`flide.bench.server.serve_command`, which FlideServer and benchmarks/serve_ab.py both start: the CLI's serve
+    behind the launcher that takes this process's pid (so a killed benchmark takes its servers along), the model
+    flags only for a config-JSON model."""
+    import os
+
+    from flide.bench.server import _LAUNCHER, serve_command
+
+    cmd = serve_command(tmp_path / "c.yaml", 8123)
+    assert cmd[1:4] == ["-c", _LAUNCHER, str(os.getpid())]
+    assert cmd[4:7] == ["-m", "flide.cli", "serve"] and "--model" not in cmd
+    assert cmd[cmd.index("--port") + 1] == "8123" and cmd[cmd.index("--config") + 1] == str(tmp_path / "c.yaml")
+    cmd = serve_command(tmp_path / "c.yaml", 8123, "m.json", "tok")
+    assert cmd[-5:] == ["--model", "m.json", "--random-weights", "--tokenizer", "tok"]

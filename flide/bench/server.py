@@ -69,6 +69,17 @@ _LAUNCHER = ("import ctypes, os, signal, sys\n"
              "os.execv(sys.executable, [sys.executable] + sys.argv[2:])\n")
 
 
+def serve_command(config_path: Path, port: int, model: str | None = None, tokenizer: str | None = None) -> list[str]:
+    """`python -m flide.cli serve` on 127.0.0.1:`port` with the config at `config_path` (JSON request logs), behind
+    the launcher that ends the server with this process (`_LAUNCHER`); `model` (a config JSON, drawn with random
+    weights) with its `tokenizer`, or the config's own model when None."""
+    cmd = [sys.executable, "-c", _LAUNCHER, str(os.getpid()), "-m", "flide.cli", "serve", "--config",
+           str(config_path), "--host", "127.0.0.1", "--port", str(port), "--log-format", "json"]
+    if model is not None:
+        cmd += ["--model", model, "--random-weights", "--tokenizer", str(tokenizer)]
+    return cmd
+
+
 def wait_healthy(process: subprocess.Popen, url: str, log_path: Path, timeout: float,
                  setting: str = "http.startup_timeout_s") -> None:
     """Until the `flide serve` process at `url` answers /health "ok"; raises (with its log's end) when it exits first
@@ -136,12 +147,11 @@ class FlideServer:
         return merged
 
     def command(self, config_path: Path) -> list[str]:
-        """`python -m flide.cli serve ...` for this server, behind the launcher (see `_LAUNCHER`)."""
-        cmd = [sys.executable, "-c", _LAUNCHER, str(os.getpid()), "-m", "flide.cli", "serve", "--config",
-               str(config_path), "--host", "127.0.0.1", "--port", str(self.port), "--log-format", "json"]
-        if not self.spec.startswith(TINY_PREFIX):
-            cmd += ["--model", self.spec, "--random-weights", "--tokenizer", str(self.config.tokenizer)]
-        return cmd
+        """`python -m flide.cli serve ...` for this server (`serve_command`): the grid's model, or the tiny one that
+        the written config embeds."""
+        if self.spec.startswith(TINY_PREFIX):
+            return serve_command(config_path, self.port)
+        return serve_command(config_path, self.port, self.spec, str(self.config.tokenizer))
 
     def start(self) -> Self:
         import yaml

@@ -52,8 +52,8 @@ class CapacityConfig:
     # Six more buckets below 2,048 (384, 448, 640, 896, 1,152, 1,792; H200, 2026-12-01,
     # `h200_profile_0_8b_buckets_small.json`): RACE's first request (437 tokens) took 3.52 ms of GPU time in 448 vs
     # 3.50 in 512 (small rounds are latency-bound: 64 padding rows cost nothing there), MultiRC's (1,028) 5.96 in
-    # 1,152 vs 6.19 in 1,280, and the 448 bucket could not launch its graph directly (cudagraph trees copied one
-    # input into it: it kept the compiled call, +0.45 ms of host time). Not adopted.
+    # 1,152 vs 6.19 in 1,280. Not adopted. (The 448 bucket could not launch its graph directly then, +0.45 ms of host
+    # time: its 7 states left a field of the packed buffer misaligned, since fixed in round.py's `_packing`.)
     buckets: tuple[int, ...] = (256, 512, 768, 1024, 1280, 1536, 2048, 2560, 3072, 4096, 5120, 6144, 8192, 10240,
                                 12288, 16384)
     requests: int = 64

@@ -347,9 +347,10 @@ def build_round(requests: list[PreparedRequest], shape: Shape, pad_id: int, out:
     `layouts`: each request's part when it is not `request.round_layout` (a request resuming from checkpoints).
     """
     out, tokens, view, tensors = _buffers(out, shape)
-    if _packing(shape).gaps:  # alignment padding: zeros, so that every element of the buffer is written
+    gaps = _packing(shape).gaps
+    if gaps:  # alignment padding: zeros, so that every element of the buffer is written
         flat = out.numpy()
-        for start, end in _packing(shape).gaps:
+        for start, end in gaps:
             flat[start:end] = 0
     T, L = shape.tokens, shape.options
     R = len(requests)

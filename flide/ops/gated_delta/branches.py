@@ -21,7 +21,8 @@ Two forms of the same rule, both exact to fp32 rounding (`branches(..., form=)`)
   chunk, fp32 `ieee` dots) was ~10x SLOWER than the recurrent form on the H200 (2026-11-30,
   `benchmarks/ops/bench_gated_delta.py`, the question call alone on Qwen3.5-0.8B: RACE in its bucket 0.39 vs
   0.042 ms, 2,000 + 64 x 40 tokens 4.87 vs 0.31 ms). This version (tf32 dots for half-precision inputs, ieee for
-  fp32) is not yet timed: the op benchmark compares both forms; the default follows the faster.
+  fp32) measured no faster (H200, 2026-12-01, `ops_gated_delta_wy_h200.md`: RACE in its bucket 0.041 vs 0.037 ms,
+  64 x RACE 0.88-1.26 vs 0.92 with its best tiles): the recurrent form stays the default.
 
 Runs on CPU tensors under TRITON_INTERPRET=1 (read by `triton.jit` when this module is imported), which is how the
 CPU tests check it against the reference.

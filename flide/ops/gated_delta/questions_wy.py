@@ -46,6 +46,11 @@ NUM_STAGES = 1
 # (gated delta + prep + chain vs the recurrent question kernel's fork, 0.8B): RACE 1.79 vs 1.61 ms, sweep 1 4.91 vs
 # 4.65, sweep 64 20.8 vs 16.7; a 16-token chain step took ~6 us (three dependent products and their layout
 # conversions) against the recurrent kernel's ~9 us for 16 token steps, and the prep ~25-60 us a layer.
+# Half-precision operands in those products (branch wip/questions-chunked-bf16, 750f57a: q, k, w, u in bf16, S rounded
+# to bf16 for its products, fp32 state and accumulation, as fla's chunk_h / chunk_o do) did not save it (H200,
+# 2026-12-01, `ops_gated_delta_chunked_bf16_h200.md`, `h200_profile_0_8b_questions_chunked_bf16.json`, same call):
+# GPU time per replay RACE 3.54 vs 3.50 ms, sweep 1 16.5 vs 15.5, sweep 64 41.5 vs 41.2, QuALITY 34.1 vs 32.9; op
+# bench 0.074 vs 0.037 ms (RACE bucket), 2.45 vs 0.92 (64 x RACE). Its GPU tests passed; not merged.
 
 
 @triton.jit

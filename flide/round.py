@@ -7,7 +7,8 @@ Layout, level-major with no padding between segments (padding only at the tail, 
 All states come first so that the two calls of the forked Gated DeltaNet each cover one contiguous region (the
 states, then the questions): a varlen kernel then runs over exactly the tokens of its call.
 
-Metadata (all int64; capacities T tokens, NS states, NB branches, O readout rows, L options per row):
+Metadata (capacities T tokens, NS states, NB branches, O readout rows, L options per row); the five per-token fields
+are int32, the rest int64:
     input_ids [T], positions [T]          a question's positions continue from the end of its state
     seg_lo [T]                            start of each token's own segment (a pad token: itself)
     trunk_lo [T], trunk_hi [T]            the state a question token forks from (empty for state tokens and pads)
@@ -19,16 +20,20 @@ Metadata (all int64; capacities T tokens, NS states, NB branches, O readout rows
     readout_rows [O], option_index [O, L] the stream row read for each question, and the head rows of its options
 
 Packed: the fields, in declaration order, are slices of ONE 1-D int64 buffer of `packed_size(shape)` elements
-(`layout(shape)`), each starting 16-byte aligned (a field after an odd-sized one leaves one element of padding), so a
-round moves to the GPU in one copy (`RoundTensors.from_flat` gives the views, on any device).
-`build_round(..., out=buffer)` writes every element of a reused (e.g. pinned) buffer, padding included.
+(`layout(shape)`), each starting 16-byte aligned (zero padding before a field that would not), so a round moves to
+the GPU in one copy (`RoundTensors.from_flat` gives the views, on any device). An int32 field is a view of the
+buffer's bytes as int32 (T of them take ceil(T / 2) int64 elements, plus padding): the per-token fields are ~5 T of
+a round's elements, and int32 halves what a round writes on the host and copies to the device (a stream is far
+below 2**31 tokens; token ids are checked to fit). Their consumers (ops, the model) take int32 or int64 tables.
+`build_round(..., out=buffer)` writes every byte of a reused (e.g. pinned) buffer, padding included.
 
 Building: each request's part of a round, relative to its own start, is computed once (`RequestLayout`, cached on the
 request as `PreparedRequest.round_layout`): token ids and positions (int32), segment lengths, branch -> state, GDN
 chunk rows, readout rows and option rows, as bytes. A round joins them field by field (`bytes.join`: no per-array
-numpy overhead), adds each request's offsets with a few vectorised passes and fills the piecewise-constant token
-fields with `np.repeat`; no Python loop visits a segment or a read. The `Read` records are made on first access to
-`Round.reads` (the engine reads them after the forward).
+numpy overhead; input_ids and positions, with their padding, are then ONE byte copy into the buffer), adds each
+request's offsets with a few vectorised passes and fills the piecewise-constant token fields with `np.repeat`; no
+Python loop visits a segment or a read. The `Read` records are made on first access to `Round.reads` (the engine reads
+them after the forward).
 """
 
 from __future__ import annotations
@@ -74,7 +79,8 @@ class RoundTensors:
     @classmethod
     def from_flat(cls, flat: torch.Tensor, shape: "Shape") -> "RoundTensors":
         """The fields as views into `flat`, a 1-D int64 tensor of `packed_size(shape)` elements (any device), laid
-        out as `layout(shape)`: writing a field writes `flat` and the reverse."""
+        out as `layout(shape)` (the per-token fields int32 views of its bytes): writing a field writes `flat` and the
+        reverse."""
         if flat.dim() != 1 or flat.dtype != torch.int64 or flat.numel() != packed_size(shape) or not flat.is_contiguous():
             raise ValueError(f"a packed round of {shape} is a contiguous 1-D int64 tensor of {packed_size(shape)} "
                              f"elements; got {tuple(flat.shape)} {flat.dtype}")
@@ -126,9 +132,10 @@ def footprint(request: PreparedRequest) -> Footprint:
                      sum(len(b.reads) for b in request.branches), 1)
 
 
-def layout(shape: Shape) -> list[tuple[str, tuple[int, ...]]]:
-    """The RoundTensors fields in declaration order with their shapes for `shape` (all int64): the packed layout."""
-    return [(name, dims) for name, _, _, dims, _ in _packing(shape).fields]
+def layout(shape: Shape) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """The RoundTensors fields in declaration order with their shapes and dtypes for `shape` (the per-token fields
+    int32, the rest int64): the packed layout."""
+    return [(name, dims, dtype) for name, _, _, dims, _, dtype in _packing(shape).fields]
 
 
 def packed_size(shape: Shape) -> int:
@@ -137,17 +144,23 @@ def packed_size(shape: Shape) -> int:
 
 
 class _Packing(NamedTuple):
-    fields: tuple[tuple[str, int, int, tuple[int, ...], tuple[int, ...]], ...]  # (name, offset, count, dims, strides)
-    size: int
-    gaps: tuple[tuple[int, int], ...]  # [start, end) of the alignment padding between fields (written as zeros)
+    # (name, offset, count, dims, strides, dtype); offset in elements of the field's dtype from the buffer's start
+    fields: tuple[tuple[str, int, int, tuple[int, ...], tuple[int, ...], torch.dtype], ...]
+    size: int  # int64 elements
+    gaps: tuple[tuple[int, int], ...]  # [start, end) in int32 words of the padding between fields (written as zeros)
 
 
-# Fields start at a multiple of 2 int64 elements (16 bytes): Inductor's compiled code copies an input tensor that is
-# not 16-byte aligned into an aligned one before each call (`copy_misaligned_inputs`), and CUDA-graph replays then
-# cannot launch the bucket's graph directly (runtime.guards: none). A 448-token bucket (7 states) put `state_len` at
-# an odd offset and did that on the H200 (2026-12-01). positions stays right after input_ids (one copy writes both:
-# `build_round`); the buckets' token counts are even, so it is aligned there too.
-_ALIGN = 2
+# The per-token fields, int32: a stream is far below 2**31 tokens and token ids are checked to fit (RequestLayout).
+# Every consumer takes int32 or int64 tables; where int64 is needed they convert there (ops/resume.py's scatter_, the
+# positions handed to the model's own rotary module in models/flat.py).
+INT32_FIELDS = frozenset(("input_ids", "positions", "seg_lo", "trunk_lo", "trunk_hi"))
+
+# Fields start at a multiple of 16 bytes (4 int32 words): Inductor's compiled code copies an input tensor that is not
+# 16-byte aligned into an aligned one before each call (`copy_misaligned_inputs`), and CUDA-graph replays then cannot
+# launch the bucket's graph directly (runtime.guards: none). A 448-token bucket (7 states) put `state_len` at an odd
+# int64 offset and did that on the H200 (2026-12-01). positions is aligned too: the padding after input_ids (none when
+# T is a multiple of 4, as every bucket's is) is written by the same copy as both fields (`build_round`).
+_ALIGN = 4
 
 
 @lru_cache(maxsize=256)
@@ -158,16 +171,24 @@ def _packing(shape: Shape) -> _Packing:
             "branch_len": (shape.branches,), "branch_state": (shape.branches,),
             "state_chunks": (shape.state_chunks, 2), "branch_chunks": (shape.branch_chunks, 2),
             "readout_rows": (shape.readout_rows,), "option_index": (shape.readout_rows, shape.options)}
-    out, gaps, offset = [], [], 0
+    out, gaps, word = [], [], 0  # word: int32 words (4 bytes) from the buffer's start
     for f in fields(RoundTensors):
-        if f.name != "positions" and offset % _ALIGN:
-            gaps.append((offset, offset + _ALIGN - offset % _ALIGN))
-            offset = gaps[-1][1]
+        if word % _ALIGN:
+            gaps.append((word, word + _ALIGN - word % _ALIGN))
+            word = gaps[-1][1]
         size = dims[f.name]
         count = size[0] * (size[1] if len(size) == 2 else 1)
-        out.append((f.name, offset, count, size, (size[1], 1) if len(size) == 2 else (1,)))
-        offset += count
-    return _Packing(tuple(out), offset, tuple(gaps))
+        strides = (size[1], 1) if len(size) == 2 else (1,)
+        if f.name in INT32_FIELDS:
+            out.append((f.name, word, count, size, strides, torch.int32))
+            word += count
+        else:
+            out.append((f.name, word // 2, count, size, strides, torch.int64))
+            word += 2 * count
+    if word % 2:  # a whole number of int64 elements
+        gaps.append((word, word + 1))
+        word += 1
+    return _Packing(tuple(out), word // 2, tuple(gaps))
 
 
 @dataclass
@@ -209,7 +230,8 @@ class Round:
 # A request's counts: state tokens, question tokens, states, branches, reads, state chunks, branch chunks, reads
 # inside a trunk
 _COUNTS = 8
-# The parts of a request a round concatenates (int64 bytes): _SMALL metadata parts (the counts first), then tokens
+# The parts of a request a round concatenates: _SMALL metadata parts (int64 bytes, the counts first), then tokens
+# (int32 bytes)
 _SMALL = 8
 _TOKEN_PARTS = 4
 
@@ -276,8 +298,8 @@ class RequestLayout:
         self._small = tuple(array("q", part).tobytes() for part in (self.counts, trunk_lens, branch_lens, branch_state,
                                                                      read_rel, s_chunks, b_chunks))
         self.trunk_reads = array("q", read_flag).tobytes()
-        # Token ids and positions as int32 (half the bytes to move; the round's one copy widens them): every segment's
-        # positions count from its own start, a question's continuing from its state's length
+        # Token ids and positions as int32, the round's dtype for them (its one copy moves the bytes as they are):
+        # every segment's positions count from its own start, a question's continuing from its state's length
         segments = [*trunks, *(b.tokens for b in branches)]
         lens = [*trunk_lens, *branch_lens]
         ids = np.concatenate(segments) if len(segments) > 1 else np.asarray(segments[0] if segments else [])
@@ -346,12 +368,10 @@ def build_round(requests: list[PreparedRequest], shape: Shape, pad_id: int, out:
     round) every element of it is written and the round's tensors are views of it; otherwise a fresh buffer is used.
     `layouts`: each request's part when it is not `request.round_layout` (a request resuming from checkpoints).
     """
-    out, tokens, view, tensors = _buffers(out, shape)
-    gaps = _packing(shape).gaps
-    if gaps:  # alignment padding: zeros, so that every element of the buffer is written
-        flat = out.numpy()
-        for start, end in gaps:
-            flat[start:end] = 0
+    out, words, view, tensors = _buffers(out, shape)
+    packing = _packing(shape)
+    for start, end in packing.gaps:  # alignment padding: zeros, so that every byte of the buffer is written
+        words[start:end] = 0
     T, L = shape.tokens, shape.options
     R = len(requests)
     layouts = layouts if layouts is not None else [request.round_layout for request in requests]
@@ -381,10 +401,12 @@ def build_round(requests: list[PreparedRequest], shape: Shape, pad_id: int, out:
     i += 2 * NBC
     option_rows = small[i: i + NR * L].reshape(NR, L)
 
-    # input_ids and positions, with their tail padding, in one copy
-    tokens[:] = np.frombuffer(b"".join(chain(cols[_SMALL], cols[_SMALL + 1], (_fill32(pad_id, T - n),),
-                                                   cols[_SMALL + 2], cols[_SMALL + 3], (_fill32(0, T - n),))),
-                              dtype=np.int32)
+    # input_ids and positions (int32 bytes already), with their tail padding and the alignment padding between them,
+    # in one byte copy
+    p0 = packing.fields[1][1]  # positions' first word (input_ids' is 0)
+    words[: p0 + T] = np.frombuffer(b"".join(chain(cols[_SMALL], cols[_SMALL + 1], (_fill32(pad_id, T - n),
+                                                   _fill32(0, p0 - T)), cols[_SMALL + 2], cols[_SMALL + 3],
+                                                   (_fill32(0, T - n),))), dtype=np.int32)
 
     # Segments: the states then the branches, contiguous from row 0
     seg_end = seglens.cumsum()
@@ -401,7 +423,7 @@ def build_round(requests: list[PreparedRequest], shape: Shape, pad_id: int, out:
     # Per token: piecewise constant over segments; the tail pads are their own segment and fork from nothing
     v = view["seg_lo"]
     v[:n] = np.repeat(seg_start32, seglens)
-    v[n:] = _arange(T)[n:]
+    v[n:] = _arange32(T)[n:]
     branch_lens = seglens[NS:]
     for name, bound in (("trunk_lo", seg_start32), ("trunk_hi", seg_end32)):
         v = view[name]
@@ -436,20 +458,22 @@ def build_round(requests: list[PreparedRequest], shape: Shape, pad_id: int, out:
     return round_
 
 
-# id(out) -> (weakref to out, its data_ptr, {shape: (numpy view of input_ids + positions, numpy field views, torch
+# id(out) -> (weakref to out, its data_ptr, {shape: (int32 numpy view of the whole buffer, numpy field views, torch
 # field views)}); the entries hold views of the buffer, never the buffer's own object, and go when it goes
 _BUFFERS: dict[int, tuple] = {}
 
 
 def _buffers(out: torch.Tensor | None, shape: Shape) -> tuple[torch.Tensor, np.ndarray, dict, tuple]:
-    """(buffer, numpy view of its first two fields, numpy view of each field, torch view of each field): cached for a
+    """(buffer, int32 numpy view of all of it, numpy view of each field, torch view of each field): cached for a
     reused buffer."""
     packing = _packing(shape)
     if out is None:
         flat = np.empty(packing.size, dtype=np.int64)
         out = torch.from_numpy(flat)
-        view = {name: flat[offset: offset + count].reshape(dims) for name, offset, count, dims, _ in packing.fields}
-        return (out, flat[: 2 * shape.tokens], view, _views(out, packing))
+        words = flat.view(np.int32)
+        view = {name: (words if dtype is torch.int32 else flat)[offset: offset + count].reshape(dims)
+                for name, offset, count, dims, _, dtype in packing.fields}
+        return (out, words, view, _views(out, packing))
     key = id(out)
     entry = _BUFFERS.get(key)
     if entry is None or entry[0]() is not out or entry[1] != out.data_ptr():
@@ -465,11 +489,12 @@ def _buffers(out: torch.Tensor | None, shape: Shape) -> tuple[torch.Tensor, np.n
         # tensors on the buffer's storage, not views of its tensor object (which they would keep alive)
         storage, base = out.untyped_storage(), out.storage_offset()
 
-        def on_storage(offset, dims, strides):
-            return torch.empty(0, dtype=torch.int64).set_(storage, base + offset, dims, strides)
+        def on_storage(offset, dims, strides, dtype):  # offset in elements of dtype from the buffer's start
+            return torch.empty(0, dtype=dtype).set_(storage, base * (8 // dtype.itemsize) + offset, dims, strides)
 
-        tensors = tuple(on_storage(offset, dims, strides) for _, offset, _, dims, strides in packing.fields)
-        found = entry[2][shape] = (on_storage(0, (2 * shape.tokens,), (1,)).numpy(),
+        tensors = tuple(on_storage(offset, dims, strides, dtype)
+                        for _, offset, _, dims, strides, dtype in packing.fields)
+        found = entry[2][shape] = (on_storage(0, (2 * packing.size,), (1,), torch.int32).numpy(),
                                    {name: t.numpy() for (name, *_), t in zip(packing.fields, tensors)}, tensors)
     return (out, *found)
 
@@ -482,11 +507,14 @@ def _forget(key: int, ref: weakref.ref) -> None:
 
 def _views(flat: torch.Tensor, packing: _Packing) -> tuple[torch.Tensor, ...]:
     base = flat.storage_offset()
-    return tuple(flat.as_strided(dims, strides, base + offset) for _, offset, _, dims, strides in packing.fields)
+    words = flat.view(torch.int32)  # the same bytes as twice as many int32 (storage offsets in int32 elements)
+    return tuple(flat.as_strided(dims, strides, base + offset) if dtype is torch.int64
+                 else words.as_strided(dims, strides, 2 * base + offset)
+                 for _, offset, _, dims, strides, dtype in packing.fields)
 
 
 @lru_cache(maxsize=16)
-def _arange(n: int) -> np.ndarray:
-    a = np.arange(n, dtype=np.int64)
+def _arange32(n: int) -> np.ndarray:
+    a = np.arange(n, dtype=np.int32)
     a.flags.writeable = False
     return a

@@ -175,11 +175,11 @@ class ScoreRecorder:
 
 
 def resume_states(seg_lo, trunk_lo, trunk_hi, cuts: list[tuple[int, int]]):
-    """A round's stream metadata (seg_lo, trunk_lo, trunk_hi: [T] int64) with the first m rows of each state in
-    `cuts` ((segment start a, m), sorted by a) taken out, as a round that resumes those states from checkpoints
-    (flide/checkpoints): returns (kept rows of the full stream, seg_lo, trunk_lo, trunk_hi of the resumed stream,
-    checkpoint [kept] int64: the cut each kept row's state resumes from, -1 none). For kernel tests of the resume
-    paths: a resumed row must compute what the same row of the full stream computes."""
+    """A round's stream metadata (seg_lo, trunk_lo, trunk_hi: [T] int32 or int64) with the first m rows of each state
+    in `cuts` ((segment start a, m), sorted by a) taken out, as a round that resumes those states from checkpoints
+    (flide/checkpoints): returns (kept rows of the full stream, seg_lo, trunk_lo, trunk_hi of the resumed stream in
+    their dtype, checkpoint [kept] int64: the cut each kept row's state resumes from, -1 none). For kernel tests of
+    the resume paths: a resumed row must compute what the same row of the full stream computes."""
     import torch
 
     def moved(x):  # a full-stream index in the resumed stream

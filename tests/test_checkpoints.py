@@ -410,11 +410,14 @@ def test_cli_serve_has_the_checkpoint_flag(capsys):
 
 # ---- companions built on the plain variants (flide/ops/resume.py: what flex, Triton and fla resume with) ----
 
-def _resumed_attention(companion, seed: int, n: int, questions: list[int], dim: int, scale: float):
-    """(companion's output, the reference companion's) for a state of n tokens resumed at m = 128, its questions."""
+def _resumed_attention(companion, seed: int, n: int, questions: list[int], dim: int, scale: float,
+                       dtype: torch.dtype = torch.long):
+    """(companion's output, the reference companion's) for a state of n tokens resumed at m = 128, its questions
+    (stream tables of `dtype`: a round's are int32)."""
     g = torch.Generator().manual_seed(seed)
     m = 128
     full, cut = _fork_stream(g, m, n, questions)
+    cut = tuple(x.to(dtype) for x in cut)
     T = len(full[0])
     q, k, v = (torch.randn(T, h, dim, generator=g) for h in (4, 2, 2))
     pre = (torch.zeros(T - m, dtype=torch.long), torch.full((T - m,), m, dtype=torch.long))
@@ -422,14 +425,17 @@ def _resumed_attention(companion, seed: int, n: int, questions: list[int], dim: 
     return companion(*args), fork_attention_prefix_reference(*args)
 
 
-def test_extended_stream_companions_equal_the_reference_ones():
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_extended_stream_companions_equal_the_reference_ones(dtype):
     from flide.ops.resume import attention_with_prefix, conv_with_window, gated_delta_with_snapshot
 
-    got, want = _resumed_attention(attention_with_prefix(fork_attention_reference), 5, 130, [5, 1, 3], 8, 0.3)
+    got, want = _resumed_attention(attention_with_prefix(fork_attention_reference), 5, 130, [5, 1, 3], 8, 0.3,
+                                   dtype)
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
     g = torch.Generator().manual_seed(5)
     m, n, questions, W = 128, 130, [5, 1, 3], 4
     full, cut = _fork_stream(g, m, n, questions)
+    cut = tuple(x.to(dtype) for x in cut)
     T, Tc = len(full[0]), len(full[0]) - m
     x, weight = torch.randn(T, 6, generator=g), torch.randn(6, W, generator=g)
     window, win_index = x[m - (W - 1): m][None], torch.zeros(Tc, dtype=torch.long)

@@ -412,9 +412,20 @@ else:
         want += [7 + 2 + 1]  # tokens 128..135: 2 questions (128..131) and 4 pads
         assert stats[0].tolist() == want
 
+    def test_invariant_takes_int32_and_int64_tables_with_the_same_bits():
+        r = random_round_tensors(random.Random(4), 96, max_state=40, max_question=12)
+        assert r.seg_lo.dtype == torch.int32
+        q, k, v = randn(96, 4, 16, seed=1), randn(96, 2, 16, seed=2), randn(96, 2, 16, seed=3)
+        got = run(q, k, v, r, 0.25, SMALL)
+        wide = type("R", (), {})()
+        wide.seg_lo, wide.trunk_lo, wide.trunk_hi = (t.long() for t in (r.seg_lo, r.trunk_lo, r.trunk_hi))
+        assert torch.equal(run(q, k, v, wide, 0.25, SMALL), got)
+
     def test_invariant_rejects_bad_inputs():
         q, k = randn(8, 4, 16, seed=1), randn(8, 2, 16, seed=2)
         meta = torch.zeros(8, dtype=torch.int64)
+        with pytest.raises(ValueError, match="seg_lo"):
+            kernel.fork_attention(q, k, k, meta.short(), meta, meta, 0.25)
         with pytest.raises(ValueError, match="dtypes"):
             kernel.fork_attention(q, k, k.half(), meta, meta, meta, 0.25)
         with pytest.raises(ValueError, match="multiple"):

@@ -155,10 +155,12 @@ def rnd(request) -> FakeRound:
 
 
 def test_random_round_metadata(rnd):
-    """The helper's rounds are what the ops expect: build_round's metadata matches the layout computed here."""
+    """The helper's rounds are what the ops expect: build_round's metadata matches the layout computed here (the
+    per-token tables int32, the rest int64)."""
     for name, want in expected_metadata(rnd).items():
         got = getattr(rnd.t, name)
-        assert got.dtype == torch.int64 and torch.equal(got, want), name
+        dtype = torch.int32 if name in ("seg_lo", "trunk_lo", "trunk_hi") else torch.int64
+        assert got.dtype == dtype and torch.equal(got.long(), want), name
     lens = [len(s.state) for s in rnd.segments]
     assert 0 in lens and 1 in lens
     assert rnd.tokens > rnd.used  # tail padding
@@ -297,6 +299,23 @@ def test_fork_attention_requests_independent(variant, block, monkeypatch):
     out2 = op(moved(q, 123), moved(k, 124), moved(v, 125), t2.seg_lo, t2.trunk_lo, t2.trunk_hi, 0.25)
     for r in range(3):
         torch.testing.assert_close(out2[fr2.request_rows(r + 1)], base[fr.request_rows(r)], atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("op_name,variant", [(op, v) for op in ("fork_attention", "fork_conv") for v in variants(op)])
+def test_int32_and_int64_tables_give_the_same_bits(rnd, op_name, variant):
+    """A round's per-token tables are int32; eager callers and the extended streams of ops/resume.py pass int64:
+    every variant takes both, with the same bits."""
+    op = impl(op_name, variant)
+    t = rnd.t
+    assert t.seg_lo.dtype == t.trunk_lo.dtype == t.trunk_hi.dtype == torch.int32
+    wide = [x.long() for x in (t.seg_lo, t.trunk_lo, t.trunk_hi)]
+    if op_name == "fork_attention":
+        q, k, v = attn_inputs(rnd.tokens, 4, 2, 16, seed=13)
+        got, want = op(q, k, v, t.seg_lo, t.trunk_lo, t.trunk_hi, 0.25), op(q, k, v, *wide, 0.25)
+    else:
+        x, weight = randn(rnd.tokens, 24, seed=1), randn(24, 4, seed=2)
+        got, want = op(x, weight, t.seg_lo, t.trunk_lo, t.trunk_hi, True), op(x, weight, *wide, True)
+    assert torch.equal(got, want)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

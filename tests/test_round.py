@@ -9,10 +9,15 @@ import torch
 
 from flide.config import GDN_CHUNK
 from flide.requests import Branch, PreparedRequest
-from flide.round import RoundTensors, Shape, build_round, layout, packed_size
+from flide.round import INT32_FIELDS, RoundTensors, Shape, build_round, layout, packed_size
 from flide.testing import synthetic_request
 
 FIELDS = [f for f in RoundTensors.__dataclass_fields__]
+TOKEN_FIELDS = ["input_ids", "positions", "seg_lo", "trunk_lo", "trunk_hi"]  # int32; the rest int64
+
+
+def field_dtype(name: str) -> torch.dtype:
+    return torch.int32 if name in TOKEN_FIELDS else torch.int64
 
 
 def reference_build_round(requests: list[PreparedRequest], shape: Shape, pad_id: int):
@@ -137,10 +142,13 @@ def exact_fit(requests, spare: int = 0, options: int = 4) -> Shape:
 
 
 def assert_equal_round(built, want, want_reads, want_n):
+    """`built` holds the oracle's int64 values (`want`), each field in its own dtype, a view of the packed buffer."""
+    storage = built.flat.untyped_storage().data_ptr()
     for name in FIELDS:
         got = getattr(built.tensors, name)
-        assert got.dtype == torch.int64 and got.shape == want[name].shape, name
-        assert torch.equal(got, want[name]), name
+        assert got.dtype == field_dtype(name) and got.shape == want[name].shape, name
+        assert torch.equal(got.long(), want[name]), name
+        assert got.untyped_storage().data_ptr() == storage, name
     assert built.used_tokens == want_n
     assert [(r.request, r.question, r.options, r.tail) for r in built.reads] == want_reads
 
@@ -156,26 +164,32 @@ def test_equals_reference(seed):
 
 
 def test_layout_and_from_flat_round_trip():
-    shape = Shape(320, 5, 9, 11, 3)
+    shape = Shape(322, 5, 9, 11, 3)
     fields = layout(shape)
-    assert [name for name, _ in fields] == FIELDS
-    assert dict(fields)["input_ids"] == (320,) and dict(fields)["option_index"] == (11, 3)
-    assert dict(fields)["state_chunks"] == (shape.state_chunks, 2)
-    # fields in order, each at the next 16-byte boundary (5 states: state_len would start at an odd element)
+    assert [name for name, _, _ in fields] == FIELDS
+    assert set(INT32_FIELDS) == set(TOKEN_FIELDS)
+    dims_of = {name: dims for name, dims, _ in fields}
+    assert dims_of["input_ids"] == (322,) and dims_of["option_index"] == (11, 3)
+    assert dims_of["state_chunks"] == (shape.state_chunks, 2)
+    # fields in order, each at the next 16-byte boundary (322 int32 tokens end mid-way through one; 5 states: state_len
+    # would start at an odd int64 element), each a view of its bytes of `flat` in its own dtype
     flat = torch.arange(packed_size(shape), dtype=torch.int64)
     tensors = RoundTensors.from_flat(flat, shape)
-    offset = 0
-    for name, dims in fields:
+    byte = 0
+    for name, dims, dtype in fields:
         t = getattr(tensors, name)
-        size = int(np.prod(dims))
-        offset += offset % 2
+        assert dtype == field_dtype(name) == t.dtype, name
+        nbytes = int(np.prod(dims)) * dtype.itemsize
+        byte += -byte % 16
         assert tuple(t.shape) == dims and t.is_contiguous(), name
-        assert torch.equal(t.reshape(-1), torch.arange(offset, offset + size)), name
-        assert t.data_ptr() % 16 == flat.data_ptr() % 16, name
-        offset += size
-    assert packed_size(shape) == offset > sum(int(np.prod(dims)) for _, dims in fields)
+        assert t.data_ptr() - flat.data_ptr() == byte, name
+        assert torch.equal(t.reshape(-1), flat.view(torch.uint8)[byte: byte + nbytes].view(dtype)), name
+        byte += nbytes
+    assert 8 * packed_size(shape) == byte + byte % 8
+    assert packed_size(shape) < sum(int(np.prod(dims)) for _, dims, _ in fields)  # int32 fields take half the room
     tensors.seg_lo[3] = -7  # views: a write shows in the flat buffer
-    assert int(flat[2 * 320 + 3]) == -7
+    words = flat.view(torch.int32)
+    assert int(words[(tensors.seg_lo.data_ptr() - flat.data_ptr()) // 4 + 3]) == -7
     # a view into a larger buffer keeps its offset; the wrong size or dtype is refused
     big = torch.zeros(packed_size(shape) + 10, dtype=torch.int64)
     assert RoundTensors.from_flat(big[10:], shape).input_ids.data_ptr() == big[10:].data_ptr()
@@ -189,6 +203,36 @@ def test_layout_and_from_flat_round_trip():
     for name in FIELDS:
         assert torch.equal(getattr(again, name), getattr(built.tensors, name))
         assert getattr(again, name).data_ptr() == getattr(built.tensors, name).data_ptr()
+
+
+def test_token_fields_are_int32_views_holding_the_int64_values():
+    """The per-token fields are int32 views of the packed buffer holding the values the all-int64 layout held
+    (written out here token by token); a reused `out=` buffer full of garbage and a fresh buffer end up with the same
+    bytes, the padding after the odd-sized int32 fields included."""
+    a = synthetic_request([11, 12, 13, 14, 15], [[21, 22, 23], [24, 25]])
+    b = synthetic_request([31, 32, 33, 34], [[41]])
+    shape = Shape(19, 3, 4, 4, 2)  # 15 tokens used, 4 pads; 19 int32 leave half of an int64 element as padding
+    # the states (a's, b's), then the questions (a's two, b's one), then the pads
+    want = {"input_ids": [11, 12, 13, 14, 15, 31, 32, 33, 34, 21, 22, 23, 24, 25, 41, 9, 9, 9, 9],
+            "positions": [0, 1, 2, 3, 4, 0, 1, 2, 3, 5, 6, 7, 5, 6, 4, 0, 0, 0, 0],
+            "seg_lo": [0] * 5 + [5] * 4 + [9] * 3 + [12] * 2 + [14] + [15, 16, 17, 18],
+            "trunk_lo": [0] * 9 + [0] * 5 + [5] + [0] * 4,
+            "trunk_hi": [0] * 9 + [5] * 5 + [9] + [0] * 4}
+    built = build_round([a, b], shape, pad_id=9)
+    words = built.flat.view(torch.int32)
+    for name in TOKEN_FIELDS:
+        got = getattr(built.tensors, name)
+        assert got.dtype == torch.int32 and got.shape == (19,), name
+        assert torch.equal(got.long(), torch.tensor(want[name], dtype=torch.int64)), name
+        start = (got.data_ptr() - built.flat.data_ptr()) // 4
+        assert start % 4 == 0 and torch.equal(words[start: start + 19], got), name  # 16-byte aligned, in the buffer
+        assert got.untyped_storage().data_ptr() == built.flat.untyped_storage().data_ptr(), name
+    out = torch.full((packed_size(shape),), -(2**62) - 12345, dtype=torch.int64)
+    reused = build_round([a, b], shape, pad_id=9, out=out)
+    assert reused.flat is out and torch.equal(out, built.flat)  # every byte written, padding included
+    for name in FIELDS:
+        assert torch.equal(getattr(reused.tensors, name), getattr(built.tensors, name)), name
+        assert getattr(reused.tensors, name).dtype == field_dtype(name), name
 
 
 def test_reused_buffer_equals_fresh_builds():
@@ -427,4 +471,19 @@ def test_every_field_of_a_bucket_is_16_byte_aligned(tokens):
     shape = bucket_shape(tokens, caps, 2)
     flat = torch.empty(packed_size(shape), dtype=torch.int64)
     for name, t in RoundTensors.from_flat(flat, shape).items():
+        assert t.dtype == field_dtype(name), name
         assert (t.data_ptr() - flat.data_ptr()) % 16 == 0, name
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 3, 5, 6, 321, 447])
+def test_every_field_is_16_byte_aligned_at_any_token_count(tokens):
+    """Eager rounds and tests take shapes of any size: an int32 per-token field of T % 4 != 0 elements ends inside a
+    16-byte unit, and the next field still starts at the next one."""
+    shape = Shape(tokens, 3, 5, 7, 3)
+    flat = torch.empty(packed_size(shape), dtype=torch.int64)
+    for name, t in RoundTensors.from_flat(flat, shape).items():
+        assert (t.data_ptr() - flat.data_ptr()) % 16 == 0, name
+    requests = [synthetic_request(np.arange(1, tokens), [[7]])]
+    built = build_round(requests, shape, 0, out=flat)
+    assert [(t.data_ptr() - flat.data_ptr()) for _, t in built.tensors.items()] == \
+        [(t.data_ptr() - flat.data_ptr()) for _, t in RoundTensors.from_flat(flat, shape).items()]

@@ -128,11 +128,26 @@ else:
         assert torch.equal(conv_triton.fork_conv(*args, True, block_t=16, block_d=16, window=(windows[:0], none)),
                            plain)
 
+    def test_fork_conv_int32_and_int64_tables_give_the_same_bits():
+        """A round's tables are int32 (the kernel widens them: its row offsets are int64); int64 ones, and a mix,
+        give the same bits, windows included."""
+        r = tiny_round(150, seed=3)
+        assert r.seg_lo.dtype == torch.int32
+        x, weight = randn(150, 40, seed=1), randn(40, 4, seed=2)
+        narrow = (r.seg_lo, r.trunk_lo, r.trunk_hi)
+        got = conv_triton.fork_conv(x, weight, *narrow, True, block_t=16, block_d=16)
+        for tables in ([t.long() for t in narrow], [narrow[0].long(), narrow[1], narrow[2].long()]):
+            assert torch.equal(conv_triton.fork_conv(x, weight, *tables, True, block_t=16, block_d=16), got)
+        windows, index = randn(2, 3, 40, seed=4), (torch.arange(150) % 3 - 1)  # -1: no window
+        with_window = conv_triton.fork_conv(x, weight, *narrow, True, block_t=16, block_d=16, window=(windows, index))
+        assert torch.equal(conv_triton.fork_conv(x, weight, *narrow, True, block_t=16, block_d=16,
+                                                 window=(windows, index.int())), with_window)
+
     def test_fork_conv_rejects_bad_metadata():
         x, weight = randn(8, 16, seed=1), randn(16, 4, seed=2)
         meta = torch.zeros(8, dtype=torch.int64)
         with pytest.raises(ValueError, match="seg_lo"):
-            conv_triton.fork_conv(x, weight, meta.int(), meta, meta, True)
+            conv_triton.fork_conv(x, weight, meta.short(), meta, meta, True)
         with pytest.raises(ValueError, match="weight"):
             conv_triton.fork_conv(x, weight[:8], meta, meta, meta, True)
 
@@ -239,9 +254,20 @@ else:
             else:  # pad rows only (160..163): each sees itself
                 assert full == 0 and masked == 1, (b, masked, full)
 
+    def test_fork_attention_int32_and_int64_tables_give_the_same_bits():
+        r = tiny_round(130, seed=5)
+        assert r.seg_lo.dtype == torch.int32
+        q, k, v = randn(130, 4, 16, seed=1), randn(130, 2, 16, seed=2), randn(130, 2, 16, seed=3)
+        narrow = (r.seg_lo, r.trunk_lo, r.trunk_hi)
+        got = attn_triton.fork_attention(q, k, v, *narrow, 0.25, config=Config(16, 16, 4, 1))
+        assert torch.equal(attn_triton.fork_attention(q, k, v, *[t.long() for t in narrow], 0.25,
+                                                      config=Config(16, 16, 4, 1)), got)
+
     def test_fork_attention_rejects_bad_inputs():
         q, k = randn(8, 4, 16, seed=1), randn(8, 2, 16, seed=2)
         meta = torch.zeros(8, dtype=torch.int64)
+        with pytest.raises(ValueError, match="seg_lo"):
+            attn_triton.fork_attention(q, k, k, meta.short(), meta, meta, 0.25)
         with pytest.raises(ValueError, match="dtypes"):
             attn_triton.fork_attention(q, k, k.half(), meta, meta, meta, 0.25)
         with pytest.raises(ValueError, match="multiple"):

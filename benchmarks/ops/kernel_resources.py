@@ -64,8 +64,9 @@ def attention(dtype: str, head_dim: int, group: int, config) -> str:
     from flide.ops.fork_attention import triton as fa
 
     ptr = f"*{dtype}"
-    sig = {"q_ptr": ptr, "k_ptr": ptr, "v_ptr": ptr, "o_ptr": ptr, "seg_lo_ptr": "*i64", "trunk_lo_ptr": "*i64",
-           "trunk_hi_ptr": "*i64", "stats_ptr": "*i64", "T": "i32", "qk_scale": "fp32"}
+    # a round's tables are int32 (flide/round.py); without stats the launcher passes seg_lo as the stats pointer
+    sig = {"q_ptr": ptr, "k_ptr": ptr, "v_ptr": ptr, "o_ptr": ptr, "seg_lo_ptr": "*i32", "trunk_lo_ptr": "*i32",
+           "trunk_hi_ptr": "*i32", "stats_ptr": "*i32", "T": "i32", "qk_scale": "fp32"}
     sig.update({f"stride_{n}": "i32" for n in ("qt", "qh", "kt", "kh", "vt", "vh", "ot", "oh")})
     block_d = max(16, triton.next_power_of_2(head_dim))
     consts = {"GROUP": group, "HEAD_DIM": head_dim, "HEAD_DIM_V": head_dim, "BLOCK_M": config.block_m,
@@ -82,9 +83,10 @@ def invariant_attention(dtype: str, head_dim: int, group: int, config) -> str:
     from flide.ops.fork_attention import triton_invariant as fi
 
     ptr = f"*{dtype}"
-    sig = {"q_ptr": ptr, "k_ptr": ptr, "v_ptr": ptr, "o_ptr": ptr, "seg_lo_ptr": "*i64", "trunk_lo_ptr": "*i64",
-           "trunk_hi_ptr": "*i64", "stats_ptr": "*i32", "pk_ptr": ptr, "pv_ptr": ptr, "pre_lo_ptr": "*i64",
-           "pre_hi_ptr": "*i64", "T": "i32", "qk_scale": "fp32"}
+    # a round's tables are int32 (flide/round.py); without a prefix the launcher passes seg_lo as pre_lo / pre_hi
+    sig = {"q_ptr": ptr, "k_ptr": ptr, "v_ptr": ptr, "o_ptr": ptr, "seg_lo_ptr": "*i32", "trunk_lo_ptr": "*i32",
+           "trunk_hi_ptr": "*i32", "stats_ptr": "*i32", "pk_ptr": ptr, "pv_ptr": ptr, "pre_lo_ptr": "*i32",
+           "pre_hi_ptr": "*i32", "T": "i32", "qk_scale": "fp32"}
     sig.update({f"stride_{n}": "i32" for n in ("qt", "qh", "kt", "kh", "vt", "vh", "ot", "oh", "pkt", "pkh", "pvt",
                                                "pvh")})
     block_d = max(16, triton.next_power_of_2(head_dim))
@@ -99,8 +101,9 @@ def conv(dtype: str) -> str:
     from flide.ops.fork_conv import triton as fc
 
     ptr = f"*{dtype}"
-    sig = {"x_ptr": ptr, "w_ptr": ptr, "out_ptr": ptr, "seg_lo_ptr": "*i64", "trunk_lo_ptr": "*i64",
-           "trunk_hi_ptr": "*i64", "win_ptr": ptr, "win_index_ptr": "*i64", "T": "i32", "D": "i32",
+    # a round's tables are int32 (flide/round.py); without windows the launcher passes seg_lo as win_index
+    sig = {"x_ptr": ptr, "w_ptr": ptr, "out_ptr": ptr, "seg_lo_ptr": "*i32", "trunk_lo_ptr": "*i32",
+           "trunk_hi_ptr": "*i32", "win_ptr": ptr, "win_index_ptr": "*i32", "T": "i32", "D": "i32",
            "stride_xt": "i32", "stride_xd": "i32", "stride_wd": "i32", "stride_ww": "i32", "stride_ot": "i32",
            "stride_od": "i32", "stride_win_r": "i32", "stride_win_d": "i32"}
     # unit strides are specialised to constants by the JIT; the checkpoint-window path (HAS_WINDOW) is compiled out,

@@ -124,8 +124,10 @@ class FlatModel(nn.Module):
 
     def _forward(self, r: RoundTensors, checkpoints=None) -> torch.Tensor:
         m = self.text_model
-        h = m.embed_tokens(r.input_ids)  # [T, H]
-        cos, sin = m.rotary_emb(h[None], r.positions[None])
+        h = m.embed_tokens(r.input_ids)  # [T, H]; a round's ids are int32, which an embedding (a row gather) takes
+        # positions as the int64 (LongTensor) the model's own rotary module is written for, not the round's int32:
+        # its code is transformers', per family, so it gets the dtype it was tested with; one small device op
+        cos, sin = m.rotary_emb(h[None], r.positions.long()[None])
         last = self.blocks[-1]
         if checkpoints is not None:
             for index, block in enumerate(self.blocks[:-1]):

@@ -125,7 +125,8 @@ def _resumed_starts(seg_lo: torch.Tensor, trunk_lo: torch.Tensor, trunk_hi: torc
     state_token = resumed & ~(trunk_hi > trunk_lo)
     starts, first = torch.unique(seg_lo[state_token], return_inverse=True)
     tokens = torch.nonzero(state_token).flatten()
-    one = torch.empty_like(starts).scatter_(0, first, tokens)
+    # int64 like `tokens` (scatter_ takes its source's dtype), whatever seg_lo's dtype (a round's is int32)
+    one = tokens.new_empty(starts.shape).scatter_(0, first, tokens)
     return starts.tolist(), one
 
 

@@ -105,10 +105,10 @@ def fork_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_lo: to
         # Padded eagerly, outside the compiled part: its inputs stay plain buffers (padding traced inside made the
         # mask's captured tensors computed buffers, which Inductor's CUDA flex lowering refused on the H200). Pad
         # rows see only themselves (seg_lo = t), so they never turn a block partial for real rows.
-        extra = torch.arange(T, T + pad, device=q.device, dtype=seg_lo.dtype)
-        seg_lo = torch.cat([seg_lo, extra])
-        trunk_lo = torch.cat([trunk_lo, torch.zeros_like(extra)])
-        trunk_hi = torch.cat([trunk_hi, torch.zeros_like(extra)])
+        # Each table keeps its dtype (int32 from a round, int64 from an extended stream: ops/resume.py).
+        seg_lo = torch.cat([seg_lo, torch.arange(T, T + pad, device=q.device, dtype=seg_lo.dtype)])
+        trunk_lo = torch.cat([trunk_lo, trunk_lo.new_zeros(pad)])
+        trunk_hi = torch.cat([trunk_hi, trunk_hi.new_zeros(pad)])
         q, k, v = (torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v))
     out = _compiled()(q, k, v, seg_lo, trunk_lo, trunk_hi, scale)
     return out[:T].contiguous() if pad else out.contiguous()

@@ -43,7 +43,7 @@ def fork_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_lo: to
     Args:
         q: [T, Hq, D] queries; k: [T, Hkv, D] keys; v: [T, Hkv, Dv] values, Hq a multiple of Hkv (GQA: query head h
             reads key head h // (Hq // Hkv)).
-        seg_lo, trunk_lo, trunk_hi: [T] int64 stream indices (see the module docstring).
+        seg_lo, trunk_lo, trunk_hi: [T] int32 (a round's) or int64 stream indices (see the module docstring).
         scale: the softmax scale.
     Returns: [T, Hq, Dv] in q's dtype. Scores, softmax and sums run in float32.
     """

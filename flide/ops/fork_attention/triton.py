@@ -252,9 +252,10 @@ def fork_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_lo: to
                          f"[T, Hkv, D], [T, Hkv, Dv] with Hq a multiple of Hkv")
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    # int32 (a round's own) or int64 tables: the kernel loads either and works in int32 (see _visit)
     for name, m in (("seg_lo", seg_lo), ("trunk_lo", trunk_lo), ("trunk_hi", trunk_hi)):
-        if m.shape != (T,) or m.dtype != torch.int64:
-            raise ValueError(f"{name} must be int64 [{T}], got {m.dtype} {tuple(m.shape)}")
+        if m.shape != (T,) or m.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name} must be int32 or int64 [{T}], got {m.dtype} {tuple(m.shape)}")
     group = Hq // Hkv
     cfg = config or default_config(D, q.dtype)
     if cfg.block_m < group:

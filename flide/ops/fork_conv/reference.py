@@ -60,7 +60,7 @@ def fork_conv(x: torch.Tensor, weight: torch.Tensor, seg_lo: torch.Tensor, trunk
     """
     Args:
         x: [T, D] conv inputs (the qkv projections); weight: [D, W] depthwise kernel (no bias).
-        seg_lo, trunk_lo, trunk_hi: [T] int64 stream indices, as for fork attention.
+        seg_lo, trunk_lo, trunk_hi: [T] int32 (a round's) or int64 stream indices, as for fork attention.
         silu: apply SiLU to the output (Qwen3.5 does).
     Returns: [T, D] in x's dtype; the products and sums run in the weight's dtype, as transformers' conv does.
     """

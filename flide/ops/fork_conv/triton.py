@@ -40,11 +40,13 @@ def _fork_conv_kernel(x_ptr, w_ptr, out_ptr, seg_lo_ptr, trunk_lo_ptr, trunk_hi_
     d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     t_ok = t < T
     d_ok = d < D
-    seg_lo = tl.load(seg_lo_ptr + t, mask=t_ok, other=0)
-    trunk_lo = tl.load(trunk_lo_ptr + t, mask=t_ok, other=0)
-    trunk_hi = tl.load(trunk_hi_ptr + t, mask=t_ok, other=0)
+    # the tables as int64 whatever they are stored as (a round's are int32): the rows computed from them below
+    # multiply strides
+    seg_lo = tl.load(seg_lo_ptr + t, mask=t_ok, other=0).to(tl.int64)
+    trunk_lo = tl.load(trunk_lo_ptr + t, mask=t_ok, other=0).to(tl.int64)
+    trunk_hi = tl.load(trunk_hi_ptr + t, mask=t_ok, other=0).to(tl.int64)
     if HAS_WINDOW:  # the checkpoint window each token's (resumed) state continues, -1: none
-        win_index = tl.load(win_index_ptr + t, mask=t_ok, other=-1)
+        win_index = tl.load(win_index_ptr + t, mask=t_ok, other=-1).to(tl.int64)
 
     acc = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
     for w in tl.static_range(W):
@@ -84,21 +86,21 @@ def fork_conv(x: torch.Tensor, weight: torch.Tensor, seg_lo: torch.Tensor, trunk
               trunk_hi: torch.Tensor, silu: bool, *, block_t: int = BLOCK_T, block_d: int = BLOCK_D,
               num_warps: int = NUM_WARPS, out: torch.Tensor | None = None,
               window: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """Same contract as `reference.fork_conv` (x [T, D], weight [D, W], int64 metadata [T]; [T, D] out in x's
-    dtype), except that products and sums run in fp32 whatever the dtypes (the sum is rounded to x's dtype before
-    the SiLU, as the reference rounds it to the weight's: the same for a model of one dtype). CUDA tensors, or CPU tensors under
-    TRITON_INTERPRET=1. Every output element is written (`out`, if given: a [T, D] buffer of x's dtype; the tests
-    hand in one filled with NaN to check that).
+    """Same contract as `reference.fork_conv` (x [T, D], weight [D, W], int32 or int64 metadata [T]; [T, D] out in
+    x's dtype), except that products and sums run in fp32 whatever the dtypes (the sum is rounded to x's dtype
+    before the SiLU, as the reference rounds it to the weight's: the same for a model of one dtype). CUDA tensors,
+    or CPU tensors under TRITON_INTERPRET=1. Every output element is written (`out`, if given: a [T, D] buffer of
+    x's dtype; the tests hand in one filled with NaN to check that).
 
-    window: (windows [P, W-1, D], win_index [T] int64) as in `reference.fork_conv_window`: the inputs before a
-    resumed state's segment come from its checkpoint's window (read in place: no extended stream)."""
+    window: (windows [P, W-1, D], win_index [T] int32 or int64) as in `reference.fork_conv_window`: the inputs
+    before a resumed state's segment come from its checkpoint's window (read in place: no extended stream)."""
     T, D = x.shape
     W = weight.shape[1]
     if weight.shape[0] != D:
         raise ValueError(f"weight is {tuple(weight.shape)}, expected [{D}, W]")
     for name, m in (("seg_lo", seg_lo), ("trunk_lo", trunk_lo), ("trunk_hi", trunk_hi)):
-        if m.shape != (T,) or m.dtype != torch.int64:
-            raise ValueError(f"{name} must be int64 [{T}], got {m.dtype} {tuple(m.shape)}")
+        if m.shape != (T,) or m.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name} must be int32 or int64 [{T}], got {m.dtype} {tuple(m.shape)}")
     if out is None:
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
     elif out.shape != x.shape or out.dtype != x.dtype or out.device != x.device:
@@ -111,8 +113,9 @@ def fork_conv(x: torch.Tensor, weight: torch.Tensor, seg_lo: torch.Tensor, trunk
         windows, win_index = window
         if windows.dim() != 3 or windows.shape[1:] != (W - 1, D):
             raise ValueError(f"window is {tuple(windows.shape)}, expected [P, {W - 1}, {D}]")
-        if win_index.shape != (T,) or win_index.dtype != torch.int64:
-            raise ValueError(f"win_index must be int64 [{T}], got {win_index.dtype} {tuple(win_index.shape)}")
+        if win_index.shape != (T,) or win_index.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"win_index must be int32 or int64 [{T}], got {win_index.dtype} "
+                             f"{tuple(win_index.shape)}")
         rows = windows.reshape(-1, D) if windows.shape[0] else x[:1]  # none: a valid pointer no tap loads
         win_index = win_index.contiguous()
     else:

@@ -60,6 +60,11 @@ import triton.language as tl
 # (2026-12-01, `ops_gated_delta_gluon_h200.md`, 16 columns / 8 lanes along K: RACE@bucket 0.046 vs 0.037 ms, sweep 1
 # 0.094 vs 0.067, 64 x RACE 1.12 vs 0.92; other tiles 0.037-0.20 / 0.074-0.20 / 0.94-2.5; end to end RACE 4.16 vs
 # 4.27 ms, sweep 1 12.9 vs 12.8, `h200_profile_0_8b_gluon.json`): the conversions are off the step's critical path.
+# A lazy decay (branch wip/questions-lazy-decay, 5eb7727: the state kept as c * H with c the running product of the
+# decays, folded into H below 2^-40, so a step has no [K, BV] decay multiply: ~445 sm_90 instructions on its common
+# path vs 485) was SLOWER (H200, 2026-12-01, `ops_gated_delta_lazy_h200.md`: RACE@bucket 0.043 vs 0.037 ms, sweep 1
+# 0.090 vs 0.067, 64 x RACE 0.97 vs 0.92; 9B shapes 0.054 vs 0.049, 1.95 vs 1.82): the fold's branch and the division
+# by c in every step cost more than the multiplies they saved. Its CPU and GPU exactness tests passed; not merged.
 BLOCK_V = 16
 NUM_WARPS = 1
 NUM_STAGES = 3  # the next tokens' q/k/v loads in flight while this one's update runs

@@ -62,13 +62,14 @@ def main() -> int:
     from flide.ops.linear import triton as linear
 
     ok = True
+    # the stream tables (seg_lo, trunk_lo, ...) as a round hands them in: int32 (flide/round.py)
     for dtype, triton_dtype in (("bf16", "*bf16"), ("fp32", "*fp32")):
         cfg = attn.default_config(256, {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype])
         for prefix in (False, True):
             ok &= compile_one(
                 f"fork_attention invariant {dtype} D256 GQA4 prefix={prefix}", attn._fork_attention_invariant_kernel,
                 {"q_ptr": triton_dtype, "k_ptr": triton_dtype, "v_ptr": triton_dtype, "o_ptr": triton_dtype,
-                 "pk_ptr": triton_dtype, "pv_ptr": triton_dtype, "stats_ptr": "*i32"}, "*i64", {"qk_scale": "fp32"},
+                 "pk_ptr": triton_dtype, "pv_ptr": triton_dtype, "stats_ptr": "*i32"}, "*i32", {"qk_scale": "fp32"},
                 dict(GROUP=4, HEAD_DIM=256, HEAD_DIM_V=256, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=256,
                      BLOCK_DV=256, PRECISION="ieee" if dtype == "fp32" else "tf32", STATS=False, HAS_PREFIX=prefix),
                 {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
@@ -76,7 +77,7 @@ def main() -> int:
             ok &= compile_one(
                 f"fork_conv {dtype} window={window}", conv._fork_conv_kernel,
                 {"x_ptr": triton_dtype, "w_ptr": triton_dtype, "out_ptr": triton_dtype, "win_ptr": triton_dtype},
-                "*i64", {}, dict(W=4, SILU=True, BLOCK_T=conv.BLOCK_T, BLOCK_D=conv.BLOCK_D, HAS_WINDOW=window),
+                "*i32", {}, dict(W=4, SILU=True, BLOCK_T=conv.BLOCK_T, BLOCK_D=conv.BLOCK_D, HAS_WINDOW=window),
                 {"num_warps": conv.NUM_WARPS})
         for final, snapshot in ((False, False), (True, False), (True, True)):
             ok &= compile_one(

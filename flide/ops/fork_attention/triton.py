@@ -36,6 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..tables import check_token_tables
+
 LOG2E = 1.4426950408889634
 
 
@@ -253,9 +255,7 @@ def fork_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_lo: to
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
     # int32 (a round's own) or int64 tables: the kernel loads either and works in int32 (see _visit)
-    for name, m in (("seg_lo", seg_lo), ("trunk_lo", trunk_lo), ("trunk_hi", trunk_hi)):
-        if m.shape != (T,) or m.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"{name} must be int32 or int64 [{T}], got {m.dtype} {tuple(m.shape)}")
+    check_token_tables(T, seg_lo=seg_lo, trunk_lo=trunk_lo, trunk_hi=trunk_hi)
     group = Hq // Hkv
     cfg = config or default_config(D, q.dtype)
     if cfg.block_m < group:

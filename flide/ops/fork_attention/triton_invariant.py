@@ -102,6 +102,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..tables import check_token_tables
 from .triton import LOG2E, Config
 
 __all__ = ["Config", "default_config", "fork_attention", "query_blocks"]
@@ -302,9 +303,7 @@ def fork_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_lo: to
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
     # int32 (a round's own) or int64 tables: the kernel loads either and works in int32
-    for name, m in (("seg_lo", seg_lo), ("trunk_lo", trunk_lo), ("trunk_hi", trunk_hi)):
-        if m.shape != (T,) or m.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"{name} must be int32 or int64 [{T}], got {m.dtype} {tuple(m.shape)}")
+    check_token_tables(T, seg_lo=seg_lo, trunk_lo=trunk_lo, trunk_hi=trunk_hi)
     group = Hq // Hkv
     cfg = _tiles(config, D, q.dtype, group)
     if out is None:
@@ -327,9 +326,7 @@ def fork_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_lo: to
             raise ValueError(f"pk {tuple(pk.shape)}, pv {tuple(pv.shape)}: expected [P, {Hkv}, {D}], [P, {Hkv}, {Dv}]")
         if pk.dtype != q.dtype or pv.dtype != q.dtype:
             raise ValueError(f"pk, pv must be {q.dtype} (q's dtype), got {pk.dtype}, {pv.dtype}")
-        for name, m in (("pre_lo", pre_lo), ("pre_hi", pre_hi)):
-            if m.shape != (T,) or m.dtype not in (torch.int32, torch.int64):
-                raise ValueError(f"{name} must be int32 or int64 [{T}], got {m.dtype} {tuple(m.shape)}")
+        check_token_tables(T, pre_lo=pre_lo, pre_hi=pre_hi)
         if pk.shape[0] * max(pk.stride(0), pv.stride(0), 1) >= 2 ** 31:
             raise ValueError(f"a prefix of {pk.shape[0]} rows overflows the kernel's int32 key offsets")
         pk, pv = (x if x.stride(2) == 1 else x.contiguous() for x in (pk, pv))

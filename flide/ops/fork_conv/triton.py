@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..tables import check_token_tables
+
 # Default tiles (no spills on sm_90: benchmarks/ops/kernel_resources.py; bench_fork_conv.py --sweep times others)
 BLOCK_T = 32  # tokens per tile
 BLOCK_D = 128  # channels per tile: 256 contiguous bytes of a bf16 row per token
@@ -98,9 +100,7 @@ def fork_conv(x: torch.Tensor, weight: torch.Tensor, seg_lo: torch.Tensor, trunk
     W = weight.shape[1]
     if weight.shape[0] != D:
         raise ValueError(f"weight is {tuple(weight.shape)}, expected [{D}, W]")
-    for name, m in (("seg_lo", seg_lo), ("trunk_lo", trunk_lo), ("trunk_hi", trunk_hi)):
-        if m.shape != (T,) or m.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"{name} must be int32 or int64 [{T}], got {m.dtype} {tuple(m.shape)}")
+    check_token_tables(T, seg_lo=seg_lo, trunk_lo=trunk_lo, trunk_hi=trunk_hi)
     if out is None:
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
     elif out.shape != x.shape or out.dtype != x.dtype or out.device != x.device:
@@ -113,9 +113,7 @@ def fork_conv(x: torch.Tensor, weight: torch.Tensor, seg_lo: torch.Tensor, trunk
         windows, win_index = window
         if windows.dim() != 3 or windows.shape[1:] != (W - 1, D):
             raise ValueError(f"window is {tuple(windows.shape)}, expected [P, {W - 1}, {D}]")
-        if win_index.shape != (T,) or win_index.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"win_index must be int32 or int64 [{T}], got {win_index.dtype} "
-                             f"{tuple(win_index.shape)}")
+        check_token_tables(T, win_index=win_index)
         rows = windows.reshape(-1, D) if windows.shape[0] else x[:1]  # none: a valid pointer no tap loads
         win_index = win_index.contiguous()
     else:

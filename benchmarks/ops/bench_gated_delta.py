@@ -12,6 +12,8 @@ and 4 questions of 45 tokens each). Times are medians of CUDA-graph replays (tri
 - `questions:chunk` / `questions:recurrent`: the question call alone (`branches.py`, the fork's second call) in
   its two forms, from the states' final states (with --sweep also `questions:<form>[BV..,w..]`: other tiles);
 - `fork:tables`: `fork` as the model runs it, the state call from the round's tables (`fork_tables`);
+- `questions:cuda`: the CUDA C question kernel (`questions_cuda.py`; --sweep: `questions:cuda[L..,w..]`, lanes
+  along K and warps) on normalised q / k, and `questions:recurrent-normed`, the Triton kernel on the same inputs;
 - `fork:wy`: the `fla_wy` variant's fork from the same tables: the questions' WY form from the state call's
   chunk-local steps, then the chunked question call; `questions:wy`: that question call alone (`questions_wy.py`;
   --sweep: other tiles);
@@ -38,7 +40,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from flide.ops.gated_delta import BRANCH_KERNELS, STATE_KERNELS, branches, fork, fork_tables, questions_wy
+from flide.ops.gated_delta import (BRANCH_KERNELS, STATE_KERNELS, branches, fork, fork_tables, questions_cuda,
+                                   questions_wy)
+from flide.ops.gated_delta.l2norm import l2norm
 from flide.ops.registry import resolve
 from flide.round import Shape, build_round
 from flide.testing import synthetic_request
@@ -165,6 +169,15 @@ def main() -> None:
                         label = f"questions:{form}{tile_label(tiles, 'C' if form == 'chunk' else 'P')}"
                         fns[label] = partial(branches.branches, q, kk, vv, decay, beta, r.branch_start, r.branch_len,
                                              finals, r.branch_state, scale, True, form=form, tiles=tiles)
+                # the CUDA C kernel (questions_cuda.py) takes q / k normalised, as the fork's state call returns them;
+                # `questions:recurrent-normed` is the Triton kernel on the same inputs, for a like-for-like pair
+                qn, kn = l2norm(q), l2norm(kk)
+                fns["questions:recurrent-normed"] = partial(branches.branches, qn, kn, vv, decay, beta, r.branch_start,
+                                                            r.branch_len, finals, r.branch_state, scale, False)
+                for tiles in (None, *(questions_cuda.TILES if args.sweep else ())):
+                    label = "questions:cuda" + (f"[L{tiles[0]},w{tiles[1]}]" if tiles else "")
+                    fns[label] = partial(questions_cuda.branches_cuda, qn, kn, vv, decay, beta, r.branch_start,
+                                         r.branch_len, finals, r.branch_state, scale, tiles=tiles)
             states = int((r.state_len > 0).sum())
             floor = floor_ms(T, states, hv, k, v, hk, flops_rate, bandwidth)
             for engine, fn in fns.items():

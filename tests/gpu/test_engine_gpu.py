@@ -48,3 +48,21 @@ def test_questions_wy_equal_pipeline_on_gpu():
     assert engine.kernels.gated_delta == "fla_wy"
     got = engine.decide(requests)
     assert max(max_difference(e, g) for e, g in zip(expected, got)) < 2e-3
+
+
+def test_cuda_questions_equal_pipeline_on_gpu():
+    """`kernels.gated_delta: fla_cuda` (the questions' gated delta by the CUDA C kernel, questions_cuda.py) on the
+    whole model, graphs on: answers within the fast variants' tolerance of the pipeline, long questions included."""
+    rng = random.Random(6)
+    requests = [random_request(rng, max_words=200) for _ in range(12)]
+    for request in requests[:4]:
+        for question in request["questions"].values():
+            if isinstance(question.get("instructions"), str):
+                question["instructions"] = " ".join([question["instructions"]] * 12)
+    tok = tiny_tokenizer()
+    model = tiny_model("qwen3_5_text").cuda()
+    expected = [pipeline("decision", model=model, tokenizer=tok)(r) for r in requests]
+    engine = flide.patch(model, tok, config={**FAST, "kernels": {"gated_delta": "fla_cuda"}})
+    assert engine.kernels.gated_delta == "fla_cuda"
+    got = engine.decide(requests)
+    assert max(max_difference(e, g) for e, g in zip(expected, got)) < 2e-3

@@ -49,13 +49,14 @@ def run_fork(variant, x, r):
                 r.branch_state, 128 ** -0.5, True)
 
 
+@pytest.mark.parametrize("variant", ["fla", "fla_cuda"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("tokens", [64, 130, 500, 3600])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_fla_fork_matches_reference(tokens, dtype, seed):
+def test_fla_fork_matches_reference(tokens, dtype, seed, variant):
     x, r = inputs(tokens, dtype, seed * 7 + tokens)
     ref_o, ref_final = run_fork("reference", tuple(t.float() for t in x), r)
-    o, final = run_fork("fla", x, r)
+    o, final = run_fork(variant, x, r)
     assert torch.isfinite(o).all() and torch.isfinite(final).all()
     assert rel_err(o, ref_o) < TOL[dtype]
     used = r.state_len > 0
@@ -328,3 +329,74 @@ def test_fla_wy_ops_opcheck_on_cuda():
     _, finals, qn, kn, w, u, gamma = gated_delta_fla_states_wy(*args)
     torch.library.opcheck(gated_delta_questions_wy, (qn, kn, w, u, gamma, r.branch_start, r.branch_len, finals,
                                                      r.branch_state, 128 ** -0.5), test_utils=checks)
+
+
+def cuda_question_inputs(dtype, hk: int, hv: int, seed: int, index_dtype=torch.int64):
+    """The question call's inputs at Qwen3.5's head shapes (K = V = 128): q and k already normalised (the fork
+    normalises them in the state call), branches of 1-130 tokens from 6 states' final states, spare capacity rows."""
+    tokens, meta = segments_round([1, 63, 64, 65, 500], [1, 63, 64, 65, 40, 1, 7, 130], [0, 1, 2, 3, 4, 4, 0, 2],
+                                  6, 12)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q, k = (F.normalize(torch.randn(tokens, hk, 128, device="cuda", generator=g), dim=-1).to(dtype)
+            for _ in range(2))
+    v = torch.randn(tokens, hv, 128, device="cuda", generator=g).to(dtype)
+    decay = -F.softplus(torch.randn(tokens, hv, device="cuda", generator=g)) * 0.5
+    beta = torch.sigmoid(torch.randn(tokens, hv, device="cuda", generator=g)).to(dtype)
+    finals = torch.randn(6, hv, 128, 128, device="cuda", generator=g) * 0.1
+    tables = tuple(meta[name].to(index_dtype) for name in ("branch_start", "branch_len"))
+    return tokens, (q, k, v, decay, beta, *tables, finals, meta["branch_state"].to(index_dtype), 128 ** -0.5)
+
+
+@pytest.mark.parametrize("tiles", [(2, 1), (2, 2), (4, 1), (4, 2), (8, 1), (1, 4)], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("heads", [(16, 16), (16, 32)], ids=["Hk16-Hv16", "Hk16-Hv32"])
+def test_cuda_question_kernel_matches_reference(dtype, heads, tiles):
+    """The CUDA question kernel (questions_cuda.py) against the reference at Qwen3.5's head shapes (0.8B: 16/16; 9B:
+    16/32), every tile: each branch from its state's final state by index, spare rows of length 0, every question
+    row written and no state row (NaN-poisoned output). fp32 within 1e-5."""
+    from flide.ops.gated_delta import questions_cuda
+
+    tokens, args = cuda_question_inputs(dtype, *heads, seed=31)
+    q, k, v, decay, beta, *rest = args
+    ref_o, _ = kernel("reference")(q.float(), k.float(), v.float(), decay, beta.float(), *rest, False)
+    out = torch.full((tokens, heads[1], 128), float("nan"), dtype=dtype, device="cuda")
+    o = questions_cuda.branches_cuda(*args, out=out, tiles=tiles)
+    first = int(args[5][0])
+    assert torch.isfinite(o[first:]).all() and o[:first].isnan().all()
+    assert rel_err(o[first:], ref_o[first:]) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cuda_question_kernel_int32_tables_and_bits_alone(dtype):
+    """int32 segment tables give the int64 tables' bits, and a branch run alone (its row the only one of the call,
+    at another place in a shorter stream) has the same bits as in the full call: batch-invariant."""
+    from flide.ops.gated_delta import questions_cuda
+
+    _, args64 = cuda_question_inputs(dtype, 16, 16, seed=37)
+    _, args32 = cuda_question_inputs(dtype, 16, 16, seed=37, index_dtype=torch.int32)
+    full = questions_cuda.branches_cuda(*args64)
+    assert torch.equal(questions_cuda.branches_cuda(*args32), full)
+    q, k, v, decay, beta, start, length, finals, index, scale = args64
+    for row in (0, 4, 7):  # 1, 40 and 130 tokens
+        s, n = int(start[row]), int(length[row])
+        cut = slice(s - 3, s + n)  # 3 rows before it, which no branch covers now
+        alone = questions_cuda.branches_cuda(q[cut], k[cut], v[cut], decay[cut], beta[cut],
+                                             start[row:row + 1] - (s - 3), length[row:row + 1], finals,
+                                             index[row:row + 1], scale)
+        assert torch.equal(alone[3:], full[s:s + n]), row
+
+
+def test_cuda_question_op_falls_back_and_opchecks():
+    """flide::gated_delta_branches_cuda: with in-kernel normalisation asked for, the Triton kernel's outputs (the
+    CUDA kernel takes normalised q / k); its fake impl, schema and no aliasing, as torch.compile relies on them."""
+    from flide.ops.gated_delta import branches, gated_delta_branches_cuda
+
+    x, r = inputs(130, torch.bfloat16, seed=4)
+    q, k, v, decay, beta = x
+    finals = torch.randn(r.state_start.shape[0], v.shape[1], 128, 128, device="cuda") * 0.1
+    args = (q, k, v, decay, beta, r.branch_start, r.branch_len, finals, r.branch_state, 128 ** -0.5, True)
+    first = int(r.branch_start[0])
+    end = int((r.branch_start + r.branch_len).max())
+    assert torch.equal(gated_delta_branches_cuda(*args)[first:end], branches.branches(*args)[first:end])
+    torch.library.opcheck(gated_delta_branches_cuda, args[:-1] + (False,),
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))

@@ -1,7 +1,8 @@
 """flide::gated_delta_* custom ops and the two-call fork built on them. Variants: `reference` (pure torch, any
 device), `fla` (fla-core's chunked Triton kernels with fixed-capacity chunk lists built on the GPU for the states,
 and our recurrent Triton kernel, `branches.py`, for the questions; CUDA), `fla_wy` (the same state call, whose
-chunk-local steps also prepare the questions' WY form, and our chunked question kernel, `questions_wy.py`; CUDA)."""
+chunk-local steps also prepare the questions' WY form, and our chunked question kernel, `questions_wy.py`; CUDA),
+`fla_cuda` (fla's state call, and our recurrent question kernel in CUDA C, `questions_cuda.py`, compiled by NVRTC)."""
 
 from __future__ import annotations
 
@@ -174,16 +175,59 @@ def _fake_questions_wy(q, k, w, u, gamma, seg_start, seg_len, initial_state, ini
     return q.new_empty(u.shape)
 
 
+@torch.library.custom_op("flide::gated_delta_branches_cuda", mutates_args=(), device_types="cuda")
+def gated_delta_branches_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                              seg_start: torch.Tensor, seg_len: torch.Tensor, initial_state: torch.Tensor,
+                              initial_index: torch.Tensor, scale: float, use_qk_l2norm: bool) -> torch.Tensor:
+    """The question call by the CUDA kernel (questions_cuda.py); inputs it does not take (q / k to normalise in the
+    kernel, a head shape its tile does not divide) go to the Triton kernel, which computes the same function."""
+    from . import branches, questions_cuda  # imported on first use: `import flide` must not need triton
+
+    if not use_qk_l2norm and questions_cuda.supports(q, v, g, beta, initial_index):
+        return questions_cuda.branches_cuda(q, k, v, g, beta, seg_start, seg_len, initial_state, initial_index, scale)
+    return branches.branches(q, k, v, g, beta, seg_start, seg_len, initial_state, initial_index, scale,
+                             use_qk_l2norm)
+
+
+gated_delta_branches_cuda.register_fake(_fake_branches)
+
+
+def _fla_cuda_available() -> str | None:
+    from ..cuda_rtc import available
+
+    return fla.available() or available()
+
+
+@torch.library.custom_op("flide::gated_delta_fla_cuda", mutates_args=(), device_types="cuda")
+def gated_delta_fla_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                         seg_start: torch.Tensor, seg_len: torch.Tensor, initial_state: torch.Tensor,
+                         initial_index: torch.Tensor, scale: float,
+                         use_qk_l2norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `fla` variant's op under the `fla_cuda` name: the same calls outside a fork; in a fork its questions go
+    to the CUDA question kernel (BRANCH_KERNELS)."""
+    return fla.gated_delta(q, k, v, g, beta, seg_start, seg_len, initial_state, initial_index, scale, use_qk_l2norm)
+
+
+gated_delta_fla_cuda.register_fake(_fake)
+# batch-invariant: fla's state call as in `fla`; the CUDA question kernel's sums depend only on the branch's tokens
+register("gated_delta", "fla_cuda", available=_fla_cuda_available, batch_invariant=True)(gated_delta_fla_cuda)
+gated_delta_fla_cuda_resumable = register_resumable("gated_delta", "fla_cuda")(
+    gated_delta_with_snapshot(gated_delta_fla_cuda, rest=_rests_triton, short=_short_states_triton,
+                              short_tokens=RESUME_SHORT_TOKENS))
+
+
 # The question call of a variant's fork, where a faster one than the variant itself exists: it returns only the
 # outputs (the questions' final states are never read) and reads each branch's initial state in place by index.
 BRANCH_KERNELS = {gated_delta_fla: gated_delta_branches_triton, gated_delta_fla_resumable: gated_delta_branches_triton,
-                  gated_delta_fla_wy: gated_delta_questions_wy,
+                  gated_delta_fla_wy: gated_delta_questions_wy, gated_delta_fla_cuda: gated_delta_branches_cuda,
+                  gated_delta_fla_cuda_resumable: gated_delta_branches_cuda,
                   gated_delta_fla_wy_resumable: gated_delta_branches_triton}
 # variants whose state call can take the round's tables (`fork_tables`) instead of deriving them from the segment
 # lists in every layer: on the H200 that derivation was ~26 small launches per GDN layer (cumsums, searchsorted,
 # cats, fills; ~0.5 ms of a RACE replay's 5 ms over 18 layers), plus fla's own chunk offsets (7 more), the same in
 # every layer of a round
-STATE_KERNELS = {gated_delta_fla: gated_delta_fla_states, gated_delta_fla_wy: gated_delta_fla_states_wy}
+STATE_KERNELS = {gated_delta_fla: gated_delta_fla_states, gated_delta_fla_wy: gated_delta_fla_states_wy,
+                 gated_delta_fla_cuda: gated_delta_fla_states}
 # variants whose fork runs the questions in chunked (WY) form from the state call's chunk-local steps (`fork(wy=)`)
 WY_KERNELS = (gated_delta_fla_wy,)
 

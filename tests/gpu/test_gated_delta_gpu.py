@@ -374,9 +374,10 @@ def test_cuda_question_kernel_int32_tables_and_bits_alone(dtype):
 
     _, args64 = cuda_question_inputs(dtype, 16, 16, seed=37)
     _, args32 = cuda_question_inputs(dtype, 16, 16, seed=37, index_dtype=torch.int32)
-    full = questions_cuda.branches_cuda(*args64)
-    assert torch.equal(questions_cuda.branches_cuda(*args32), full)
     q, k, v, decay, beta, start, length, finals, index, scale = args64
+    first = int(start[0])  # rows before it are states', which the question call leaves unwritten
+    full = questions_cuda.branches_cuda(*args64)
+    assert torch.equal(questions_cuda.branches_cuda(*args32)[first:], full[first:])
     for row in (0, 4, 7):  # 1, 40 and 130 tokens
         s, n = int(start[row]), int(length[row])
         cut = slice(s - 3, s + n)  # 3 rows before it, which no branch covers now
@@ -395,8 +396,9 @@ def test_cuda_question_op_falls_back_and_opchecks():
     q, k, v, decay, beta = x
     finals = torch.randn(r.state_start.shape[0], v.shape[1], 128, 128, device="cuda") * 0.1
     args = (q, k, v, decay, beta, r.branch_start, r.branch_len, finals, r.branch_state, 128 ** -0.5, True)
-    first = int(r.branch_start[0])
-    end = int((r.branch_start + r.branch_len).max())
-    assert torch.equal(gated_delta_branches_cuda(*args)[first:end], branches.branches(*args)[first:end])
+    t = torch.arange(q.shape[0], device="cuda")[:, None]
+    rows = ((t >= r.branch_start) & (t < r.branch_start + r.branch_len)).any(1)  # the rows the call writes
+    assert rows.sum() > 0
+    assert torch.equal(gated_delta_branches_cuda(*args)[rows], branches.branches(*args)[rows])
     torch.library.opcheck(gated_delta_branches_cuda, args[:-1] + (False,),
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))

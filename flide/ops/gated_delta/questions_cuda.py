@@ -10,15 +10,19 @@ arithmetic), 3.3 cycles an issued instruction with one warp a scheduler (Nsight 
 and spreads K over 4-16 lanes, so every sum ends in a chain of shuffles; layouts with few lanes along K were slower
 there for that reason (the Gluon sweep, `ops_gated_delta_gluon_h200.md`).
 
-Here a thread owns one value column of the state slice and K / L of its keys (L = 1, 2 or 4 lanes along K):
+Here a thread owns one value column of the state slice and K / L of its keys (L = 1, 2, 4 or 8 lanes along K):
 - a sum over K is K / L multiply-adds into 8 independent accumulators (the multiply-add latency hidden inside one
   thread), a 3-level add tree, then log2(L) butterfly shuffles (none for L = 1);
-- q and k of a token are staged once per block in shared memory as fp32 (q already times `scale`), double-buffered:
-  the next token's loads are issued before this token's sums and written after them, one barrier a step; each
-  thread reads them as float4 broadcasts, lanes of one column reading neighbouring float4s (no bank conflicts);
-- v, g and beta of the next token are loaded a step ahead into registers.
-A step is ~4 fp32 operations per state element (decay, the k sum, the rank-1 update, the q sum) and ~K / L * 3 / 4
-shared-memory vector loads, with no layout conversions.
+- one pass over the state a token: token t's rank-1 update and the updated state's sum against q_t (its output),
+  then token t + 1's decay and the decayed state's sum against k_{t+1} (its delta), so a step holds one reduction
+  latency, not two in a chain;
+- q and k of a token are staged once per block in shared memory as fp32 (q already times `scale`) in three
+  buffers (a step reads tokens t and t + 1 and writes t + 2), one barrier a step; each thread reads them as float4
+  broadcasts, the lanes of one column reading neighbouring float4s (no bank conflicts);
+- every global load is issued two steps before its use (q / k of token t + 4 and v, g, beta of token t + 3 at step
+  t, held in registers): a step is a few hundred cycles, less than an L2 round trip.
+A step is 4 fp32 operations per state element and 3 K / (4 L) shared-memory vector loads, with no layout
+conversions.
 
 Each program's sums run in one fixed order that depends only on its own branch's tokens and the compile-time tile
 (L, warps): batch-invariant, and a question asked alone runs the same code. The bits differ from the Triton
@@ -133,30 +137,31 @@ __device__ __forceinline__ float lanes_sum(float x) {{
     return x;
 }}
 
-// this token's q (times scale) and k, 8 elements per staging thread, into shared buffer `b`
+// token t's q and k, 8 elements per staging thread, issued into registers (waited for in `stage_store`)
 __device__ __forceinline__ void stage_load(const in_t* __restrict__ q, const in_t* __restrict__ k, long long t,
-                                           int hk, int tid, raw8* nxt) {{
+                                           int hk, int tid, raw8* set) {{
     #pragma unroll
     for (int s = 0; s < STAGE_ROUNDS; ++s) {{
         const int e = (tid + s * W * 32) * 8;
         if (e < 2 * K) {{
             const long long row = (t * HK + hk) * (long long)K;
-            nxt[s] = load8(e < K ? q + row + e : k + row + (e - K));
+            set[s] = load8(e < K ? q + row + e : k + row + (e - K));
         }}
     }}
 }}
 
-__device__ __forceinline__ void stage_store(float (*qs)[K], float (*ks)[K], int b, int tid, const raw8* nxt,
+// a staged token into shared buffer `b` as fp32, q times scale (as the reference: (q * scale) in fp32)
+__device__ __forceinline__ void stage_store(float (*qs)[K], float (*ks)[K], int b, int tid, const raw8* set,
                                             float scale) {{
     #pragma unroll
     for (int s = 0; s < STAGE_ROUNDS; ++s) {{
         const int e = (tid + s * W * 32) * 8;
         if (e < 2 * K) {{
             float x[8];
-            unpack8(nxt[s], x);
+            unpack8(set[s], x);
             if (e < K) {{
                 #pragma unroll
-                for (int i = 0; i < 8; ++i) x[i] *= scale;  // as the reference: (q * scale) in fp32
+                for (int i = 0; i < 8; ++i) x[i] *= scale;
                 *(float4*)&qs[b][e] = make_float4(x[0], x[1], x[2], x[3]);
                 *(float4*)&qs[b][e + 4] = make_float4(x[4], x[5], x[6], x[7]);
             }} else {{
@@ -165,6 +170,17 @@ __device__ __forceinline__ void stage_store(float (*qs)[K], float (*ks)[K], int 
             }}
         }}
     }}
+}}
+
+// v (this lane's column), g and beta of one token, raw
+struct scalars {{ in_t v; g_t g; b_t b; }};
+__device__ __forceinline__ scalars load_scalars(const in_t* __restrict__ v, const g_t* __restrict__ g,
+                                                const b_t* __restrict__ beta, long long t, int h, int col) {{
+    scalars r;
+    r.v = v[(t * HV + h) * V + col];
+    r.g = g[t * HV + h];
+    r.b = beta[t * HV + h];
+    return r;
 }}
 
 extern "C" __global__ void __launch_bounds__(W * 32)
@@ -178,14 +194,29 @@ extern "C" __global__ void __launch_bounds__(W * 32)
     if (n <= 0) return;  // a capacity row without a branch
     const int hk = h / (HV / HK);  // grouped value heads: value head h reads key head h / (HV / HK)
     const long long bos = (long long)start[row];
+    const long long last = bos + n - 1;  // tokens past the question are clamped to its last (in bounds, unused)
     const long long idx = (long long)index[row];
     const float scale = (float)scale_arg;
     const int tid = threadIdx.x;
     const int lane = tid & 31;
     const int part = lane % L;  // which of the column's key groups this lane holds
     const int col = blockIdx.y * BV + (tid >> 5) * CPW + lane / L;
-    __shared__ __align__(16) float qs[2][K];
-    __shared__ __align__(16) float ks[2][K];
+    // three fp32 buffers: step t reads tokens t and t + 1 and writes token t + 2
+    __shared__ __align__(16) float qs[3][K];
+    __shared__ __align__(16) float ks[3][K];
+
+    // Loads run two steps ahead of their use (a step is a few hundred cycles, an L2 load more): the staged q / k of
+    // token t + 2 and the scalars of token t + 1 were issued two steps before step t consumes them.
+    raw8 qk_a[STAGE_ROUNDS], qk_b[STAGE_ROUNDS];  // raw q / k of tokens t + 2 and t + 3
+    stage_load(q, k, bos, hk, tid, qk_a);
+    stage_store(qs, ks, 0, tid, qk_a, scale);
+    stage_load(q, k, min(bos + 1, last), hk, tid, qk_a);
+    stage_store(qs, ks, 1, tid, qk_a, scale);
+    stage_load(q, k, min(bos + 2, last), hk, tid, qk_a);
+    stage_load(q, k, min(bos + 3, last), hk, tid, qk_b);
+    scalars sc0 = load_scalars(v, g, beta, bos, h, col);  // token t (the prologue's)
+    scalars sc1 = load_scalars(v, g, beta, min(bos + 1, last), h, col);  // token t + 1
+    scalars sc2 = load_scalars(v, g, beta, min(bos + 2, last), h, col);  // token t + 2
 
     // state register j holds key ((j / 4) * L + part) * 4 + j % 4 of column col: the L lanes of a column read
     // neighbouring float4s of q and k, distinct banks
@@ -198,61 +229,72 @@ extern "C" __global__ void __launch_bounds__(W * 32)
         #pragma unroll
         for (int j = 0; j < KPL; ++j) S[j] = 0.f;
     }}
-
-    raw8 nxt[STAGE_ROUNDS];
-    stage_load(q, k, bos, hk, tid, nxt);
-    stage_store(qs, ks, 0, tid, nxt, scale);
-    float v_t = IN_TO_F32(v[(bos * HV + h) * V + col]);
-    float g_t_ = G_TO_F32(g[bos * HV + h]);
-    float b_t_ = B_TO_F32(beta[bos * HV + h]);
     block_sync();
-    for (long long i = 0; i < n; ++i) {{
-        const int cur = (int)(i & 1);
-        const long long t = bos + i;
-        const long long ahead = i + 1 < n ? t + 1 : t;  // the last step reloads its own token: in bounds, unused
-        stage_load(q, k, ahead, hk, tid, nxt);
-        const in_t v_n = v[(ahead * HV + h) * V + col];
-        const g_t g_n = g[ahead * HV + h];
-        const b_t b_n = beta[ahead * HV + h];
 
-        const float decay = expf(g_t_);
-        float acc[ACC];
+    // prologue: token 0's decay and its sum against k
+    float acc_k[ACC], acc_q[ACC];
+    #pragma unroll
+    for (int a = 0; a < ACC; ++a) acc_k[a] = 0.f;
+    {{
+        const float decay = expf(G_TO_F32(sc0.g));
         #pragma unroll
-        for (int a = 0; a < ACC; ++a) acc[a] = 0.f;
-        #pragma unroll
-        for (int j4 = 0; j4 < GROUPS; ++j4) {{  // the decayed state, and its sum against k
-            const float4 kk = *(const float4*)&ks[cur][(j4 * L + part) * 4];
+        for (int j4 = 0; j4 < GROUPS; ++j4) {{
+            const float4 kk = *(const float4*)&ks[0][(j4 * L + part) * 4];
             const float kx[4] = {{kk.x, kk.y, kk.z, kk.w}};
             #pragma unroll
             for (int c = 0; c < 4; ++c) {{
                 const int j = j4 * 4 + c;
                 S[j] *= decay;
-                acc[j % ACC] = fmaf(S[j], kx[c], acc[j % ACC]);
+                acc_k[j % ACC] = fmaf(S[j], kx[c], acc_k[j % ACC]);
             }}
         }}
-        const float delta = (v_t - lanes_sum(tree_sum(acc))) * b_t_;
+    }}
+    float delta = (IN_TO_F32(sc0.v) - lanes_sum(tree_sum(acc_k))) * B_TO_F32(sc0.b);
+
+    // Step t, one pass over the state: token t's rank-1 update and the new state's sum against q (token t's
+    // output), then token t + 1's decay and the decayed state's sum against k (token t + 1's delta): the two sums of
+    // a step side by side, one reduction latency a token. The last step's token t + 1 is a clamped copy whose
+    // decay and delta nobody reads (no final state is stored).
+    int cur = 0;
+    for (long long i = 0; i < n; ++i) {{
+        const int nxt = cur == 2 ? 0 : cur + 1;
+        const int after = nxt == 2 ? 0 : nxt + 1;
+        const long long t = bos + i;
+        const scalars sc3 = load_scalars(v, g, beta, min(t + 3, last), h, col);
+        raw8 qk_c[STAGE_ROUNDS];
+        stage_load(q, k, min(t + 4, last), hk, tid, qk_c);
+
+        const float decay = expf(G_TO_F32(sc1.g));
         #pragma unroll
-        for (int a = 0; a < ACC; ++a) acc[a] = 0.f;
+        for (int a = 0; a < ACC; ++a) {{ acc_k[a] = 0.f; acc_q[a] = 0.f; }}
         #pragma unroll
-        for (int j4 = 0; j4 < GROUPS; ++j4) {{  // the rank-1 update, and the new state's sum against q
-            const float4 kk = *(const float4*)&ks[cur][(j4 * L + part) * 4];
-            const float4 qq = *(const float4*)&qs[cur][(j4 * L + part) * 4];
+        for (int j4 = 0; j4 < GROUPS; ++j4) {{
+            const int at = (j4 * L + part) * 4;
+            const float4 kk = *(const float4*)&ks[cur][at];
+            const float4 qq = *(const float4*)&qs[cur][at];
+            const float4 kn = *(const float4*)&ks[nxt][at];
             const float kx[4] = {{kk.x, kk.y, kk.z, kk.w}};
             const float qx[4] = {{qq.x, qq.y, qq.z, qq.w}};
+            const float nx[4] = {{kn.x, kn.y, kn.z, kn.w}};
             #pragma unroll
             for (int c = 0; c < 4; ++c) {{
                 const int j = j4 * 4 + c;
                 S[j] = fmaf(kx[c], delta, S[j]);
-                acc[j % ACC] = fmaf(S[j], qx[c], acc[j % ACC]);
+                acc_q[j % ACC] = fmaf(S[j], qx[c], acc_q[j % ACC]);
+                S[j] *= decay;
+                acc_k[j % ACC] = fmaf(S[j], nx[c], acc_k[j % ACC]);
             }}
         }}
-        const float out = lanes_sum(tree_sum(acc));
+        const float out = lanes_sum(tree_sum(acc_q));
         if (part == 0) o[(t * HV + h) * V + col] = F32_TO_IN(out);
+        delta = (IN_TO_F32(sc1.v) - lanes_sum(tree_sum(acc_k))) * B_TO_F32(sc1.b);
 
-        stage_store(qs, ks, cur ^ 1, tid, nxt, scale);
-        v_t = IN_TO_F32(v_n);
-        g_t_ = G_TO_F32(g_n);
-        b_t_ = B_TO_F32(b_n);
+        stage_store(qs, ks, after, tid, qk_a, scale);  // token t + 2, issued two steps ago
+        #pragma unroll
+        for (int s = 0; s < STAGE_ROUNDS; ++s) {{ qk_a[s] = qk_b[s]; qk_b[s] = qk_c[s]; }}
+        sc1 = sc2;
+        sc2 = sc3;
+        cur = nxt;
         block_sync();
     }}
 }}

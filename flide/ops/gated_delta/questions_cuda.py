@@ -19,8 +19,8 @@ Here a thread owns one value column of the state slice and K / L of its keys (L 
 - q and k of a token are staged once per block in shared memory as fp32 (q already times `scale`) in three
   buffers (a step reads tokens t and t + 1 and writes t + 2), one barrier a step; each thread reads them as float4
   broadcasts, the lanes of one column reading neighbouring float4s (no bank conflicts);
-- every global load is issued two steps before its use (q / k of token t + 4 and v, g, beta of token t + 3 at step
-  t, held in registers): a step is a few hundred cycles, less than an L2 round trip.
+- every global load is issued LOOKAHEAD steps before its use, each into registers of its own (the loop unrolled by
+  LOOKAHEAD): a step is a few hundred cycles, less than a round trip to L2 or HBM.
 A step is 4 fp32 operations per state element and 3 K / (4 L) shared-memory vector loads, with no layout
 conversions.
 
@@ -45,6 +45,7 @@ LANES_K = 2
 WARPS = 1
 TILES = ((2, 1), (2, 2), (2, 4), (4, 1), (4, 2), (4, 4), (8, 1), (8, 2), (1, 4))
 ACCUMULATORS = 8
+LOOKAHEAD = 3  # steps between a global load's issue and its use (the loop is unrolled by as many)
 
 # (storage type, load to float, float to storage) per torch dtype; 16-bit types are raw `unsigned short` bits
 _TYPES = {
@@ -67,6 +68,7 @@ _SOURCE = r"""
 #define CPW (32 / L)           // value columns a warp holds
 #define BV (W * CPW)           // value columns a block holds
 #define ACC {ACC}
+#define LOOKAHEAD {LOOKAHEAD}
 #define STAGERS ((2 * K) / 8)  // threads staging q and k, 8 elements each
 #define STAGE_ROUNDS ((STAGERS + W * 32 - 1) / (W * 32))
 typedef {IN_T} in_t;
@@ -205,18 +207,21 @@ extern "C" __global__ void __launch_bounds__(W * 32)
     __shared__ __align__(16) float qs[3][K];
     __shared__ __align__(16) float ks[3][K];
 
-    // Loads run two steps ahead of their use (a step is a few hundred cycles, an L2 load more): the staged q / k of
-    // token t + 2 and the scalars of token t + 1 were issued two steps before step t consumes them.
-    raw8 qk_a[STAGE_ROUNDS], qk_b[STAGE_ROUNDS];  // raw q / k of tokens t + 2 and t + 3
-    stage_load(q, k, bos, hk, tid, qk_a);
-    stage_store(qs, ks, 0, tid, qk_a, scale);
-    stage_load(q, k, min(bos + 1, last), hk, tid, qk_a);
-    stage_store(qs, ks, 1, tid, qk_a, scale);
-    stage_load(q, k, min(bos + 2, last), hk, tid, qk_a);
-    stage_load(q, k, min(bos + 3, last), hk, tid, qk_b);
-    scalars sc0 = load_scalars(v, g, beta, bos, h, col);  // token t (the prologue's)
-    scalars sc1 = load_scalars(v, g, beta, min(bos + 1, last), h, col);  // token t + 1
-    scalars sc2 = load_scalars(v, g, beta, min(bos + 2, last), h, col);  // token t + 2
+    // Loads run LOOKAHEAD steps ahead of their use (a step is a few hundred cycles, a load from L2 or HBM more).
+    // The loop is unrolled by LOOKAHEAD so that each in-flight load owns its registers: a register copy of a load
+    // still in flight would wait for it (the H200 showed ~1 us a step with such copies).
+    raw8 qk[LOOKAHEAD][STAGE_ROUNDS];  // raw q / k; at step t, set t % LOOKAHEAD holds token t + 2
+    scalars sc[LOOKAHEAD];  // v, g, beta; at step t, set (t + 1) % LOOKAHEAD holds token t + 1
+    stage_load(q, k, bos, hk, tid, qk[0]);
+    stage_store(qs, ks, 0, tid, qk[0], scale);
+    stage_load(q, k, min(bos + 1, last), hk, tid, qk[0]);
+    stage_store(qs, ks, 1, tid, qk[0], scale);
+    #pragma unroll
+    for (int u = 0; u < LOOKAHEAD; ++u) {{
+        stage_load(q, k, min(bos + 2 + u, last), hk, tid, qk[u]);
+        sc[(u + 1) % LOOKAHEAD] = load_scalars(v, g, beta, min(bos + 1 + u, last), h, col);
+    }}
+    const scalars sc0 = load_scalars(v, g, beta, bos, h, col);  // token 0's, for the prologue
 
     // state register j holds key ((j / 4) * L + part) * 4 + j % 4 of column col: the L lanes of a column read
     // neighbouring float4s of q and k, distinct banks
@@ -256,46 +261,46 @@ extern "C" __global__ void __launch_bounds__(W * 32)
     // a step side by side, one reduction latency a token. The last step's token t + 1 is a clamped copy whose
     // decay and delta nobody reads (no final state is stored).
     int cur = 0;
-    for (long long i = 0; i < n; ++i) {{
-        const int nxt = cur == 2 ? 0 : cur + 1;
-        const int after = nxt == 2 ? 0 : nxt + 1;
-        const long long t = bos + i;
-        const scalars sc3 = load_scalars(v, g, beta, min(t + 3, last), h, col);
-        raw8 qk_c[STAGE_ROUNDS];
-        stage_load(q, k, min(t + 4, last), hk, tid, qk_c);
-
-        const float decay = expf(G_TO_F32(sc1.g));
+    for (long long i0 = 0; i0 < n; i0 += LOOKAHEAD) {{
         #pragma unroll
-        for (int a = 0; a < ACC; ++a) {{ acc_k[a] = 0.f; acc_q[a] = 0.f; }}
-        #pragma unroll
-        for (int j4 = 0; j4 < GROUPS; ++j4) {{
-            const int at = (j4 * L + part) * 4;
-            const float4 kk = *(const float4*)&ks[cur][at];
-            const float4 qq = *(const float4*)&qs[cur][at];
-            const float4 kn = *(const float4*)&ks[nxt][at];
-            const float kx[4] = {{kk.x, kk.y, kk.z, kk.w}};
-            const float qx[4] = {{qq.x, qq.y, qq.z, qq.w}};
-            const float nx[4] = {{kn.x, kn.y, kn.z, kn.w}};
-            #pragma unroll
-            for (int c = 0; c < 4; ++c) {{
-                const int j = j4 * 4 + c;
-                S[j] = fmaf(kx[c], delta, S[j]);
-                acc_q[j % ACC] = fmaf(S[j], qx[c], acc_q[j % ACC]);
-                S[j] *= decay;
-                acc_k[j % ACC] = fmaf(S[j], nx[c], acc_k[j % ACC]);
+        for (int u = 0; u < LOOKAHEAD; ++u) {{
+            const long long i = i0 + u;
+            if (i < n) {{
+                const int nxt = cur == 2 ? 0 : cur + 1;
+                const int after = nxt == 2 ? 0 : nxt + 1;
+                const long long t = bos + i;
+                scalars& s1 = sc[(u + 1) % LOOKAHEAD];  // token t + 1's
+                const float decay = expf(G_TO_F32(s1.g));
+                #pragma unroll
+                for (int a = 0; a < ACC; ++a) {{ acc_k[a] = 0.f; acc_q[a] = 0.f; }}
+                #pragma unroll
+                for (int j4 = 0; j4 < GROUPS; ++j4) {{
+                    const int at = (j4 * L + part) * 4;
+                    const float4 kk = *(const float4*)&ks[cur][at];
+                    const float4 qq = *(const float4*)&qs[cur][at];
+                    const float4 kn = *(const float4*)&ks[nxt][at];
+                    const float kx[4] = {{kk.x, kk.y, kk.z, kk.w}};
+                    const float qx[4] = {{qq.x, qq.y, qq.z, qq.w}};
+                    const float nx[4] = {{kn.x, kn.y, kn.z, kn.w}};
+                    #pragma unroll
+                    for (int c = 0; c < 4; ++c) {{
+                        const int j = j4 * 4 + c;
+                        S[j] = fmaf(kx[c], delta, S[j]);
+                        acc_q[j % ACC] = fmaf(S[j], qx[c], acc_q[j % ACC]);
+                        S[j] *= decay;
+                        acc_k[j % ACC] = fmaf(S[j], nx[c], acc_k[j % ACC]);
+                    }}
+                }}
+                const float out = lanes_sum(tree_sum(acc_q));
+                if (part == 0) o[(t * HV + h) * V + col] = F32_TO_IN(out);
+                delta = (IN_TO_F32(s1.v) - lanes_sum(tree_sum(acc_k))) * B_TO_F32(s1.b);
+                s1 = load_scalars(v, g, beta, min(t + 1 + LOOKAHEAD, last), h, col);
+                stage_store(qs, ks, after, tid, qk[u], scale);  // token t + 2, issued LOOKAHEAD steps ago
+                stage_load(q, k, min(t + 2 + LOOKAHEAD, last), hk, tid, qk[u]);
+                cur = nxt;
+                block_sync();
             }}
         }}
-        const float out = lanes_sum(tree_sum(acc_q));
-        if (part == 0) o[(t * HV + h) * V + col] = F32_TO_IN(out);
-        delta = (IN_TO_F32(sc1.v) - lanes_sum(tree_sum(acc_k))) * B_TO_F32(sc1.b);
-
-        stage_store(qs, ks, after, tid, qk_a, scale);  // token t + 2, issued two steps ago
-        #pragma unroll
-        for (int s = 0; s < STAGE_ROUNDS; ++s) {{ qk_a[s] = qk_b[s]; qk_b[s] = qk_c[s]; }}
-        sc1 = sc2;
-        sc2 = sc3;
-        cur = nxt;
-        block_sync();
     }}
 }}
 """
@@ -317,7 +322,7 @@ def source(K: int, V: int, HK: int, HV: int, dtype: torch.dtype, g_dtype: torch.
         raise ValueError(f"the CUDA question kernel takes int32 or int64 segment tables, got {index_dtype}")
     in_t, in_load, in_store = _TYPES[dtype]
     return _SOURCE.format(
-        K=K, V=V, HK=HK, HV=HV, L=lanes, W=warps, ACC=ACCUMULATORS, NAME=NAME, IN_T=in_t, G_T=_TYPES[g_dtype][0],
+        K=K, V=V, HK=HK, HV=HV, L=lanes, W=warps, ACC=ACCUMULATORS, LOOKAHEAD=LOOKAHEAD, NAME=NAME, IN_T=in_t, G_T=_TYPES[g_dtype][0],
         B_T=_TYPES[beta_dtype][0], IDX_T=_INDEX_TYPES[index_dtype], IN_TO_F32=in_load.format(x="x"),
         F32_TO_IN=in_store.format(x="x"), G_TO_F32=_TYPES[g_dtype][1].format(x="x"),
         B_TO_F32=_TYPES[beta_dtype][1].format(x="x"), IN_BYTES=dtype.itemsize)

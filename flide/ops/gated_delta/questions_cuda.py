@@ -19,8 +19,10 @@ Here a thread owns one value column of the state slice and K / L of its keys (L 
 - q and k of a token are staged once per block in shared memory as fp32 (q already times `scale`) in three
   buffers (a step reads tokens t and t + 1 and writes t + 2), one barrier a step; each thread reads them as float4
   broadcasts, the lanes of one column reading neighbouring float4s (no bank conflicts);
-- every global load is issued LOOKAHEAD steps before its use, each into registers of its own (the loop unrolled by
-  LOOKAHEAD): a step is a few hundred cycles, less than a round trip to L2 or HBM.
+- a token's q, k, v columns, g and beta arrive by asynchronous copies (cp.async) into a shared-memory ring of DEPTH
+  tokens, issued DEPTH - 2 steps before their use: a step is a few hundred cycles, less than a round trip to L2 or
+  HBM, and no register waits on a load in flight (a register copy of a pending load waits for it);
+- blocks are ordered (row, head, tile), tiles fastest, so a bucket's few active rows spread over the SMs.
 A step is 4 fp32 operations per state element and 3 K / (4 L) shared-memory vector loads, with no layout
 conversions.
 
@@ -45,7 +47,7 @@ LANES_K = 2
 WARPS = 1
 TILES = ((2, 1), (2, 2), (2, 4), (4, 1), (4, 2), (4, 4), (8, 1), (8, 2), (1, 4))
 ACCUMULATORS = 8
-LOOKAHEAD = 3  # steps between a global load's issue and its use (the loop is unrolled by as many)
+DEPTH = 5  # tokens in flight in the shared-memory ring: a token's copies are issued DEPTH - 2 steps before its use
 
 # (storage type, load to float, float to storage) per torch dtype; 16-bit types are raw `unsigned short` bits
 _TYPES = {
@@ -63,14 +65,14 @@ _SOURCE = r"""
 #define HV {HV}
 #define L {L}
 #define W {W}
+#define THREADS (W * 32)
 #define KPL (K / L)            // keys a lane holds
 #define GROUPS (KPL / 4)       // ... as float4 groups
 #define CPW (32 / L)           // value columns a warp holds
 #define BV (W * CPW)           // value columns a block holds
+#define TILES (V / BV)
 #define ACC {ACC}
-#define LOOKAHEAD {LOOKAHEAD}
-#define STAGERS ((2 * K) / 8)  // threads staging q and k, 8 elements each
-#define STAGE_ROUNDS ((STAGERS + W * 32 - 1) / (W * 32))
+#define DEPTH {DEPTH}          // tokens in the raw ring: a token's copies are issued DEPTH - 2 steps before its use
 typedef {IN_T} in_t;
 typedef {G_T} g_t;
 typedef {B_T} b_t;
@@ -80,6 +82,12 @@ typedef {IDX_T} idx_t;
 #define G_TO_F32(x) {G_TO_F32}
 #define B_TO_F32(x) {B_TO_F32}
 #define IN_BYTES {IN_BYTES}
+#define G_BYTES {G_BYTES}
+#define B_BYTES {B_BYTES}
+#define QK_CHUNKS (2 * K * IN_BYTES / 16)   // 16-byte copies of a token's q and k
+#define V_BYTES (BV * IN_BYTES)             // the block's v columns of a token
+#define V_COPY (V_BYTES < 16 ? V_BYTES : 16)
+#define V_CHUNKS (V_BYTES / V_COPY)
 
 __device__ __forceinline__ float bf16_to_f32(unsigned short x) {{ return __uint_as_float(((unsigned int)x) << 16); }}
 __device__ __forceinline__ float f16_to_f32(unsigned short x) {{
@@ -92,28 +100,22 @@ __device__ __forceinline__ unsigned short f32_to_f16(float f) {{
     unsigned short r; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(f)); return r;
 }}
 
-// 8 consecutive elements, raw, in flight until `unpack8` (a load is waited for where its value is first used)
-#if IN_BYTES == 2
-struct raw8 {{ uint4 a; }};
-__device__ __forceinline__ raw8 load8(const in_t* p) {{ raw8 r; r.a = *(const uint4*)p; return r; }}
-__device__ __forceinline__ void unpack8(const raw8& r, float* out) {{
-    const unsigned int w[4] = {{r.a.x, r.a.y, r.a.z, r.a.w}};
-    #pragma unroll
-    for (int i = 0; i < 4; ++i) {{
-        out[2 * i] = IN_TO_F32((unsigned short)(w[i] & 0xffffu));
-        out[2 * i + 1] = IN_TO_F32((unsigned short)(w[i] >> 16));
-    }}
+// Asynchronous global -> shared copies (sm_80+): no register holds data in flight, so nothing waits for a load
+// before `cp.async.wait_group` (a register copy of a pending load waits for it: the H200 showed ~1 us a step so)
+__device__ __forceinline__ unsigned int smem_address(const void* p) {{
+    unsigned int r;
+    asm("{{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }}" : "=r"(r) : "l"(p));
+    return r;
 }}
-#else
-struct raw8 {{ float4 a, b; }};
-__device__ __forceinline__ raw8 load8(const in_t* p) {{
-    raw8 r; r.a = *(const float4*)p; r.b = *(const float4*)(p + 4); return r;
+template <int BYTES> __device__ __forceinline__ void copy_async(void* dst, const void* src) {{
+    if (BYTES == 16) asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(smem_address(dst)), "l"(src) : "memory");
+    else if (BYTES == 8) asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" :: "r"(smem_address(dst)), "l"(src) : "memory");
+    else asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" :: "r"(smem_address(dst)), "l"(src) : "memory");
 }}
-__device__ __forceinline__ void unpack8(const raw8& r, float* out) {{
-    out[0] = r.a.x; out[1] = r.a.y; out[2] = r.a.z; out[3] = r.a.w;
-    out[4] = r.b.x; out[5] = r.b.y; out[6] = r.b.z; out[7] = r.b.w;
+__device__ __forceinline__ void copies_commit() {{ asm volatile("cp.async.commit_group;" ::: "memory"); }}
+template <int PENDING> __device__ __forceinline__ void copies_wait() {{
+    asm volatile("cp.async.wait_group %0;" :: "n"(PENDING) : "memory");
 }}
-#endif
 
 __device__ __forceinline__ void block_sync() {{
 #if W == 1
@@ -139,59 +141,98 @@ __device__ __forceinline__ float lanes_sum(float x) {{
     return x;
 }}
 
-// token t's q and k, 8 elements per staging thread, issued into registers (waited for in `stage_store`)
-__device__ __forceinline__ void stage_load(const in_t* __restrict__ q, const in_t* __restrict__ k, long long t,
-                                           int hk, int tid, raw8* set) {{
+struct ring {{  // raw copies of DEPTH tokens: q and k, the block's v columns, the 4-byte words holding g and beta
+    __align__(16) in_t qk[DEPTH][2 * K];
+    __align__(16) in_t v[DEPTH][BV];
+    unsigned int g[DEPTH];
+    unsigned int b[DEPTH];
+}};
+
+// the 4-byte-aligned word holding element i of a 2- or 4-byte array (its base is aligned: torch allocates so)
+template <typename T> __device__ __forceinline__ const void* word_of(const T* p, long long i) {{
+    return (const void*)((unsigned long long)(p + i) & ~3ull);
+}}
+template <int BYTES> __device__ __forceinline__ unsigned int half_of(unsigned int word, long long i) {{
+    return BYTES == 4 ? word : (word >> ((i & 1) * 16)) & 0xffffu;
+}}
+__device__ __forceinline__ float g_of(unsigned int word, long long i) {{
+#if G_BYTES == 4
+    return G_TO_F32(__uint_as_float(word));
+#else
+    return G_TO_F32((unsigned short)half_of<2>(word, i));
+#endif
+}}
+__device__ __forceinline__ float b_of(unsigned int word, long long i) {{
+#if B_BYTES == 4
+    return B_TO_F32(__uint_as_float(word));
+#else
+    return B_TO_F32((unsigned short)half_of<2>(word, i));
+#endif
+}}
+
+// issues token t's copies into ring slot `slot`, one commit group per token (every thread commits)
+__device__ __forceinline__ void issue(ring& r, int slot, const in_t* __restrict__ q, const in_t* __restrict__ k,
+                                      const in_t* __restrict__ v, const g_t* __restrict__ g,
+                                      const b_t* __restrict__ beta, long long t, int hk, int h, int col0, int tid) {{
+    const long long row = (t * HK + hk) * (long long)K;
     #pragma unroll
-    for (int s = 0; s < STAGE_ROUNDS; ++s) {{
-        const int e = (tid + s * W * 32) * 8;
-        if (e < 2 * K) {{
-            const long long row = (t * HK + hk) * (long long)K;
-            set[s] = load8(e < K ? q + row + e : k + row + (e - K));
+    for (int s = 0; s < (QK_CHUNKS + THREADS - 1) / THREADS; ++s) {{  // a fixed count: no loop left in the code
+        const int c = tid + s * THREADS;
+        const int e = c * (16 / IN_BYTES);
+        if (c < QK_CHUNKS) copy_async<16>(&r.qk[slot][e], e < K ? q + row + e : k + row + (e - K));
+    }}
+    const int e = tid - (THREADS - V_CHUNKS - 2);  // the block's last threads: v's chunks, then g and beta
+    if (e >= 0 && e < V_CHUNKS) copy_async<V_COPY>(&r.v[slot][e * (V_COPY / IN_BYTES)],
+                                                   v + (t * HV + h) * V + col0 + e * (V_COPY / IN_BYTES));
+    if (e == V_CHUNKS) copy_async<4>(&r.g[slot], word_of(g, t * HV + h));
+    if (e == V_CHUNKS + 1) copy_async<4>(&r.b[slot], word_of(beta, t * HV + h));
+    copies_commit();
+}}
+
+// a ring slot's q (times scale, as the reference: (q * scale) in fp32) and k into fp32 buffer b
+__device__ __forceinline__ void convert(const ring& r, int slot, float (*qs)[K], float (*ks)[K], int b, int tid,
+                                        float scale) {{
+    #pragma unroll
+    for (int s = 0; s < ((2 * K) / 8 + THREADS - 1) / THREADS; ++s) {{
+        const int c = tid + s * THREADS;
+        if (c >= (2 * K) / 8) break;
+        const int e = c * 8;
+        float x[8];
+#if IN_BYTES == 2
+        const uint4 w = *(const uint4*)&r.qk[slot][e];
+        const unsigned int ws[4] = {{w.x, w.y, w.z, w.w}};
+        #pragma unroll
+        for (int i = 0; i < 4; ++i) {{
+            x[2 * i] = IN_TO_F32((unsigned short)(ws[i] & 0xffffu));
+            x[2 * i + 1] = IN_TO_F32((unsigned short)(ws[i] >> 16));
+        }}
+#else
+        const float4 a = *(const float4*)&r.qk[slot][e];
+        const float4 c4 = *(const float4*)&r.qk[slot][e + 4];
+        x[0] = a.x; x[1] = a.y; x[2] = a.z; x[3] = a.w; x[4] = c4.x; x[5] = c4.y; x[6] = c4.z; x[7] = c4.w;
+#endif
+        if (e < K) {{
+            #pragma unroll
+            for (int i = 0; i < 8; ++i) x[i] *= scale;
+            *(float4*)&qs[b][e] = make_float4(x[0], x[1], x[2], x[3]);
+            *(float4*)&qs[b][e + 4] = make_float4(x[4], x[5], x[6], x[7]);
+        }} else {{
+            *(float4*)&ks[b][e - K] = make_float4(x[0], x[1], x[2], x[3]);
+            *(float4*)&ks[b][e - K + 4] = make_float4(x[4], x[5], x[6], x[7]);
         }}
     }}
 }}
 
-// a staged token into shared buffer `b` as fp32, q times scale (as the reference: (q * scale) in fp32)
-__device__ __forceinline__ void stage_store(float (*qs)[K], float (*ks)[K], int b, int tid, const raw8* set,
-                                            float scale) {{
-    #pragma unroll
-    for (int s = 0; s < STAGE_ROUNDS; ++s) {{
-        const int e = (tid + s * W * 32) * 8;
-        if (e < 2 * K) {{
-            float x[8];
-            unpack8(set[s], x);
-            if (e < K) {{
-                #pragma unroll
-                for (int i = 0; i < 8; ++i) x[i] *= scale;
-                *(float4*)&qs[b][e] = make_float4(x[0], x[1], x[2], x[3]);
-                *(float4*)&qs[b][e + 4] = make_float4(x[4], x[5], x[6], x[7]);
-            }} else {{
-                *(float4*)&ks[b][e - K] = make_float4(x[0], x[1], x[2], x[3]);
-                *(float4*)&ks[b][e - K + 4] = make_float4(x[4], x[5], x[6], x[7]);
-            }}
-        }}
-    }}
-}}
-
-// v (this lane's column), g and beta of one token, raw
-struct scalars {{ in_t v; g_t g; b_t b; }};
-__device__ __forceinline__ scalars load_scalars(const in_t* __restrict__ v, const g_t* __restrict__ g,
-                                                const b_t* __restrict__ beta, long long t, int h, int col) {{
-    scalars r;
-    r.v = v[(t * HV + h) * V + col];
-    r.g = g[t * HV + h];
-    r.b = beta[t * HV + h];
-    return r;
-}}
-
-extern "C" __global__ void __launch_bounds__(W * 32)
+extern "C" __global__ void __launch_bounds__(THREADS)
 {NAME}(const in_t* __restrict__ q, const in_t* __restrict__ k, const in_t* __restrict__ v,
        const g_t* __restrict__ g, const b_t* __restrict__ beta, in_t* __restrict__ o,
        const float* __restrict__ h0, const idx_t* __restrict__ start, const idx_t* __restrict__ len,
        const idx_t* __restrict__ index, double scale_arg) {{
-    const int row = blockIdx.x / HV;
-    const int h = blockIdx.x - row * HV;
+    // blocks ordered (row, head, tile), tiles fastest: one question's blocks are neighbours in launch order, so
+    // the few active rows of a bucket spread over the SMs instead of clustering between spare rows
+    const int row = blockIdx.x / (HV * TILES);
+    const int h = (blockIdx.x / TILES) % HV;
+    const int tile = blockIdx.x % TILES;
     const long long n = (long long)len[row];
     if (n <= 0) return;  // a capacity row without a branch
     const int hk = h / (HV / HK);  // grouped value heads: value head h reads key head h / (HV / HK)
@@ -202,26 +243,15 @@ extern "C" __global__ void __launch_bounds__(W * 32)
     const int tid = threadIdx.x;
     const int lane = tid & 31;
     const int part = lane % L;  // which of the column's key groups this lane holds
-    const int col = blockIdx.y * BV + (tid >> 5) * CPW + lane / L;
+    const int col0 = tile * BV;
+    const int col = col0 + (tid >> 5) * CPW + lane / L;
+    __shared__ ring r;
     // three fp32 buffers: step t reads tokens t and t + 1 and writes token t + 2
     __shared__ __align__(16) float qs[3][K];
     __shared__ __align__(16) float ks[3][K];
 
-    // Loads run LOOKAHEAD steps ahead of their use (a step is a few hundred cycles, a load from L2 or HBM more).
-    // The loop is unrolled by LOOKAHEAD so that each in-flight load owns its registers: a register copy of a load
-    // still in flight would wait for it (the H200 showed ~1 us a step with such copies).
-    raw8 qk[LOOKAHEAD][STAGE_ROUNDS];  // raw q / k; at step t, set t % LOOKAHEAD holds token t + 2
-    scalars sc[LOOKAHEAD];  // v, g, beta; at step t, set (t + 1) % LOOKAHEAD holds token t + 1
-    stage_load(q, k, bos, hk, tid, qk[0]);
-    stage_store(qs, ks, 0, tid, qk[0], scale);
-    stage_load(q, k, min(bos + 1, last), hk, tid, qk[0]);
-    stage_store(qs, ks, 1, tid, qk[0], scale);
     #pragma unroll
-    for (int u = 0; u < LOOKAHEAD; ++u) {{
-        stage_load(q, k, min(bos + 2 + u, last), hk, tid, qk[u]);
-        sc[(u + 1) % LOOKAHEAD] = load_scalars(v, g, beta, min(bos + 1 + u, last), h, col);
-    }}
-    const scalars sc0 = load_scalars(v, g, beta, bos, h, col);  // token 0's, for the prologue
+    for (int x = 0; x < DEPTH; ++x) issue(r, x, q, k, v, g, beta, min(bos + x, last), hk, h, col0, tid);
 
     // state register j holds key ((j / 4) * L + part) * 4 + j % 4 of column col: the L lanes of a column read
     // neighbouring float4s of q and k, distinct banks
@@ -234,73 +264,85 @@ extern "C" __global__ void __launch_bounds__(W * 32)
         #pragma unroll
         for (int j = 0; j < KPL; ++j) S[j] = 0.f;
     }}
+
+    copies_wait<DEPTH - 2>();  // tokens 0 and 1
+    block_sync();
+    convert(r, 0, qs, ks, 0, tid, scale);
+    convert(r, 1, qs, ks, 1, tid, scale);
+    const long long t1 = min(bos + 1, last);
+    float v_next = IN_TO_F32(r.v[1][col - col0]);  // token t + 1's v, g, beta (step t's)
+    float g_next = g_of(r.g[1], t1 * HV + h);
+    float b_next = b_of(r.b[1], t1 * HV + h);
+    const float v0 = IN_TO_F32(r.v[0][col - col0]);
+    const float decay0 = expf(g_of(r.g[0], bos * HV + h));
+    const float b0 = b_of(r.b[0], bos * HV + h);
     block_sync();
 
     // prologue: token 0's decay and its sum against k
     float acc_k[ACC], acc_q[ACC];
     #pragma unroll
     for (int a = 0; a < ACC; ++a) acc_k[a] = 0.f;
-    {{
-        const float decay = expf(G_TO_F32(sc0.g));
+    #pragma unroll
+    for (int j4 = 0; j4 < GROUPS; ++j4) {{
+        const float4 kk = *(const float4*)&ks[0][(j4 * L + part) * 4];
+        const float kx[4] = {{kk.x, kk.y, kk.z, kk.w}};
         #pragma unroll
-        for (int j4 = 0; j4 < GROUPS; ++j4) {{
-            const float4 kk = *(const float4*)&ks[0][(j4 * L + part) * 4];
-            const float kx[4] = {{kk.x, kk.y, kk.z, kk.w}};
-            #pragma unroll
-            for (int c = 0; c < 4; ++c) {{
-                const int j = j4 * 4 + c;
-                S[j] *= decay;
-                acc_k[j % ACC] = fmaf(S[j], kx[c], acc_k[j % ACC]);
-            }}
+        for (int c = 0; c < 4; ++c) {{
+            const int j = j4 * 4 + c;
+            S[j] *= decay0;
+            acc_k[j % ACC] = fmaf(S[j], kx[c], acc_k[j % ACC]);
         }}
     }}
-    float delta = (IN_TO_F32(sc0.v) - lanes_sum(tree_sum(acc_k))) * B_TO_F32(sc0.b);
+    float delta = (v0 - lanes_sum(tree_sum(acc_k))) * b0;
 
     // Step t, one pass over the state: token t's rank-1 update and the new state's sum against q (token t's
     // output), then token t + 1's decay and the decayed state's sum against k (token t + 1's delta): the two sums of
     // a step side by side, one reduction latency a token. The last step's token t + 1 is a clamped copy whose
     // decay and delta nobody reads (no final state is stored).
-    int cur = 0;
-    for (long long i0 = 0; i0 < n; i0 += LOOKAHEAD) {{
+    int cur = 0, slot = 0;  // token t's fp32 buffer and ring slot
+    for (long long i = 0; i < n; ++i) {{
+        const int nxt = cur == 2 ? 0 : cur + 1;
+        const int after = nxt == 2 ? 0 : nxt + 1;
+        const long long t = bos + i;
+        const float decay = expf(g_next);
         #pragma unroll
-        for (int u = 0; u < LOOKAHEAD; ++u) {{
-            const long long i = i0 + u;
-            if (i < n) {{
-                const int nxt = cur == 2 ? 0 : cur + 1;
-                const int after = nxt == 2 ? 0 : nxt + 1;
-                const long long t = bos + i;
-                scalars& s1 = sc[(u + 1) % LOOKAHEAD];  // token t + 1's
-                const float decay = expf(G_TO_F32(s1.g));
-                #pragma unroll
-                for (int a = 0; a < ACC; ++a) {{ acc_k[a] = 0.f; acc_q[a] = 0.f; }}
-                #pragma unroll
-                for (int j4 = 0; j4 < GROUPS; ++j4) {{
-                    const int at = (j4 * L + part) * 4;
-                    const float4 kk = *(const float4*)&ks[cur][at];
-                    const float4 qq = *(const float4*)&qs[cur][at];
-                    const float4 kn = *(const float4*)&ks[nxt][at];
-                    const float kx[4] = {{kk.x, kk.y, kk.z, kk.w}};
-                    const float qx[4] = {{qq.x, qq.y, qq.z, qq.w}};
-                    const float nx[4] = {{kn.x, kn.y, kn.z, kn.w}};
-                    #pragma unroll
-                    for (int c = 0; c < 4; ++c) {{
-                        const int j = j4 * 4 + c;
-                        S[j] = fmaf(kx[c], delta, S[j]);
-                        acc_q[j % ACC] = fmaf(S[j], qx[c], acc_q[j % ACC]);
-                        S[j] *= decay;
-                        acc_k[j % ACC] = fmaf(S[j], nx[c], acc_k[j % ACC]);
-                    }}
-                }}
-                const float out = lanes_sum(tree_sum(acc_q));
-                if (part == 0) o[(t * HV + h) * V + col] = F32_TO_IN(out);
-                delta = (IN_TO_F32(s1.v) - lanes_sum(tree_sum(acc_k))) * B_TO_F32(s1.b);
-                s1 = load_scalars(v, g, beta, min(t + 1 + LOOKAHEAD, last), h, col);
-                stage_store(qs, ks, after, tid, qk[u], scale);  // token t + 2, issued LOOKAHEAD steps ago
-                stage_load(q, k, min(t + 2 + LOOKAHEAD, last), hk, tid, qk[u]);
-                cur = nxt;
-                block_sync();
+        for (int a = 0; a < ACC; ++a) {{ acc_k[a] = 0.f; acc_q[a] = 0.f; }}
+        #pragma unroll
+        for (int j4 = 0; j4 < GROUPS; ++j4) {{
+            const int at = (j4 * L + part) * 4;
+            const float4 kk = *(const float4*)&ks[cur][at];
+            const float4 qq = *(const float4*)&qs[cur][at];
+            const float4 kn = *(const float4*)&ks[nxt][at];
+            const float kx[4] = {{kk.x, kk.y, kk.z, kk.w}};
+            const float qx[4] = {{qq.x, qq.y, qq.z, qq.w}};
+            const float nx[4] = {{kn.x, kn.y, kn.z, kn.w}};
+            #pragma unroll
+            for (int c = 0; c < 4; ++c) {{
+                const int j = j4 * 4 + c;
+                S[j] = fmaf(kx[c], delta, S[j]);
+                acc_q[j % ACC] = fmaf(S[j], qx[c], acc_q[j % ACC]);
+                S[j] *= decay;
+                acc_k[j % ACC] = fmaf(S[j], nx[c], acc_k[j % ACC]);
             }}
         }}
+        const float out = lanes_sum(tree_sum(acc_q));
+        if (part == 0) o[(t * HV + h) * V + col] = F32_TO_IN(out);
+        delta = (v_next - lanes_sum(tree_sum(acc_k))) * b_next;
+
+        // token t + 2 (issued DEPTH - 2 steps ago) into the fp32 buffer step t + 1 reads, its scalars for step
+        // t + 1; then token t + DEPTH into token t's ring slot (converted two steps ago)
+        copies_wait<DEPTH - 3>();
+        block_sync();
+        const int slot2 = slot + 2 >= DEPTH ? slot + 2 - DEPTH : slot + 2;
+        const long long t2 = min(t + 2, last);
+        convert(r, slot2, qs, ks, after, tid, scale);
+        v_next = IN_TO_F32(r.v[slot2][col - col0]);
+        g_next = g_of(r.g[slot2], t2 * HV + h);
+        b_next = b_of(r.b[slot2], t2 * HV + h);
+        issue(r, slot, q, k, v, g, beta, min(t + DEPTH, last), hk, h, col0, tid);
+        slot = slot + 1 == DEPTH ? 0 : slot + 1;
+        cur = nxt;
+        block_sync();
     }}
 }}
 """
@@ -322,10 +364,11 @@ def source(K: int, V: int, HK: int, HV: int, dtype: torch.dtype, g_dtype: torch.
         raise ValueError(f"the CUDA question kernel takes int32 or int64 segment tables, got {index_dtype}")
     in_t, in_load, in_store = _TYPES[dtype]
     return _SOURCE.format(
-        K=K, V=V, HK=HK, HV=HV, L=lanes, W=warps, ACC=ACCUMULATORS, LOOKAHEAD=LOOKAHEAD, NAME=NAME, IN_T=in_t, G_T=_TYPES[g_dtype][0],
+        K=K, V=V, HK=HK, HV=HV, L=lanes, W=warps, ACC=ACCUMULATORS, DEPTH=DEPTH, NAME=NAME, IN_T=in_t, G_T=_TYPES[g_dtype][0],
         B_T=_TYPES[beta_dtype][0], IDX_T=_INDEX_TYPES[index_dtype], IN_TO_F32=in_load.format(x="x"),
         F32_TO_IN=in_store.format(x="x"), G_TO_F32=_TYPES[g_dtype][1].format(x="x"),
-        B_TO_F32=_TYPES[beta_dtype][1].format(x="x"), IN_BYTES=dtype.itemsize)
+        B_TO_F32=_TYPES[beta_dtype][1].format(x="x"), IN_BYTES=dtype.itemsize, G_BYTES=g_dtype.itemsize,
+        B_BYTES=beta_dtype.itemsize)
 
 
 def tile_error(K: int, V: int, HK: int, HV: int, lanes: int, warps: int) -> str | None:
@@ -382,6 +425,6 @@ def branches_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     src = source(K, V, HK, HV, q.dtype, g.dtype, beta.dtype, seg_start.dtype, lanes, warps)
     kernel = cuda_rtc.load(src, NAME, f"sm_{major}{minor}")
     with torch.cuda.device(q.device):
-        kernel(grid=(N * HV, V // (warps * 32 // lanes), 1), block=(warps * 32, 1, 1),
+        kernel(grid=(N * HV * (V // (warps * 32 // lanes)), 1, 1), block=(warps * 32, 1, 1),
                args=[q, k, v, g, beta, o, h0, *(t.contiguous() for t in tables), float(scale)])
     return o

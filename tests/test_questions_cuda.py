@@ -22,7 +22,7 @@ def test_source_renders_every_dtype_and_tile(dtype, tiles):
     assert f"#define L {tiles[0]}\n" in src and f"#define W {tiles[1]}\n" in src and "#define HV 32\n" in src
     assert ("typedef float in_t;" in src) == (dtype == torch.float32)
     assert "typedef int idx_t;" in src
-    assert f'extern "C" __global__ void __launch_bounds__(W * 32)\n{questions_cuda.NAME}(' in src
+    assert f'extern "C" __global__ void __launch_bounds__(THREADS)\n{questions_cuda.NAME}(' in src
 
 
 def test_tiles_that_do_not_divide_the_shape_are_refused():

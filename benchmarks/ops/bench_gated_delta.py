@@ -13,7 +13,7 @@ and 4 questions of 45 tokens each). Times are medians of CUDA-graph replays (tri
   its two forms, from the states' final states (with --sweep also `questions:<form>[BV..,w..]`: other tiles);
 - `fork:tables`: `fork` as the model runs it, the state call from the round's tables (`fork_tables`);
 - `questions:cuda`: the CUDA C question kernel (`questions_cuda.py`; --sweep: `questions:cuda[L..,w..]`, lanes
-  along K and warps) on normalised q / k, and `questions:recurrent-normed`, the Triton kernel on the same inputs;
+  along K and warps, and `questions:cuda-lazy[...]` with the lazy decay) on normalised q / k, and `questions:recurrent-normed`, the Triton kernel on the same inputs;
 - `fork:wy`: the `fla_wy` variant's fork from the same tables: the questions' WY form from the state call's
   chunk-local steps, then the chunked question call; `questions:wy`: that question call alone (`questions_wy.py`;
   --sweep: other tiles);
@@ -174,8 +174,10 @@ def main() -> None:
                 qn, kn = l2norm(q), l2norm(kk)
                 fns["questions:recurrent-normed"] = partial(branches.branches, qn, kn, vv, decay, beta, r.branch_start,
                                                             r.branch_len, finals, r.branch_state, scale, False)
-                for tiles in (None, *(questions_cuda.TILES if args.sweep else ())):
-                    label = "questions:cuda" + (f"[L{tiles[0]},w{tiles[1]}]" if tiles else "")
+                sweep = [(*t, lazy) for lazy in (False, True) for t in questions_cuda.TILES if t[0] <= 2 or lazy]
+                for tiles in (None, *(sweep if args.sweep else ())):
+                    label = ("questions:cuda" + ("-lazy" if tiles and tiles[2] else "")
+                             + (f"[L{tiles[0]},w{tiles[1]}]" if tiles else ""))
                     fns[label] = partial(questions_cuda.branches_cuda, qn, kn, vv, decay, beta, r.branch_start,
                                          r.branch_len, finals, r.branch_state, scale, tiles=tiles)
             states = int((r.state_len > 0).sum())

@@ -331,7 +331,7 @@ def test_fla_wy_ops_opcheck_on_cuda():
                                                      r.branch_state, 128 ** -0.5), test_utils=checks)
 
 
-def cuda_question_inputs(dtype, hk: int, hv: int, seed: int, index_dtype=torch.int64):
+def cuda_question_inputs(dtype, hk: int, hv: int, seed: int, index_dtype=torch.int64, decay_scale: float = 0.5):
     """The question call's inputs at Qwen3.5's head shapes (K = V = 128): q and k already normalised (the fork
     normalises them in the state call), branches of 1-130 tokens from 6 states' final states, spare capacity rows."""
     tokens, meta = segments_round([1, 63, 64, 65, 500], [1, 63, 64, 65, 40, 1, 7, 130], [0, 1, 2, 3, 4, 4, 0, 2],
@@ -340,14 +340,15 @@ def cuda_question_inputs(dtype, hk: int, hv: int, seed: int, index_dtype=torch.i
     q, k = (F.normalize(torch.randn(tokens, hk, 128, device="cuda", generator=g), dim=-1).to(dtype)
             for _ in range(2))
     v = torch.randn(tokens, hv, 128, device="cuda", generator=g).to(dtype)
-    decay = -F.softplus(torch.randn(tokens, hv, device="cuda", generator=g)) * 0.5
+    decay = -F.softplus(torch.randn(tokens, hv, device="cuda", generator=g)) * decay_scale
     beta = torch.sigmoid(torch.randn(tokens, hv, device="cuda", generator=g)).to(dtype)
     finals = torch.randn(6, hv, 128, 128, device="cuda", generator=g) * 0.1
     tables = tuple(meta[name].to(index_dtype) for name in ("branch_start", "branch_len"))
     return tokens, (q, k, v, decay, beta, *tables, finals, meta["branch_state"].to(index_dtype), 128 ** -0.5)
 
 
-@pytest.mark.parametrize("tiles", [(2, 1), (2, 2), (4, 1), (4, 2), (8, 1), (1, 4)], ids=str)
+@pytest.mark.parametrize("tiles", [(2, 1), (2, 2), (4, 1), (4, 2), (8, 1), (1, 4), (2, 1, True), (4, 2, True),
+                                   (1, 4, True)], ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("heads", [(16, 16), (16, 32)], ids=["Hk16-Hv16", "Hk16-Hv32"])
 def test_cuda_question_kernel_matches_reference(dtype, heads, tiles):
@@ -364,6 +365,25 @@ def test_cuda_question_kernel_matches_reference(dtype, heads, tiles):
     first = int(args[5][0])
     assert torch.isfinite(o[first:]).all() and o[:first].isnan().all()
     assert rel_err(o[first:], ref_o[first:]) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("decay_scale", [8.0, float("inf")], ids=["strong", "underflowing"])
+def test_cuda_question_kernel_lazy_decay_folds_its_scale(decay_scale):
+    """The lazy decay (the state kept as c * S): with strong decays c falls below 2^-32 every few tokens and is
+    folded into S; with decays of exp(-inf) = 0 the state restarts from nothing. fp32 within 1e-5 of the reference
+    either way."""
+    from flide.ops.gated_delta import questions_cuda
+
+    from flide.ops.gated_delta.reference import gated_delta_naive
+
+    _, args = cuda_question_inputs(torch.float32, 16, 16, seed=41, decay_scale=decay_scale)
+    # the float64 token-by-token oracle (the chunked reference subtracts cumulative log decays: -inf - -inf)
+    ref_o, _ = gated_delta_naive(*(a.cpu() if isinstance(a, torch.Tensor) else a for a in args), False)
+    ref_o = ref_o.cuda()
+    o = questions_cuda.branches_cuda(*args, tiles=(2, 1, True))
+    first = int(args[5][0])
+    assert torch.isfinite(o[first:]).all()
+    assert rel_err(o[first:], ref_o[first:]) < 1e-5
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

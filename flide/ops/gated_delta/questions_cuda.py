@@ -47,6 +47,11 @@ LANES_K = 2
 WARPS = 1
 TILES = ((2, 1), (2, 2), (2, 4), (4, 1), (4, 2), (4, 4), (8, 1), (8, 2), (1, 4))
 ACCUMULATORS = 8
+# Lazy decay: the state kept as c * S with c the running product of the decays (a scalar per block, folded into S
+# below 2^-32), so a step is 3 fp32 operations per state element (the update and two sums) instead of 4, for one
+# division per step. (The Triton kernel's lazy decay, wip/questions-lazy-decay, was slower: there the division and
+# the fold's branch ran per [K, BV] tile; here they are scalar.)
+LAZY_DECAY = False
 DEPTH = 5  # tokens in flight in the shared-memory ring: a token's copies are issued DEPTH - 2 steps before its use
 
 # (storage type, load to float, float to storage) per torch dtype; 16-bit types are raw `unsigned short` bits
@@ -72,7 +77,9 @@ _SOURCE = r"""
 #define BV (W * CPW)           // value columns a block holds
 #define TILES (V / BV)
 #define ACC {ACC}
-#define DEPTH {DEPTH}          // tokens in the raw ring: a token's copies are issued DEPTH - 2 steps before its use
+#define DEPTH {DEPTH}
+#define LAZY {LAZY}            // 1: the state kept as c * S, the decays multiplied into the scalar c (see LAZY_DECAY)
+#define LAZY_FLOOR 2.3283064e-10f  // 2^-32: below it c is folded into S          // tokens in the raw ring: a token's copies are issued DEPTH - 2 steps before its use
 typedef {IN_T} in_t;
 typedef {G_T} g_t;
 typedef {B_T} b_t;
@@ -265,7 +272,7 @@ extern "C" __global__ void __launch_bounds__(THREADS)
         for (int j = 0; j < KPL; ++j) S[j] = 0.f;
     }}
 
-    copies_wait<DEPTH - 2>();  // tokens 0 and 1
+    copies_wait<DEPTH - 3>();  // tokens 0, 1 and 2
     block_sync();
     convert(r, 0, qs, ks, 0, tid, scale);
     convert(r, 1, qs, ks, 1, tid, scale);
@@ -280,6 +287,9 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 
     // prologue: token 0's decay and its sum against k
     float acc_k[ACC], acc_q[ACC];
+#if LAZY
+    float c_scale = decay0;  // the state is c_scale * S (lazy decay)
+#endif
     #pragma unroll
     for (int a = 0; a < ACC; ++a) acc_k[a] = 0.f;
     #pragma unroll
@@ -289,22 +299,47 @@ extern "C" __global__ void __launch_bounds__(THREADS)
         #pragma unroll
         for (int c = 0; c < 4; ++c) {{
             const int j = j4 * 4 + c;
+#if !LAZY
             S[j] *= decay0;
+#endif
             acc_k[j % ACC] = fmaf(S[j], kx[c], acc_k[j % ACC]);
         }}
     }}
+#if LAZY
+    float delta = (v0 - c_scale * lanes_sum(tree_sum(acc_k))) * b0;
+    if (c_scale < LAZY_FLOOR) {{  // uniform over the block: every thread computed the same c_scale
+        #pragma unroll
+        for (int j = 0; j < KPL; ++j) S[j] *= c_scale;
+        c_scale = 1.f;
+    }}
+#else
     float delta = (v0 - lanes_sum(tree_sum(acc_k))) * b0;
+#endif
 
-    // Step t, one pass over the state: token t's rank-1 update and the new state's sum against q (token t's
-    // output), then token t + 1's decay and the decayed state's sum against k (token t + 1's delta): the two sums of
-    // a step side by side, one reduction latency a token. The last step's token t + 1 is a clamped copy whose
-    // decay and delta nobody reads (no final state is stored).
+    // Step t: first the staging of later tokens, off the chain (token t + 2's raw copies, visible since the last
+    // barrier, into the fp32 buffer step t + 1 reads, and its v / g / beta into registers; token t + DEPTH's copies
+    // issued into token t's ring slot, converted two steps ago). Then one pass over the state: token t's rank-1
+    // update and the new state's sum against q (token t's output), then token t + 1's decay and the decayed state's
+    // sum against k (token t + 1's delta): the two sums of a step side by side, one reduction latency a token. The
+    // last step's token t + 1 is a clamped copy whose decay and delta nobody reads (no final state is stored).
+    // One barrier a step: after it, token t + 2's fp32 buffer and token t + 3's raw copies are every thread's.
     int cur = 0, slot = 0;  // token t's fp32 buffer and ring slot
     for (long long i = 0; i < n; ++i) {{
         const int nxt = cur == 2 ? 0 : cur + 1;
         const int after = nxt == 2 ? 0 : nxt + 1;
         const long long t = bos + i;
+        const int slot2 = slot + 2 >= DEPTH ? slot + 2 - DEPTH : slot + 2;
+        const long long t2 = min(t + 2, last);
+        convert(r, slot2, qs, ks, after, tid, scale);
+        const float v_after = IN_TO_F32(r.v[slot2][col - col0]);
+        const float g_after = g_of(r.g[slot2], t2 * HV + h);
+        const float b_after = b_of(r.b[slot2], t2 * HV + h);
+        issue(r, slot, q, k, v, g, beta, min(t + DEPTH, last), hk, h, col0, tid);
+
         const float decay = expf(g_next);
+#if LAZY
+        const float u = delta / c_scale;  // the update of S, whose state c_scale * S moves by k * delta
+#endif
         #pragma unroll
         for (int a = 0; a < ACC; ++a) {{ acc_k[a] = 0.f; acc_q[a] = 0.f; }}
         #pragma unroll
@@ -319,29 +354,37 @@ extern "C" __global__ void __launch_bounds__(THREADS)
             #pragma unroll
             for (int c = 0; c < 4; ++c) {{
                 const int j = j4 * 4 + c;
+#if LAZY
+                S[j] = fmaf(kx[c], u, S[j]);
+                acc_q[j % ACC] = fmaf(S[j], qx[c], acc_q[j % ACC]);
+#else
                 S[j] = fmaf(kx[c], delta, S[j]);
                 acc_q[j % ACC] = fmaf(S[j], qx[c], acc_q[j % ACC]);
                 S[j] *= decay;
+#endif
                 acc_k[j % ACC] = fmaf(S[j], nx[c], acc_k[j % ACC]);
             }}
         }}
+#if LAZY
+        const float out = c_scale * lanes_sum(tree_sum(acc_q));
+        c_scale *= decay;
+        delta = (v_next - c_scale * lanes_sum(tree_sum(acc_k))) * b_next;
+        if (c_scale < LAZY_FLOOR) {{  // fold the scale in before it underflows (uniform over the block)
+            #pragma unroll
+            for (int j = 0; j < KPL; ++j) S[j] *= c_scale;
+            c_scale = 1.f;
+        }}
+#else
         const float out = lanes_sum(tree_sum(acc_q));
-        if (part == 0) o[(t * HV + h) * V + col] = F32_TO_IN(out);
         delta = (v_next - lanes_sum(tree_sum(acc_k))) * b_next;
-
-        // token t + 2 (issued DEPTH - 2 steps ago) into the fp32 buffer step t + 1 reads, its scalars for step
-        // t + 1; then token t + DEPTH into token t's ring slot (converted two steps ago)
-        copies_wait<DEPTH - 3>();
-        block_sync();
-        const int slot2 = slot + 2 >= DEPTH ? slot + 2 - DEPTH : slot + 2;
-        const long long t2 = min(t + 2, last);
-        convert(r, slot2, qs, ks, after, tid, scale);
-        v_next = IN_TO_F32(r.v[slot2][col - col0]);
-        g_next = g_of(r.g[slot2], t2 * HV + h);
-        b_next = b_of(r.b[slot2], t2 * HV + h);
-        issue(r, slot, q, k, v, g, beta, min(t + DEPTH, last), hk, h, col0, tid);
+#endif
+        if (part == 0) o[(t * HV + h) * V + col] = F32_TO_IN(out);
+        v_next = v_after;
+        g_next = g_after;
+        b_next = b_after;
         slot = slot + 1 == DEPTH ? 0 : slot + 1;
         cur = nxt;
+        copies_wait<DEPTH - 3>();  // token t + 3's copies (this thread's) have landed
         block_sync();
     }}
 }}
@@ -352,7 +395,7 @@ NAME = "flide_gdn_questions"
 
 @functools.cache
 def source(K: int, V: int, HK: int, HV: int, dtype: torch.dtype, g_dtype: torch.dtype, beta_dtype: torch.dtype,
-           index_dtype: torch.dtype, lanes: int = LANES_K, warps: int = WARPS) -> str:
+           index_dtype: torch.dtype, lanes: int = LANES_K, warps: int = WARPS, lazy: bool | None = None) -> str:
     """The kernel's CUDA C for one shape, dtype set and tile (checked: `tile_error`)."""
     error = tile_error(K, V, HK, HV, lanes, warps)
     if error:
@@ -363,9 +406,10 @@ def source(K: int, V: int, HK: int, HV: int, dtype: torch.dtype, g_dtype: torch.
     if index_dtype not in _INDEX_TYPES:
         raise ValueError(f"the CUDA question kernel takes int32 or int64 segment tables, got {index_dtype}")
     in_t, in_load, in_store = _TYPES[dtype]
+    lazy = LAZY_DECAY if lazy is None else lazy
     return _SOURCE.format(
-        K=K, V=V, HK=HK, HV=HV, L=lanes, W=warps, ACC=ACCUMULATORS, DEPTH=DEPTH, NAME=NAME, IN_T=in_t, G_T=_TYPES[g_dtype][0],
-        B_T=_TYPES[beta_dtype][0], IDX_T=_INDEX_TYPES[index_dtype], IN_TO_F32=in_load.format(x="x"),
+        K=K, V=V, HK=HK, HV=HV, L=lanes, W=warps, ACC=ACCUMULATORS, DEPTH=DEPTH, LAZY=int(lazy), NAME=NAME, IN_T=in_t,
+        G_T=_TYPES[g_dtype][0], B_T=_TYPES[beta_dtype][0], IDX_T=_INDEX_TYPES[index_dtype], IN_TO_F32=in_load.format(x="x"),
         F32_TO_IN=in_store.format(x="x"), G_TO_F32=_TYPES[g_dtype][1].format(x="x"),
         B_TO_F32=_TYPES[beta_dtype][1].format(x="x"), IN_BYTES=dtype.itemsize, G_BYTES=g_dtype.itemsize,
         B_BYTES=beta_dtype.itemsize)
@@ -397,13 +441,13 @@ def supports(q: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tens
 def branches_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                   seg_start: torch.Tensor, seg_len: torch.Tensor, initial_state: torch.Tensor,
                   initial_index: torch.Tensor, scale: float, out: torch.Tensor | None = None,
-                  tiles: tuple[int, int] | None = None) -> torch.Tensor:
+                  tiles: tuple[int, ...] | None = None) -> torch.Tensor:
     """o [T, Hv, V] (q's dtype) of every segment from `initial_state[initial_index[n]]` (-1: zero), as
     `branches.branches` without normalisation, final states or snapshots; rows outside the segments unwritten.
-    q, k must already be normalised where the model normalises them. `tiles`: (lanes along K, warps)."""
+    q, k must already be normalised where the model normalises them. `tiles`: (lanes along K, warps[, lazy decay])."""
     from .. import cuda_rtc
 
-    lanes, warps = tiles if tiles is not None else (LANES_K, WARPS)
+    lanes, warps, lazy = (*tiles, LAZY_DECAY)[:3] if tiles is not None else (LANES_K, WARPS, LAZY_DECAY)
     T, HK, K = k.shape
     HV, V = v.shape[1], v.shape[2]
     tables = (seg_start, seg_len, initial_index)
@@ -422,7 +466,7 @@ def branches_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
         initial_state = torch.zeros(1, HV, K, V, dtype=torch.float32, device=q.device)
     h0 = initial_state.float().contiguous()
     major, minor = torch.cuda.get_device_capability(q.device)
-    src = source(K, V, HK, HV, q.dtype, g.dtype, beta.dtype, seg_start.dtype, lanes, warps)
+    src = source(K, V, HK, HV, q.dtype, g.dtype, beta.dtype, seg_start.dtype, lanes, warps, bool(lazy))
     kernel = cuda_rtc.load(src, NAME, f"sm_{major}{minor}")
     with torch.cuda.device(q.device):
         kernel(grid=(N * HV * (V // (warps * 32 // lanes)), 1, 1), block=(warps * 32, 1, 1),

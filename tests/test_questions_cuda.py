@@ -41,3 +41,10 @@ def test_cpu_tensors_go_to_the_triton_kernel():
     q, v = torch.zeros(4, 2, 16), torch.zeros(4, 4, 16)
     g, index = torch.zeros(4, 4), torch.zeros(3, dtype=torch.int64)
     assert not questions_cuda.supports(q, v, g, g, index)
+
+
+def test_the_default_tile_narrows_for_small_heads():
+    lanes, warps, lazy = questions_cuda.LANES_K, questions_cuda.WARPS, questions_cuda.LAZY_DECAY
+    assert questions_cuda.pick_tile(128, 128, 16, 32) == (lanes, warps, lazy)
+    assert questions_cuda.pick_tile(16, 16, 2, 4) == (lanes, 1, lazy)  # 16 value columns: one warp of 16 columns
+    assert questions_cuda.pick_tile(12, 16, 2, 4) is None  # K not a multiple of 8

@@ -62,7 +62,11 @@ def test_cuda_questions_equal_pipeline_on_gpu():
     tok = tiny_tokenizer()
     model = tiny_model("qwen3_5_text").cuda()
     expected = [pipeline("decision", model=model, tokenizer=tok)(r) for r in requests]
+    from flide.ops.gated_delta import questions_cuda
+
     engine = flide.patch(model, tok, config={**FAST, "kernels": {"gated_delta": "fla_cuda"}})
     assert engine.kernels.gated_delta == "fla_cuda"
     got = engine.decide(requests)
     assert max(max_difference(e, g) for e, g in zip(expected, got)) < 2e-3
+    # the CUDA kernel ran (compiled for the tiny model's heads: K = V = 16, 2 key and 4 value heads), not the fallback
+    assert any(key[:4] == (16, 16, 2, 4) for key in questions_cuda.COMPILED)

@@ -23,11 +23,23 @@ Here a thread owns one value column of the state slice and K / L of its keys (L 
   tokens, issued DEPTH - 2 steps before their use: a step is a few hundred cycles, less than a round trip to L2 or
   HBM, and no register waits on a load in flight (a register copy of a pending load waits for it);
 - blocks are ordered (row, head, tile), tiles fastest, so a bucket's few active rows spread over the SMs.
-A step is 4 fp32 operations per state element and 3 K / (4 L) shared-memory vector loads, with no layout
-conversions.
+A step is 4 fp32 operations per state element (3 with LAZY_DECAY) and 3 K / (4 L) shared-memory vector loads,
+with no layout conversions: ~500 sm_90 instructions a step at L = 2 (~290 of them fp32), about what the Triton
+kernel issues for the same 64 elements a thread.
+
+Measured (H200, 2026-12-01, session 19; `benchmarks/results/ops_gated_delta_cuda_h200.md`, the question call alone on
+normalised q / k against the Triton kernel on the same inputs, and `h200_profile_4b_questions_cuda.json`, whole 4B
+replays): NOT the default. At Qwen3.5-0.8B's heads (16 / 16) it is 3-18 % slower than the Triton kernel on every
+stream (best tile, lazy [L2, w2]: RACE in its bucket 0.036 vs 0.034 ms, one 120-token question 0.060 vs 0.052, 64
+RACE requests 0.86 vs 0.79). At 4B / 9B's heads (16 / 32) the lazy [L2, w4] tile is faster where few long questions
+leave the Triton kernel's one-warp programs two to a scheduler (one 120-token question 0.065 vs 0.100 ms, 8 such
+questions 0.165 vs 0.231) and slower on many short ones (64 RACE requests 1.69 vs 1.58); in whole 4B replays its
+question time was QuALITY 8.8 vs 10.4 ms, sweep 1 / 8 / 64 2.6 / 5.3 / 29.9 vs 3.0 / 7.6 / 28.9, RACE 1.86 vs 1.73,
+16 RACE requests 18.5 vs 18.6: replays within +-2 %. The path to more: fewer instructions per element than the
+fp32 recurrence allows (tensor cores, i.e. a chunked form), or scheduling that keeps one warp per scheduler.
 
 Each program's sums run in one fixed order that depends only on its own branch's tokens and the compile-time tile
-(L, warps): batch-invariant, and a question asked alone runs the same code. The bits differ from the Triton
+(L, warps, lazy decay): batch-invariant, and a question asked alone runs the same code. The bits differ from the Triton
 kernel's (other summation orders); both are checked against the reference (tests/gpu/test_gated_delta_gpu.py).
 
 Inputs: q, k [T, Hk, K], v [T, Hv, V] (bf16, fp16 or fp32, one dtype), g [T, Hv] (log decay), beta [T, Hv]
@@ -41,17 +53,19 @@ import functools
 
 import torch
 
-# Default tile: lanes along K and warps per block (a block covers warps * 32 / lanes value columns). To be measured
-# on the H200 (benchmarks/ops/bench_gated_delta.py --sweep, rows `questions:cuda[L..,w..]`).
+# Default tile: lanes along K and warps per block (a block covers warps * 32 / lanes value columns), with the lazy
+# decay: the tile of the whole-4B measurement above. Sweep (`bench_gated_delta.py --sweep`, rows
+# `questions:cuda[-lazy][L..,w..]`): 4 or 8 lanes along K were 1.5-3x slower (their extra warps are issue-bound),
+# L = 1 (128 state registers a thread) 0-50 % slower than L = 2.
 LANES_K = 2
-WARPS = 1
+WARPS = 4
 TILES = ((2, 1), (2, 2), (2, 4), (4, 1), (4, 2), (4, 4), (8, 1), (8, 2), (1, 4))
 ACCUMULATORS = 8
 # Lazy decay: the state kept as c * S with c the running product of the decays (a scalar per block, folded into S
 # below 2^-32), so a step is 3 fp32 operations per state element (the update and two sums) instead of 4, for one
 # division per step. (The Triton kernel's lazy decay, wip/questions-lazy-decay, was slower: there the division and
 # the fold's branch ran per [K, BV] tile; here they are scalar.)
-LAZY_DECAY = False
+LAZY_DECAY = True
 DEPTH = 5  # tokens in flight in the shared-memory ring: a token's copies are issued DEPTH - 2 steps before its use
 
 # (storage type, load to float, float to storage) per torch dtype; 16-bit types are raw `unsigned short` bits
@@ -430,12 +444,31 @@ def tile_error(K: int, V: int, HK: int, HV: int, lanes: int, warps: int) -> str 
     return None
 
 
-def supports(q: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, index: torch.Tensor,
-             lanes: int = LANES_K, warps: int = WARPS) -> bool:
-    """Whether this kernel takes these inputs (else the Triton kernel runs them)."""
+def pick_tile(K: int, V: int, HK: int, HV: int) -> tuple[int, int, bool] | None:
+    """The default tile, with fewer warps where the block's columns would not divide V (tiny test models: V = 16);
+    None where no tile fits (the Triton kernel runs those)."""
+    for warps in (WARPS, 4, 2, 1):
+        if warps <= WARPS and tile_error(K, V, HK, HV, LANES_K, warps) is None:
+            return LANES_K, warps, LAZY_DECAY
+    return None
+
+
+def supports(q: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, index: torch.Tensor) -> bool:
+    """Whether this kernel takes these inputs with its default tile (else the Triton kernel runs them)."""
     _, HK, K = q.shape
     return (q.is_cuda and q.dtype == v.dtype and q.dtype in _TYPES and g.dtype in _TYPES and beta.dtype in _TYPES
-            and index.dtype in _INDEX_TYPES and tile_error(K, v.shape[2], HK, v.shape[1], lanes, warps) is None)
+            and index.dtype in _INDEX_TYPES and pick_tile(K, v.shape[2], HK, v.shape[1]) is not None)
+
+
+# compiled kernels of this process by (K, V, HK, HV, dtypes, tile, device): what ran (the engine test reads it)
+COMPILED: dict[tuple, object] = {}
+
+
+def _aligned(x: torch.Tensor, to: int) -> torch.Tensor:
+    """x contiguous, its data `to`-byte aligned (a view at an odd offset is copied): the asynchronous copies move
+    16-byte chunks of q / k / v rows and 4-byte words of g / beta."""
+    x = x.contiguous()
+    return x if x.data_ptr() % to == 0 else x.clone()
 
 
 def branches_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -444,18 +477,21 @@ def branches_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
                   tiles: tuple[int, ...] | None = None) -> torch.Tensor:
     """o [T, Hv, V] (q's dtype) of every segment from `initial_state[initial_index[n]]` (-1: zero), as
     `branches.branches` without normalisation, final states or snapshots; rows outside the segments unwritten.
-    q, k must already be normalised where the model normalises them. `tiles`: (lanes along K, warps[, lazy decay])."""
+    q, k must already be normalised where the model normalises them. `tiles`: (lanes along K, warps[, lazy decay]);
+    default `pick_tile`."""
     from .. import cuda_rtc
 
-    lanes, warps, lazy = (*tiles, LAZY_DECAY)[:3] if tiles is not None else (LANES_K, WARPS, LAZY_DECAY)
     T, HK, K = k.shape
     HV, V = v.shape[1], v.shape[2]
+    tile = (*tiles, LAZY_DECAY)[:3] if tiles is not None else pick_tile(K, V, HK, HV)
+    if tile is None:
+        raise ValueError(f"no tile of the CUDA question kernel fits K={K}, V={V}, Hk={HK}, Hv={HV}")
+    lanes, warps, lazy = tile
     tables = (seg_start, seg_len, initial_index)
     if len({t.dtype for t in tables}) != 1:
         raise ValueError(f"segment tables of one dtype, got {[t.dtype for t in tables]}")
-    # 16-byte vector loads of q and k rows: contiguous tensors from the allocator (a view at an odd offset is copied)
-    q, k = (x.contiguous() if x.data_ptr() % 16 == 0 else x.clone() for x in (q, k))
-    v, g, beta = v.contiguous(), g.contiguous(), beta.contiguous()
+    q, k, v = (_aligned(x, 16) for x in (q, k, v))
+    g, beta = _aligned(g, 4), _aligned(beta, 4)
     o = torch.empty(T, HV, V, dtype=q.dtype, device=q.device) if out is None else out
     if out is not None and (not out.is_contiguous() or out.shape != (T, HV, V) or out.dtype != q.dtype):
         raise ValueError(f"`out` must be a contiguous {q.dtype} [T, Hv, V] tensor, got {out.dtype} {tuple(out.shape)}")
@@ -465,9 +501,11 @@ def branches_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     if initial_state.shape[0] == 0:  # no state to read: a dummy pointer that no program loads (every index is -1)
         initial_state = torch.zeros(1, HV, K, V, dtype=torch.float32, device=q.device)
     h0 = initial_state.float().contiguous()
-    major, minor = torch.cuda.get_device_capability(q.device)
-    src = source(K, V, HK, HV, q.dtype, g.dtype, beta.dtype, seg_start.dtype, lanes, warps, bool(lazy))
-    kernel = cuda_rtc.load(src, NAME, f"sm_{major}{minor}")
+    key = (K, V, HK, HV, q.dtype, g.dtype, beta.dtype, seg_start.dtype, lanes, warps, bool(lazy), q.device)
+    kernel = COMPILED.get(key)
+    if kernel is None:
+        major, minor = torch.cuda.get_device_capability(q.device)
+        kernel = COMPILED[key] = cuda_rtc.load(source(*key[:-1]), NAME, f"sm_{major}{minor}")
     with torch.cuda.device(q.device):
         kernel(grid=(N * HV * (V // (warps * 32 // lanes)), 1, 1), block=(warps * 32, 1, 1),
                args=[q, k, v, g, beta, o, h0, *(t.contiguous() for t in tables), float(scale)])

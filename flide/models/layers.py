@@ -16,8 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .fused import fuse, project
-from ..ops import gated_delta as gated_delta_ops
-from ..ops.gated_delta import BRANCH_KERNELS, FORK_KERNELS, STATE_KERNELS, WY_KERNELS
+from ..ops.gated_delta import BRANCH_KERNELS, STATE_KERNELS, WY_KERNELS
 from ..ops.gated_delta import fork as gated_delta_fork
 from ..ops.gated_delta import fork_resumable as gated_delta_fork_resumable
 from ..round import RoundTensors
@@ -138,7 +137,7 @@ class FlideGatedDeltaNet(_Swapped):
     calls of `gated_delta` (states first, then every question from its state's final recurrent state)."""
 
     NAMES = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "norm", "out_proj", "A_log", "dt_bias")
-    SHARED = ("conv_op", "delta_op", "branch_op", "state_op", "fork_op")
+    SHARED = ("conv_op", "delta_op", "branch_op", "state_op")
 
     def __init__(self, original: nn.Module, conv_op: Callable, delta_op: Callable):
         super().__init__(original, self.NAMES)
@@ -150,8 +149,6 @@ class FlideGatedDeltaNet(_Swapped):
         # the variant's faster question call, if it has one: looked up here, once, not in traced code
         self.branch_op = BRANCH_KERNELS.get(delta_op)
         self.state_op = STATE_KERNELS.get(delta_op)  # and its state call from the round's tables
-        # both calls as one op, the question call overlapping the state call's output step (gated_delta.FORK_KERNELS)
-        self.fork_op = FORK_KERNELS.get(delta_op) if gated_delta_ops.OVERLAP_QUESTIONS else None
         self.wy = delta_op in WY_KERNELS  # questions in chunked (WY) form from the state call's chunk-local steps
         self.in_sizes: list[int] | None = None  # the four input projections as one GEMM (fuse_projections)
         self.key_dim, self.value_dim = original.key_dim, original.value_dim
@@ -183,8 +180,7 @@ class FlideGatedDeltaNet(_Swapped):
             out, _ = gated_delta_fork(self.delta_op, q.contiguous(), k.contiguous(), v.contiguous(), g, beta,
                                       r.state_start, r.state_len, r.branch_start, r.branch_len, r.branch_state,
                                       self.head_k_dim ** -0.5, True, branch_kernel=self.branch_op,
-                                      state_kernel=self.state_op, tables=ctx.tables, wy=self.wy,
-                                      fork_kernel=self.fork_op)
+                                      state_kernel=self.state_op, tables=ctx.tables, wy=self.wy)
         else:  # states start from their checkpoints' recurrent states; the state call snapshots the saves' states
             initial = ck.initial_state((v.shape[1], self.head_k_dim, self.head_v_dim))
             out, _, snapshot = gated_delta_fork_resumable(

@@ -237,37 +237,6 @@ def test_fork_from_round_tables_equals_fork_without(dtype):
     assert rel_err(o_t, ref_o) < TOL[dtype]
 
 
-@pytest.mark.parametrize("variant", ["fla", "fla_cuda"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_overlapped_fork_has_the_two_ops_bits(dtype, variant):
-    """FORK_KERNELS: the state call and the question call as one op, the question call on a side stream overlapping
-    fla's output step, give the two-op fork's outputs and final states bit for bit, eagerly and replayed in a CUDA
-    graph (where the side stream becomes a parallel branch); the op passes opcheck's schema and fake checks."""
-    from flide.ops.gated_delta import FORK_KERNELS, STATE_KERNELS, fork_tables
-
-    delta = kernel(variant)
-    x, r = inputs(3072, dtype, seed=19)
-    meta = (r.state_start, r.state_len, r.branch_start, r.branch_len, r.branch_state)
-    tables = fork_tables(r.state_start, r.state_len, r.branch_start, r.branch_len, r.state_chunks, r.branch_chunks)
-    two = dict(branch_kernel=BRANCH_KERNELS[delta], state_kernel=STATE_KERNELS[delta], tables=tables)
-    o2, finals2 = plain_fork(delta, *x, *meta, 128 ** -0.5, True, **two)
-    o1, finals1 = plain_fork(delta, *x, *meta, 128 ** -0.5, True, **two, fork_kernel=FORK_KERNELS[delta])
-    assert torch.equal(o1, o2) and torch.equal(finals1, finals2)
-    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm-up on the capture stream, then capture
-        plain_fork(delta, *x, *meta, 128 ** -0.5, True, **two, fork_kernel=FORK_KERNELS[delta])
-    torch.cuda.current_stream().wait_stream(stream)
-    with torch.cuda.graph(graph):
-        og, finals_g = plain_fork(delta, *x, *meta, 128 ** -0.5, True, **two, fork_kernel=FORK_KERNELS[delta])
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(og, o2) and torch.equal(finals_g, finals2)
-    args = (*x, tables.state_cu_seqlens, tables.state_chunks, tables.state_chunk_offsets, r.branch_start,
-            r.branch_len, r.branch_state, 128 ** -0.5, True)
-    torch.library.opcheck(FORK_KERNELS[delta], args, test_utils=("test_schema", "test_faketensor"))
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_unfilled_final_state_equals_fla(dtype, monkeypatch):
     """fla.EMPTY_FINAL_STATE's own launch of fla's h kernel (final states `torch.empty`, not zero-filled) gives the

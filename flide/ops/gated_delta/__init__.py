@@ -216,58 +216,6 @@ gated_delta_fla_cuda_resumable = register_resumable("gated_delta", "fla_cuda")(
                               short_tokens=RESUME_SHORT_TOKENS))
 
 
-def _questions_triton(q, k, v, g, beta, seg_start, seg_len, initial_state, initial_index, scale, out):
-    from . import branches
-
-    return branches.branches(q, k, v, g, beta, seg_start, seg_len, initial_state, initial_index, scale, False, out=out)
-
-
-def _questions_cuda(q, k, v, g, beta, seg_start, seg_len, initial_state, initial_index, scale, out):
-    from . import questions_cuda
-
-    if questions_cuda.supports(q, v, g, beta, initial_index):
-        return questions_cuda.branches_cuda(q, k, v, g, beta, seg_start, seg_len, initial_state, initial_index, scale,
-                                            out=out)
-    return _questions_triton(q, k, v, g, beta, seg_start, seg_len, initial_state, initial_index, scale, out)
-
-
-def _fork_fake(q, k, v, g, beta, cu_seqlens, chunk_indices, chunk_offsets, branch_start, branch_len, branch_state,
-               scale, use_qk_l2norm):
-    T, Hv, V = v.shape
-    return (q.new_empty(T, Hv, V), q.new_empty(T, Hv, V),
-            q.new_empty(cu_seqlens.shape[0] - 2, Hv, k.shape[2], V, dtype=torch.float32))
-
-
-@torch.library.custom_op("flide::gated_delta_fla_fork", mutates_args=(), device_types="cuda")
-def gated_delta_fla_fork(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                         cu_seqlens: torch.Tensor, chunk_indices: torch.Tensor, chunk_offsets: torch.Tensor,
-                         branch_start: torch.Tensor, branch_len: torch.Tensor, branch_state: torch.Tensor,
-                         scale: float, use_qk_l2norm: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The `fla` fork's two calls in one op (fla.gated_delta_fork): the state call, then the Triton question call
-    on a side stream, overlapping fla's output step. Returns (o_states, o_questions, finals)."""
-    return fla.gated_delta_fork(q, k, v, g, beta, cu_seqlens, chunk_indices, chunk_offsets, branch_start, branch_len,
-                                branch_state, scale, use_qk_l2norm, _questions_triton)
-
-
-@torch.library.custom_op("flide::gated_delta_fla_cuda_fork", mutates_args=(), device_types="cuda")
-def gated_delta_fla_cuda_fork(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                              beta: torch.Tensor, cu_seqlens: torch.Tensor, chunk_indices: torch.Tensor,
-                              chunk_offsets: torch.Tensor, branch_start: torch.Tensor, branch_len: torch.Tensor,
-                              branch_state: torch.Tensor, scale: float,
-                              use_qk_l2norm: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`gated_delta_fla_fork` with the CUDA C question kernel (`fla_cuda`)."""
-    return fla.gated_delta_fork(q, k, v, g, beta, cu_seqlens, chunk_indices, chunk_offsets, branch_start, branch_len,
-                                branch_state, scale, use_qk_l2norm, _questions_cuda)
-
-
-gated_delta_fla_fork.register_fake(_fork_fake)
-gated_delta_fla_cuda_fork.register_fake(_fork_fake)
-# Variants whose fork runs as one op with the question call overlapping fla's output step (`fork(fork_kernel=)`,
-# looked up at patch time when OVERLAP_QUESTIONS). To be measured on the H200 against the two-op fork.
-FORK_KERNELS = {gated_delta_fla: gated_delta_fla_fork, gated_delta_fla_cuda: gated_delta_fla_cuda_fork}
-OVERLAP_QUESTIONS = True
-
-
 # The question call of a variant's fork, where a faster one than the variant itself exists: it returns only the
 # outputs (the questions' final states are never read) and reads each branch's initial state in place by index.
 BRANCH_KERNELS = {gated_delta_fla: gated_delta_branches_triton, gated_delta_fla_resumable: gated_delta_branches_triton,
@@ -315,7 +263,7 @@ def fork_tables(state_start: torch.Tensor, state_len: torch.Tensor, branch_start
 
 def fork(kernel, q, k, v, g, beta, state_start, state_len, branch_start, branch_len, branch_state, scale: float,
          use_qk_l2norm: bool, branch_kernel=None, state_kernel=None,
-         tables: ForkTables | None = None, wy: bool = False, fork_kernel=None) -> tuple[torch.Tensor, torch.Tensor]:
+         tables: ForkTables | None = None, wy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Forked gated delta rule, in two calls of one varlen kernel.
 
     Call 1 runs every state from a zero state and keeps each one's final recurrent state (float32); call 2 runs every
@@ -327,8 +275,7 @@ def fork(kernel, q, k, v, g, beta, state_start, state_len, branch_start, branch_
     model layers look it up at patch time, outside traced code): it returns only the outputs. `state_kernel`
     (`STATE_KERNELS[kernel]`) with `tables` (`fork_tables`, once per round): the state call from the round's tables.
     `wy` (the variant is in WY_KERNELS; decided at patch time): the state call also returns the questions' WY form
-    and the question call takes it (`questions_wy.py`). `fork_kernel` (`FORK_KERNELS[kernel]`) with `tables`: both
-    calls as one op, the question call overlapping the state call's output step (the same kernels and bits).
+    and the question call takes it (`questions_wy.py`).
 
     Returns: (o [T, Hv, V], state_final [NS, Hv, K, V] float32).
     """
@@ -337,11 +284,6 @@ def fork(kernel, q, k, v, g, beta, state_start, state_len, branch_start, branch_
             q, k, v, g, beta, tables.all_cu_seqlens, tables.all_chunks, tables.state_cu_seqlens, tables.state_chunks,
             tables.state_chunk_offsets, scale, use_qk_l2norm)
         o_branches = branch_kernel(q, k, w, u, gamma, branch_start, branch_len, finals, branch_state, scale)
-        return combine(o_states, o_branches, state_start, state_len, branch_start, branch_len, tables), finals
-    if fork_kernel is not None and tables is not None:
-        o_states, o_branches, finals = fork_kernel(q, k, v, g, beta, tables.state_cu_seqlens, tables.state_chunks,
-                                                   tables.state_chunk_offsets, branch_start, branch_len, branch_state,
-                                                   scale, use_qk_l2norm)
         return combine(o_states, o_branches, state_start, state_len, branch_start, branch_len, tables), finals
     if state_kernel is not None and tables is not None:
         # q and k come back normalised: the question call reads them so (one normalisation per token, not one in

@@ -197,40 +197,12 @@ def gated_delta_states_wy(q, k, v, g, beta, all_cu_seqlens, all_chunks, cu_seqle
                prep=(all_cu_seqlens, all_chunks))
 
 
-def gated_delta_fork(q, k, v, g, beta, cu_seqlens, chunk_indices, offsets, branch_start, branch_len, branch_state,
-                     scale: float, use_qk_l2norm: bool, questions) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The fork's two calls in one: `gated_delta_states`, and the question call `questions(q, k, v, g, beta,
-    branch_start, branch_len, finals, branch_state, scale, out=)` (q, k normalised) on a second stream while fla's
-    output step runs. Returns (o of the states' rows, o of the questions' rows, final [N, Hv, K, V] float32)."""
-    def question_call(qn, kn, finals, out):
-        return questions(qn, kn, v, g, beta, branch_start, branch_len, finals, branch_state, scale, out=out)
-
-    o, finals, _, _, o_questions = run(q, k, v, g, beta, cu_seqlens, chunk_indices, None, scale, use_qk_l2norm,
-                                       offsets, questions=question_call)
-    return o, o_questions, finals
-
-
-# one side stream per device for the question call (created on a layer's first, eager call: never during capture)
-_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SIDE_STREAMS:
-        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
-    return _SIDE_STREAMS[index]
-
-
 def run(q, k, v, g, beta, cu_seqlens, chunk_indices, h0, scale: float, use_qk_l2norm: bool,
-        offsets: torch.Tensor | None = None, prep: tuple[torch.Tensor, torch.Tensor] | None = None, questions=None):
+        offsets: torch.Tensor | None = None, prep: tuple[torch.Tensor, torch.Tensor] | None = None):
     """fla's forward over the sequences of `cu_seqlens` -> (o [T, Hv, V], final [N, Hv, K, V] float32, q, k as the
     kernels read them: normalised with `use_qk_l2norm`, else the inputs). With `prep` (cu_seqlens, chunk rows of a
     superset of the sequences, each chunk computed on its own) the chunk-local steps run over those sequences and
-    their w, u and gate cumsums ([T, Hv, K], [T, Hv, V], [T, Hv] float32, log2 units) come back too. With
-    `questions(q, k, final, out)` (the fork's question call, which needs only the final states) it runs on a side
-    stream between the h step and the output step, overlapping the latter, and its output comes back last: the
-    question call keeps few warps a scheduler busy for tens of tokens, fla's output step is independent of it
-    (inside a CUDA graph the two become parallel branches; the same kernels, the same bits)."""
+    their w, u and gate cumsums ([T, Hv, K], [T, Hv, V], [T, Hv] float32, log2 units) come back too."""
     cumsum, intra, fwd_h, fwd_o, rcp_ln2 = _fla_steps()
     if use_qk_l2norm:  # ours, not fla's: one launch configuration for every stream (see l2norm.py)
         from .l2norm import l2norm
@@ -247,20 +219,9 @@ def run(q, k, v, g, beta, cu_seqlens, chunk_indices, h0, scale: float, use_qk_l2
     w, u, _ = intra(k=k, v=v, g=g, beta=beta, cu_seqlens=prep_cu, chunk_size=GDN_CHUNK, chunk_indices=prep_chunks)
     h, v_new, final = fwd_h(k=k, w=w, u=u, g=g, initial_state=h0, output_final_state=True, chunk_size=GDN_CHUNK,
                             cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, chunk_offsets=offsets)
-    finals = final[:cu_seqlens.shape[0] - 2]
-    if questions is not None:
-        main = torch.cuda.current_stream(qn.device)
-        side = _side_stream(qn.device)
-        o_questions = torch.empty(v.shape[1:], dtype=qn.dtype, device=qn.device)  # on the main stream's memory
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            questions(qn, kn, finals, o_questions)
     o = fwd_o(q=q, k=k, v=v_new, h=h, g=g, scale=scale, cu_seqlens=cu_seqlens, chunk_size=GDN_CHUNK,
               chunk_indices=chunk_indices)
     # rows outside the call's span are left as fla leaves them (unwritten): `fork` selects each row from the call
     # that covers it (`combine`), which costs one pass instead of zeroing here and summing there
-    out = (o[0].to(q.dtype), finals, qn, kn)
-    if questions is not None:
-        main.wait_stream(side)  # the question call's inputs and output are used on both streams: join before return
-        return (*out, o_questions)
+    out = (o[0].to(q.dtype), final[:cu_seqlens.shape[0] - 2], qn, kn)
     return out if prep is None else (*out, w[0], u[0], g[0])

@@ -219,6 +219,10 @@ def run(q, k, v, g, beta, cu_seqlens, chunk_indices, h0, scale: float, use_qk_l2
     w, u, _ = intra(k=k, v=v, g=g, beta=beta, cu_seqlens=prep_cu, chunk_size=GDN_CHUNK, chunk_indices=prep_chunks)
     h, v_new, final = fwd_h(k=k, w=w, u=u, g=g, initial_state=h0, output_final_state=True, chunk_size=GDN_CHUNK,
                             cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, chunk_offsets=offsets)
+    # Tried (fe56b87, reverted): the question call, which needs only `final`, on a side stream here, overlapping the
+    # output step (parallel branches in the CUDA graph). On the H200 the replays were within 1 % (0.8B: RACE 3.86 vs
+    # 3.88 ms, QuALITY 33.5 vs 33.8; `benchmarks/results/h200_profile_0_8b_overlap_questions.json`): the output step
+    # slowed by as much as the overlap saved (RACE: 0.30 vs 0.18 ms over 18 layers).
     o = fwd_o(q=q, k=k, v=v_new, h=h, g=g, scale=scale, cu_seqlens=cu_seqlens, chunk_size=GDN_CHUNK,
               chunk_indices=chunk_indices)
     # rows outside the call's span are left as fla leaves them (unwritten): `fork` selects each row from the call

@@ -172,8 +172,10 @@ def main() -> None:
                 # the CUDA C kernel (questions_cuda.py) takes q / k normalised, as the fork's state call returns them;
                 # `questions:recurrent-normed` is the Triton kernel on the same inputs, for a like-for-like pair
                 qn, kn = l2norm(q), l2norm(kk)
-                fns["questions:recurrent-normed"] = partial(branches.branches, qn, kn, vv, decay, beta, r.branch_start,
-                                                            r.branch_len, finals, r.branch_state, scale, False)
+                for tiles in (None, *(SWEEP["recurrent"] if args.sweep else ())):
+                    fns[f"questions:recurrent-normed{tile_label(tiles, 'P')}"] = partial(
+                        branches.branches, qn, kn, vv, decay, beta, r.branch_start, r.branch_len, finals,
+                        r.branch_state, scale, False, tiles=tiles)
                 sweep = [(*t, lazy) for lazy in (False, True) for t in questions_cuda.TILES if t[0] <= 2 or lazy]
                 for tiles in (None, *(sweep if args.sweep else ())):
                     label = ("questions:cuda" + ("-lazy" if tiles and tiles[2] else "")

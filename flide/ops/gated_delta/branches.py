@@ -65,7 +65,15 @@ import triton.language as tl
 # path vs 485) was SLOWER (H200, 2026-12-01, `ops_gated_delta_lazy_h200.md`: RACE@bucket 0.043 vs 0.037 ms, sweep 1
 # 0.090 vs 0.067, 64 x RACE 0.97 vs 0.92; 9B shapes 0.054 vs 0.049, 1.95 vs 1.82): the fold's branch and the division
 # by c in every step cost more than the multiplies they saved. Its CPU and GPU exactness tests passed; not merged.
+# Re-measured on normalised q / k as the fork passes them (2026-12-01, session 19,
+# `benchmarks/results/ops_gated_delta_tiles_normed_h200.md`): at 4B / 9B's heads (16 key, 32 value) 32 columns beat
+# 16 on every stream but one (one 120-token question 0.069 vs 0.100 ms, 8 of them 0.178 vs 0.231, 16 RACE requests
+# 0.435 vs 0.531, 64 x RACE 1.45 vs 1.59; RACE alone in its bucket 0.047 vs 0.043): with 32 value heads, 16-column
+# programs are twice as many one-warp programs per question, two to a scheduler on the SMs they share. At 0.8B's 16
+# value heads 16 columns stay (sweep 1 0.052 vs 0.068, sweep 8 0.104 vs 0.121). So a question gets ~128 programs:
+# BLOCK_V columns per program up to 16 value heads, BLOCK_V_MANY_HEADS from 32.
 BLOCK_V = 16
+BLOCK_V_MANY_HEADS = 32
 NUM_WARPS = 1
 NUM_STAGES = 3  # the next tokens' q/k/v loads in flight while this one's update runs
 # Row programs: 0 launches a program per (row, value head, V tile), and a bucket's spare rows (length 0) each cost a
@@ -320,7 +328,8 @@ def branches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                                             LOG2_BC=chunk.bit_length() - 1, L2NORM=use_qk_l2norm,
                                                             PRECISION=precision, num_warps=warps)
     else:
-        BV, warps, row_programs = (*tiles, ROW_PROGRAMS)[:3] if tiles else (min(BLOCK_V, triton.next_power_of_2(V)),
+        block_v = BLOCK_V_MANY_HEADS if HV >= 32 else BLOCK_V
+        BV, warps, row_programs = (*tiles, ROW_PROGRAMS)[:3] if tiles else (min(block_v, triton.next_power_of_2(V)),
                                                                           NUM_WARPS, ROW_PROGRAMS)
         if row_programs < 0:
             raise ValueError(f"the recurrent form's row programs must be >= 0 (0: one per row), got {row_programs}")

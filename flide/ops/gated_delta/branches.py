@@ -71,7 +71,11 @@ import triton.language as tl
 # 0.435 vs 0.531, 64 x RACE 1.45 vs 1.59; RACE alone in its bucket 0.047 vs 0.043): with 32 value heads, 16-column
 # programs are twice as many one-warp programs per question, two to a scheduler on the SMs they share. At 0.8B's 16
 # value heads 16 columns stay (sweep 1 0.052 vs 0.068, sweep 8 0.104 vs 0.121). So a question gets ~128 programs:
-# BLOCK_V columns per program up to 16 value heads, BLOCK_V_MANY_HEADS from 32.
+# BLOCK_V columns per program up to 16 value heads, BLOCK_V_MANY_HEADS from 32. Whole 4B replays (H200, buckets
+# [512, 2560, 8192, 10240], `h200_profile_4b_bv32.json` against the 16-column run of `h200_profile_4b_questions_cuda.json`,
+# an earlier call of the same session): question kernel RACE 1.57 vs 1.73 ms, QuALITY 8.3 vs 10.4, sweep 8 / 64 5.6 /
+# 24.8 vs 7.6 / 28.9, 16 RACE 15.6 vs 18.6, sweep 1 3.4 vs 3.0; latency alone QuALITY 129 vs 133 ms, sweep 64 160 vs
+# 170, 16 RACE 123 vs 128.
 BLOCK_V = 16
 BLOCK_V_MANY_HEADS = 32
 NUM_WARPS = 1

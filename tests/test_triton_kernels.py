@@ -289,6 +289,7 @@ else:
         (150, (2, 2, 24, 44), True, 12),  # K padded to 32, V over partial tiles (8 recurrent, 32 chunked)
         (200, (1, 3, 16, 16), False, 12),  # 3 value heads per key head, no l2norm
         (260, (1, 2, 16, 16), True, 50),  # questions over several 16-token chunks, the last one partial
+        (40, (8, 32, 16, 40), True, 8),  # 32 value heads: 32 value columns a program (recurrent), partial last tile
     ]
 
     @pytest.mark.parametrize("form", delta_branches.FORMS)

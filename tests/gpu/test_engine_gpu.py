@@ -32,28 +32,10 @@ def test_fast_variants_equal_pipeline_on_gpu():
     assert max(max_difference(e, g) for e, g in zip(expected, reference)) < 1e-4
 
 
-def test_questions_wy_equal_pipeline_on_gpu():
-    """`kernels.gated_delta: fla_wy` (the questions' gated delta in chunked form) on the whole model, graphs on:
-    answers within the fast variants' tolerance of the pipeline, long questions (several 64-token chunks) included."""
-    rng = random.Random(5)
-    requests = [random_request(rng, max_words=200) for _ in range(12)]
-    for request in requests[:4]:  # questions long enough for 2-3 chunks of the WY form
-        for question in request["questions"].values():
-            if isinstance(question.get("instructions"), str):
-                question["instructions"] = " ".join([question["instructions"]] * 12)
-    tok = tiny_tokenizer()
-    model = tiny_model("qwen3_5_text").cuda()
-    expected = [pipeline("decision", model=model, tokenizer=tok)(r) for r in requests]
-    engine = flide.patch(model, tok, config={**FAST, "kernels": {"gated_delta": "fla_wy"}})
-    assert engine.kernels.gated_delta == "fla_wy"
-    got = engine.decide(requests)
-    assert max(max_difference(e, g) for e, g in zip(expected, got)) < 2e-3
-
-
-def test_cuda_questions_equal_pipeline_on_gpu():
-    """`kernels.gated_delta: fla_cuda` (the questions' gated delta by the CUDA C kernel, questions_cuda.py) on the
-    whole model, graphs on: answers within the fast variants' tolerance of the pipeline, long questions included."""
-    rng = random.Random(6)
+def variant_equals_pipeline(variant: str, seed: int) -> None:
+    """`kernels.gated_delta: <variant>` on the whole tiny model, graphs on: answers within the fast variants'
+    tolerance of the pipeline, on random requests of which 4 have questions long enough for several 64-token chunks."""
+    rng = random.Random(seed)
     requests = [random_request(rng, max_words=200) for _ in range(12)]
     for request in requests[:4]:
         for question in request["questions"].values():
@@ -62,11 +44,21 @@ def test_cuda_questions_equal_pipeline_on_gpu():
     tok = tiny_tokenizer()
     model = tiny_model("qwen3_5_text").cuda()
     expected = [pipeline("decision", model=model, tokenizer=tok)(r) for r in requests]
-    from flide.ops.gated_delta import questions_cuda
-
-    engine = flide.patch(model, tok, config={**FAST, "kernels": {"gated_delta": "fla_cuda"}})
-    assert engine.kernels.gated_delta == "fla_cuda"
+    engine = flide.patch(model, tok, config={**FAST, "kernels": {"gated_delta": variant}})
+    assert engine.kernels.gated_delta == variant
     got = engine.decide(requests)
     assert max(max_difference(e, g) for e, g in zip(expected, got)) < 2e-3
+
+
+def test_questions_wy_equal_pipeline_on_gpu():
+    """`fla_wy`: the questions' gated delta in chunked form (questions_wy.py)."""
+    variant_equals_pipeline("fla_wy", seed=5)
+
+
+def test_cuda_questions_equal_pipeline_on_gpu():
+    """`fla_cuda`: the questions' gated delta by the CUDA C kernel (questions_cuda.py)."""
+    from flide.ops.gated_delta import questions_cuda
+
+    variant_equals_pipeline("fla_cuda", seed=6)
     # the CUDA kernel ran (compiled for the tiny model's heads: K = V = 16, 2 key and 4 value heads), not the fallback
     assert any(key[:4] == (16, 16, 2, 4) for key in questions_cuda.COMPILED)

@@ -35,7 +35,10 @@ RACE requests 0.86 vs 0.79). At 4B / 9B's heads (16 / 32) the lazy [L2, w4] tile
 leave the Triton kernel's one-warp programs two to a scheduler (one 120-token question 0.065 vs 0.100 ms, 8 such
 questions 0.165 vs 0.231) and slower on many short ones (64 RACE requests 1.69 vs 1.58); in whole 4B replays its
 question time was QuALITY 8.8 vs 10.4 ms, sweep 1 / 8 / 64 2.6 / 5.3 / 29.9 vs 3.0 / 7.6 / 28.9, RACE 1.86 vs 1.73,
-16 RACE requests 18.5 vs 18.6: replays within +-2 %. The path to more: fewer instructions per element than the
+16 RACE requests 18.5 vs 18.6: replays within +-2 %. That edge came from the Triton kernel's 16-column tile: with
+32 columns a program from 32 value heads (its default since, `branches.BLOCK_V_MANY_HEADS`) Triton takes one long
+question in 0.069 ms, 8 in 0.178, 16 / 64 RACE requests in 0.435 / 1.45 (this kernel 0.065, 0.165, 0.466, 1.69).
+The path to more: fewer instructions per element than the
 fp32 recurrence allows (tensor cores, i.e. a chunked form), or scheduling that keeps one warp per scheduler.
 
 Each program's sums run in one fixed order that depends only on its own branch's tokens and the compile-time tile

@@ -2,6 +2,8 @@
 new kernel code before spending device time on it.
 
     python benchmarks/ops/compile_sm90.py            # every kernel below, bf16 and fp32 where they differ
+    python benchmarks/ops/compile_sm90.py --nvrtc /tmp/nvrtc/site/nvidia/cuda_nvrtc/lib/libnvrtc.so.12
+                                                     # also the CUDA C question kernel, registers and stack per tile
 
 Triton compiles to PTX and cubin without a device (`triton.compile(ASTSource(...), target=GPUTarget("cuda", 90,
 32))`), so IR verification, layout and lowering errors show up here. What does not: the device's own Triton version
@@ -53,8 +55,51 @@ def compile_one(label: str, fn, pointers, default_pointer, scalars, constexprs, 
     return True
 
 
-def main() -> int:
+def compile_cuda_questions(nvrtc: str) -> bool:
+    """The CUDA C question kernel (questions_cuda.py) through NVRTC for sm_90, with its registers and spills from
+    triton's cuobjdump: every tile of its sweep, bf16 and fp32, with and without the lazy decay."""
+    import os
+    import subprocess
+    import tempfile
+
     import torch
+    import triton
+
+    from flide.ops import cuda_rtc
+    from flide.ops.gated_delta import questions_cuda as qc
+
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    ok = True
+    for dtype in (torch.bfloat16, torch.float32):
+        for lanes, warps in qc.TILES:
+            for lazy in (False, True):
+                label = f"gated_delta questions (CUDA C) {dtype} [L{lanes}, w{warps}{', lazy' if lazy else ''}]"
+                try:
+                    src = qc.source(128, 128, 16, 32, dtype, torch.float32, dtype, torch.int32, lanes, warps, lazy)
+                    cubin = cuda_rtc.compile_cubin(src, qc.NAME, "sm_90", nvrtc=nvrtc)
+                except (RuntimeError, ValueError) as error:
+                    print(f"FAIL {label}: {error}")
+                    ok = False
+                    continue
+                with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                    f.write(cubin)
+                    f.flush()
+                    usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True,
+                                           text=True).stdout
+                line = next((x.strip() for x in usage.splitlines() if "REG:" in x), "no resource line")
+                print(f"ok   {label}: {line.split(' TEXTURE')[0]}")
+    return ok
+
+
+def main() -> int:
+    import argparse
+
+    import torch
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--nvrtc", default=None, help="a libnvrtc.so (e.g. from the nvidia-cuda-nvrtc-cu12 wheel, "
+                        "unzipped): also compile the CUDA C question kernel and print its registers and stack")
+    nvrtc = parser.parse_args().nvrtc
 
     from flide.ops.fork_attention import triton_invariant as attn
     from flide.ops.fork_conv import triton as conv
@@ -79,13 +124,15 @@ def main() -> int:
                 {"x_ptr": triton_dtype, "w_ptr": triton_dtype, "out_ptr": triton_dtype, "win_ptr": triton_dtype},
                 "*i32", {}, dict(W=4, SILU=True, BLOCK_T=conv.BLOCK_T, BLOCK_D=conv.BLOCK_D, HAS_WINDOW=window),
                 {"num_warps": conv.NUM_WARPS})
-        for final, snapshot in ((False, False), (True, False), (True, True)):
+        for final, snapshot, hv in ((False, False, 16), (False, False, 32), (True, False, 16), (True, True, 16)):
+            block_v = branches.BLOCK_V_MANY_HEADS if hv >= 32 else branches.BLOCK_V
             ok &= compile_one(
-                f"gated_delta branches {dtype} final={final} snapshot={snapshot}", branches._branch_kernel,
+                f"gated_delta branches {dtype} Hv{hv} final={final} snapshot={snapshot}", branches._branch_kernel,
                 {n: triton_dtype for n in ("q_ptr", "k_ptr", "v_ptr", "g_ptr", "beta_ptr", "o_ptr")} |
                 {"h0_ptr": "*fp32", "ht_ptr": "*fp32", "hs_ptr": "*fp32"}, "*i64", {"scale": "fp32"},
-                dict(HK=16, HV=16, K=128, V=128, BK=128, BV=branches.BLOCK_V, L2NORM=True, STORE_FINAL=final,
-                     SNAPSHOT=snapshot), {"num_warps": branches.NUM_WARPS, "num_stages": branches.NUM_STAGES})
+                dict(HK=16, HV=hv, K=128, V=128, BK=128, BV=block_v, L2NORM=not (final or hv == 32),
+                     STORE_FINAL=final, SNAPSHOT=snapshot, ROW_PROGRAMS=0),
+                {"num_warps": branches.NUM_WARPS, "num_stages": branches.NUM_STAGES})
         for hv in (16, 32):  # 0.8B / 2B, and 4B / 9B (two value heads per key head)
             ok &= compile_one(
                 f"gated_delta questions (WY chain) {dtype} Hv{hv}", questions_wy._chain_kernel,
@@ -99,6 +146,8 @@ def main() -> int:
                       dict(HAS_BIAS=False, EVEN_K=True, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                            BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, PRECISION="tf32"),
                       {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    if nvrtc:
+        ok &= compile_cuda_questions(nvrtc)
     print("all compiled" if ok else "some kernels did not compile")
     return 0 if ok else 1
 

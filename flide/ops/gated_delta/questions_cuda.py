@@ -94,9 +94,9 @@ _SOURCE = r"""
 #define BV (W * CPW)           // value columns a block holds
 #define TILES (V / BV)
 #define ACC {ACC}
-#define DEPTH {DEPTH}
+#define DEPTH {DEPTH}          // tokens in the raw ring: a token's copies are issued DEPTH - 2 steps before its use
 #define LAZY {LAZY}            // 1: the state kept as c * S, the decays multiplied into the scalar c (see LAZY_DECAY)
-#define LAZY_FLOOR 2.3283064e-10f  // 2^-32: below it c is folded into S          // tokens in the raw ring: a token's copies are issued DEPTH - 2 steps before its use
+#define LAZY_FLOOR 2.3283064e-10f  // 2^-32: below it c is folded into S
 typedef {IN_T} in_t;
 typedef {G_T} g_t;
 typedef {B_T} b_t;

@@ -13,7 +13,8 @@ and 4 questions of 45 tokens each). Times are medians of CUDA-graph replays (tri
   its two forms, from the states' final states (with --sweep also `questions:<form>[BV..,w..]`: other tiles);
 - `fork:tables`: `fork` as the model runs it, the state call from the round's tables (`fork_tables`);
 - `questions:cuda`: the CUDA C question kernel (`questions_cuda.py`; --sweep: `questions:cuda[L..,w..]`, lanes
-  along K and warps, and `questions:cuda-lazy[...]` with the lazy decay) on normalised q / k, and `questions:recurrent-normed`, the Triton kernel on the same inputs;
+  along K and warps, and `questions:cuda-lazy[...]` with the lazy decay) on normalised q / k, and
+  `questions:recurrent-normed` (--sweep: its tiles), the Triton kernel on the same inputs, as the fork runs it;
 - `fork:wy`: the `fla_wy` variant's fork from the same tables: the questions' WY form from the state call's
   chunk-local steps, then the chunked question call; `questions:wy`: that question call alone (`questions_wy.py`;
   --sweep: other tiles);

@@ -6,7 +6,8 @@ libnvrtc, with no toolkit installed. Our kernels include no headers (bf16 / fp16
 each), so torch's own `torch.cuda._compile_kernel`, which adds the toolkit's include directory and so needs
 CUDA_HOME, is more than we need: we call NVRTC ourselves and load the cubin through torch's driver helpers.
 
-Kernels are compiled on first use (a model's first forward, before any CUDA graph capture) and kept per process.
+Kernels are compiled on first use (a model's first forward, before any CUDA graph capture); their callers keep
+them per device.
 `compile_cubin(..., nvrtc=PATH)` also runs without a GPU (a CPU machine with the libnvrtc wheel), which is how
 `benchmarks/ops/compile_sm90.py` checks registers and spills here.
 """
@@ -14,7 +15,6 @@ Kernels are compiled on first use (a model's first forward, before any CUDA grap
 from __future__ import annotations
 
 import ctypes
-import functools
 
 
 def available() -> str | None:
@@ -75,12 +75,11 @@ def compile_cubin(source: str, name: str, arch: str, options: tuple[str, ...] = 
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
 
 
-@functools.cache
 def load(source: str, name: str, arch: str, options: tuple[str, ...] = ()):
-    """The compiled kernel, launchable as `kernel(grid=, block=, args=[tensors, ints, floats], shared_mem=)` on
-    the current stream (so a CUDA graph being captured records it). Ints go as C `int`, floats as C `double`.
-    Cached per (source, arch, options): compile and module load happen once per process, which must be outside
-    graph capture (the first, eager forward does it)."""
+    """The compiled kernel, loaded into the current device's context, launchable as `kernel(grid=, block=,
+    args=[tensors, ints, floats], shared_mem=)` on the current stream (so a CUDA graph being captured records it).
+    Ints go as C `int`, floats as C `double`. Not cached here: the caller keeps a kernel per device (a module lives
+    in one device's context) and must load it outside graph capture (the first, eager forward does it)."""
     from torch.cuda._utils import _cuda_load_module
 
     return _cuda_load_module(compile_cubin(source, name, arch, options), [name])[name]

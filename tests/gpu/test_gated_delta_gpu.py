@@ -373,7 +373,6 @@ def test_cuda_question_kernel_lazy_decay_folds_its_scale(decay_scale):
     folded into S; with decays of exp(-inf) = 0 the state restarts from nothing. fp32 within 1e-5 of the reference
     either way."""
     from flide.ops.gated_delta import questions_cuda
-
     from flide.ops.gated_delta.reference import gated_delta_naive
 
     _, args = cuda_question_inputs(torch.float32, 16, 16, seed=41, decay_scale=decay_scale)

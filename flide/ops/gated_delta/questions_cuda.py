@@ -52,8 +52,6 @@ normalisation, final states and snapshots (checkpoint rounds).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 # Default tile: lanes along K and warps per block (a block covers warps * 32 / lanes value columns), with the lazy
@@ -132,9 +130,11 @@ __device__ __forceinline__ unsigned int smem_address(const void* p) {{
     return r;
 }}
 template <int BYTES> __device__ __forceinline__ void copy_async(void* dst, const void* src) {{
-    if (BYTES == 16) asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(smem_address(dst)), "l"(src) : "memory");
-    else if (BYTES == 8) asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" :: "r"(smem_address(dst)), "l"(src) : "memory");
-    else asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" :: "r"(smem_address(dst)), "l"(src) : "memory");
+    const unsigned int to = smem_address(dst);
+    if (BYTES == 16)  // .cg (through L2 only) takes 16-byte copies alone
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(to), "l"(src) : "memory");
+    else
+        asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" :: "r"(to), "l"(src), "n"(BYTES) : "memory");
 }}
 __device__ __forceinline__ void copies_commit() {{ asm volatile("cp.async.commit_group;" ::: "memory"); }}
 template <int PENDING> __device__ __forceinline__ void copies_wait() {{
@@ -410,7 +410,6 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 NAME = "flide_gdn_questions"
 
 
-@functools.cache
 def source(K: int, V: int, HK: int, HV: int, dtype: torch.dtype, g_dtype: torch.dtype, beta_dtype: torch.dtype,
            index_dtype: torch.dtype, lanes: int = LANES_K, warps: int = WARPS, lazy: bool | None = None) -> str:
     """The kernel's CUDA C for one shape, dtype set and tile (checked: `tile_error`)."""
@@ -426,8 +425,8 @@ def source(K: int, V: int, HK: int, HV: int, dtype: torch.dtype, g_dtype: torch.
     lazy = LAZY_DECAY if lazy is None else lazy
     return _SOURCE.format(
         K=K, V=V, HK=HK, HV=HV, L=lanes, W=warps, ACC=ACCUMULATORS, DEPTH=DEPTH, LAZY=int(lazy), NAME=NAME, IN_T=in_t,
-        G_T=_TYPES[g_dtype][0], B_T=_TYPES[beta_dtype][0], IDX_T=_INDEX_TYPES[index_dtype], IN_TO_F32=in_load.format(x="x"),
-        F32_TO_IN=in_store.format(x="x"), G_TO_F32=_TYPES[g_dtype][1].format(x="x"),
+        G_T=_TYPES[g_dtype][0], B_T=_TYPES[beta_dtype][0], IDX_T=_INDEX_TYPES[index_dtype],
+        IN_TO_F32=in_load.format(x="x"), F32_TO_IN=in_store.format(x="x"), G_TO_F32=_TYPES[g_dtype][1].format(x="x"),
         B_TO_F32=_TYPES[beta_dtype][1].format(x="x"), IN_BYTES=dtype.itemsize, G_BYTES=g_dtype.itemsize,
         B_BYTES=beta_dtype.itemsize)
 
@@ -463,7 +462,8 @@ def supports(q: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tens
             and index.dtype in _INDEX_TYPES and pick_tile(K, v.shape[2], HK, v.shape[1]) is not None)
 
 
-# compiled kernels of this process by (K, V, HK, HV, dtypes, tile, device): what ran (the engine test reads it)
+# compiled kernels of this process by (K, V, HK, HV, dtypes, tile, device), the one cache of them: a module lives in
+# one device's context; also what ran (the engine test reads it)
 COMPILED: dict[tuple, object] = {}
 
 
@@ -505,11 +505,11 @@ def branches_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
         initial_state = torch.zeros(1, HV, K, V, dtype=torch.float32, device=q.device)
     h0 = initial_state.float().contiguous()
     key = (K, V, HK, HV, q.dtype, g.dtype, beta.dtype, seg_start.dtype, lanes, warps, bool(lazy), q.device)
-    kernel = COMPILED.get(key)
-    if kernel is None:
-        major, minor = torch.cuda.get_device_capability(q.device)
-        kernel = COMPILED[key] = cuda_rtc.load(source(*key[:-1]), NAME, f"sm_{major}{minor}")
-    with torch.cuda.device(q.device):
+    with torch.cuda.device(q.device):  # the module is loaded into, and launched on, q's device
+        kernel = COMPILED.get(key)
+        if kernel is None:
+            major, minor = torch.cuda.get_device_capability(q.device)
+            kernel = COMPILED[key] = cuda_rtc.load(source(*key[:-1]), NAME, f"sm_{major}{minor}")
         kernel(grid=(N * HV * (V // (warps * 32 // lanes)), 1, 1), block=(warps * 32, 1, 1),
                args=[q, k, v, g, beta, o, h0, *(t.contiguous() for t in tables), float(scale)])
     return o

@@ -19,6 +19,7 @@ set -u
 OUT=${OUT:-/tmp/out}
 DEADLINE=$(( $(date +%s) + ${BUDGET_S:-560} ))
 REF_S=${REF_S:-330}  # the reference part's own limit
+REF_ARGS=${REF_ARGS:-}  # more arguments of the reference part, e.g. `--workloads race` with parts of that workload only
 ENGINES=${ENGINES:-"flide flide:batch-invariant"}
 BASELINES=${BASELINES:-"pipeline prefix-cache"}
 WORKLOADS=${WORKLOADS:-"race multirc quality"}
@@ -40,7 +41,7 @@ grid() {  # grid NAME GPUS (comma-separated) [PARTS (comma-separated)]
         for engine in $BASELINES; do for workload in $WORKLOADS; do parts="$parts,$engine/$workload"; done; done
     fi
     if [[ ",$parts," == *,delimiter,* ]]; then
-        part "${gpus[0]}" "$name" reference "$REF_S" --engines delimiter
+        part "${gpus[0]}" "$name" reference "$REF_S" --engines delimiter $REF_ARGS
     fi
     local left=$(( DEADLINE - $(date +%s) ))
     [ "$left" -gt 30 ] || { echo "$name: no time left after the reference" >> "$OUT/fidelity_summary.txt"; return; }

@@ -91,6 +91,12 @@ class RuntimeConfig:
     # pipeline) rounds; fused: intermediates of a fused kernel stay fp32 (Inductor's default). Random 4B, MultiRC,
     # bf16 on the H200: TV to the float32 reference 4.36 points fused vs 1.27 with the eager kernels (fidelity bisection)
     rounding: str = "eager"
+    # the dtype of the residual stream between layers: model: the model's dtype, rounded after every add as the Hugging
+    # Face module (and the pipeline) rounds it; float32: kept in fp32 from the embedding to the final norm (each norm's
+    # output, what the mixers and MLPs read, is still rounded to the model's dtype). Only half-precision models differ:
+    # float32 drops two roundings of the whole hidden state a layer, the largest rounding steps of a bf16 forward (the
+    # stream's magnitude grows with depth, its updates do not), so answers stay nearer the float32 model's
+    residual: str = "model"
     # what runs before each replay after the capture. none (the default): no compiled call at all: a round launches
     # the CUDA graph that cudagraph trees recorded for its bucket (flide/graphs/direct.py; a bucket whose graph cannot
     # be taken keeps the compiled call, logged). check: the compiled call with all of dynamo's guards; skip_modules:
@@ -213,6 +219,7 @@ _CHOICES = {
     ("runtime", "graphs"): ("auto", "on", "off"),
     ("runtime", "compiler"): ("inductor", "cudagraphs"),
     ("runtime", "rounding"): ("eager", "fused"),
+    ("runtime", "residual"): ("model", "float32"),
     ("runtime", "guards"): GUARD_MODES,
     ("runtime", "gemm_reductions"): ("torch", "fp32", "single_pass"),
 }

@@ -76,7 +76,7 @@ class Engine:
 
         # the variants `auto` picks on the model's device: what runs, and what the graph runner checks
         self.kernels = concrete(self.config.kernels, next(model.parameters()).device)
-        self.flat = adapt(model, tokenizer, self.kernels)
+        self.flat = adapt(model, tokenizer, self.kernels, residual=runtime.residual)
         self.prompts = PromptTokenizer(tokenizer, decision_config, runtime.tokenization,
                                        piece_cache=PieceCache(runtime.piece_cache_chars),
                                        question_cache_entries=runtime.question_cache_entries)

@@ -155,6 +155,29 @@ def test_eager_rounding_keeps_the_eager_models_bf16_answers():
     assert sum(eager) < sum(fused) / 4, (eager, fused)
 
 
+def test_fp32_residual_compiles_to_the_eager_answers():
+    """`runtime.residual: float32` under Inductor (a bf16 model, an fp32 stream between the layers): the compiled
+    forward keeps the eager engine's answers, with one graph for every bucket and no graph break."""
+    tok, model = tiny_tokenizer(), tiny_model("qwen3_5_text").to(torch.bfloat16)
+    rng = random.Random(4)
+    requests = [random_request(rng, max_questions=8, max_words=70) for _ in range(8)]
+    config = {"runtime": {"residual": "float32"}}
+    expected = flide.patch(model, tok, config=config).decide(requests)
+    engine = flide.patch(model, tok, config={**config, "capacities": {"buckets": BUCKETS, "requests": 8}})
+    counters.clear()
+    runner = GraphRunner(engine.flat, engine.config.capacities, engine.max_options, engine.device, engine.pad_id,
+                         compile=True, progress=False)
+    runner.capture()
+    engine.runner = runner
+    try:
+        moved = [max_difference(want, got) for want, got in zip(expected, engine.decide(requests))]
+    finally:
+        runner.close()
+    assert max(moved) < 2e-4, moved
+    assert dict(counters["graph_break"]) == {}
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+
+
 def test_skip_modules_forwards_compile_on_their_own():
     """`runtime.guards: skip_modules`: each runner's forward has a code object of its own, so dynamo's compile cache
     (kept per code object) never hands it another engine's compile, nor another engine its unguarded one; the default

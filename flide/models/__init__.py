@@ -52,8 +52,9 @@ def swap_mixers(text_model: nn.Module, ops: dict) -> None:
                              "DeltaNet.")
 
 
-def adapt(model: nn.Module, tokenizer, kernels: KernelConfig) -> FlatModel:
-    """The flat model of a transformers model; raises ValueError for a model type Flide does not know."""
+def adapt(model: nn.Module, tokenizer, kernels: KernelConfig, residual: str = "model") -> FlatModel:
+    """The flat model of a transformers model; raises ValueError for a model type Flide does not know. `residual`:
+    the residual stream's dtype (`runtime.residual`: model | float32)."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type not in FAMILIES:
         raise ValueError(f"Flide does not support model type {model_type!r} ({type(model).__name__}); supported "
@@ -66,7 +67,8 @@ def adapt(model: nn.Module, tokenizer, kernels: KernelConfig) -> FlatModel:
     if kernels.linear != "torch":
         separate(text_model)
     swap_linears(text_model, None if kernels.linear == "torch" else ops["linear"])
-    flat = FlatModel(text_model, head, ops["readout"], selective=ops["readout"].gathers_rows_first)
+    flat = FlatModel(text_model, head, ops["readout"], selective=ops["readout"].gathers_rows_first,
+                     residual_fp32=residual == "float32")
     for block in flat.blocks:  # projections of one input as one GEMM each (fused.py), also through an invariant op
         block.fuse_projections()
     return flat

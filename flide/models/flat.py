@@ -3,7 +3,9 @@
 It runs the model's own modules (embedding, norms, MLPs, rotary tables) in the pre-norm residual order every
 supported family shares, with the token mixers swapped for Flide's (`layers.py`). With selective readout the last
 layer's MLP, the final norm and the head run only at the readout rows: every token still gives its keys, values
-and recurrent updates to the last layer's mixer, and nothing else of it is needed.
+and recurrent updates to the last layer's mixer, and nothing else of it is needed. With `residual_fp32` (`runtime.
+residual: float32`) the residual stream stays fp32 from the embedding to the final norm; what the mixers, MLPs and
+head read (the norms' outputs) is rounded to the model's dtype as before.
 """
 
 from __future__ import annotations
@@ -54,8 +56,9 @@ class FlatBlock(nn.Module):
     compiling all of them (the flat graph of Qwen3.5-0.8B took minutes to compile whole). Eagerly it is a plain call.
     """
 
-    def __init__(self, layer: nn.Module, mixer: nn.Module):
+    def __init__(self, layer: nn.Module, mixer: nn.Module, io_dtype: torch.dtype | None = None):
         super().__init__()
+        self.io_dtype = io_dtype  # what the norms' outputs are rounded to (an fp32 residual stream); None: as they are
         self.input_layernorm, self.mixer = layer.input_layernorm, mixer
         self.post_attention_layernorm, self.mlp = layer.post_attention_layernorm, layer.mlp
         self.mlp_sizes: list[int] | None = None  # gate/up as one GEMM (fuse_projections)
@@ -68,6 +71,12 @@ class FlatBlock(nn.Module):
         if type(mlp).__name__ in GATED_MLPS and all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj",
                                                                                "act_fn")):
             self.mlp_sizes = fuse(mlp, [mlp.gate_proj, mlp.up_proj], "gate_up")
+
+    def normed(self, norm: nn.Module, h: torch.Tensor) -> torch.Tensor:
+        """norm(h) as the mixer or MLP reads it. transformers' RMSNorms return their input's dtype: from an fp32
+        stream, an fp32 output, rounded here to the model's dtype (once, where a half-precision stream rounds it)."""
+        x = norm(h)
+        return x if self.io_dtype is None else x.to(self.io_dtype)
 
     def run_mlp(self, x: torch.Tensor) -> torch.Tensor:
         if self.mlp_sizes is None:
@@ -88,14 +97,15 @@ class FlatBlock(nn.Module):
     def run(self, h: torch.Tensor, ctx: FlatContext) -> torch.Tensor:
         """The layer with a context of its own: inside `forward`'s compile region, or eagerly for rounds with
         checkpoints (never compiled)."""
-        h = residual(h, self.mixer(self.input_layernorm(h), flide=ctx))
-        return residual(h, self.run_mlp(self.post_attention_layernorm(h)))
+        h = residual(h, self.mixer(self.normed(self.input_layernorm, h), flide=ctx))
+        return residual(h, self.run_mlp(self.normed(self.post_attention_layernorm, h)))
 
 
 class FlatModel(nn.Module):
     """A patched decoder stack and its head, run over RoundTensors -> option scores [readout_rows, options]."""
 
-    def __init__(self, text_model: nn.Module, head: Head, readout_op: Callable, selective: bool):
+    def __init__(self, text_model: nn.Module, head: Head, readout_op: Callable, selective: bool,
+                 residual_fp32: bool = False):
         super().__init__()
         self.text_model = text_model
         self.head = head
@@ -104,8 +114,12 @@ class FlatModel(nn.Module):
         for name in ("embed_tokens", "layers", "norm", "rotary_emb"):
             if not hasattr(text_model, name):
                 raise ValueError(f"{type(text_model).__name__} has no `{name}`: not a decoder stack Flide can run.")
+        # the model's dtype, what the mixers, MLPs and head read; with `residual_fp32` the stream between them is fp32
+        self.dtype = text_model.embed_tokens.weight.dtype
+        self.residual_fp32 = residual_fp32
+        io_dtype = self.dtype if residual_fp32 else None
         # Not registered children: the layers' modules belong to the model (and its state_dict) already
-        self.__dict__["blocks"] = [FlatBlock(layer, self.mixer(layer)) for layer in text_model.layers]
+        self.__dict__["blocks"] = [FlatBlock(layer, self.mixer(layer), io_dtype) for layer in text_model.layers]
         # a layer runs its questions' gated delta in WY form (`kernels.gated_delta: fla_wy`): the round tables then
         # include the states' and questions' combined chunk tables (derived only then: they cost kernels per replay)
         self.wy = any(getattr(block.mixer, "wy", False) for block in self.blocks)
@@ -128,6 +142,11 @@ class FlatModel(nn.Module):
         # positions as the int64 (LongTensor) the model's own rotary module is written for, not the round's int32:
         # its code is transformers', per family, so it gets the dtype it was tested with; one small device op
         cos, sin = m.rotary_emb(h[None], r.positions.long()[None])
+        if self.residual_fp32:  # after the rotary tables, which take the dtype of the tensor they are given
+            if h.dtype != self.dtype:
+                raise ValueError(f"The model's dtype changed after it was patched ({self.dtype} -> {h.dtype}): "
+                                 "patch it again after casting it.")
+            h = h.float()
         last = self.blocks[-1]
         if checkpoints is not None:
             for index, block in enumerate(self.blocks[:-1]):
@@ -145,11 +164,11 @@ class FlatModel(nn.Module):
             for block in self.blocks[:-1]:
                 h = block(h, ctx.cos, ctx.sin, tables.state_cu_seqlens, tables.state_chunk_offsets, tables.states_end,
                           tables.branches_end, tables.all_cu_seqlens, tables.all_chunks, *fields)
-        h = residual(h, last.mixer(last.input_layernorm(h), flide=ctx))
+        h = residual(h, last.mixer(last.normed(last.input_layernorm, h), flide=ctx))
         if self.selective:
             h = h[r.readout_rows]  # only the read rows go on through the last MLP, the norm and the head
-        h = residual(h, last.run_mlp(last.post_attention_layernorm(h)))
-        h = m.norm(h)
+        h = residual(h, last.run_mlp(last.normed(last.post_attention_layernorm, h)))
+        h = last.normed(m.norm, h)
         rows = torch.arange(h.shape[0], device=h.device) if self.selective else r.readout_rows
         head = self.head
         scores = self.readout_op(h, rows, head.weight, head.bias, r.option_index)

@@ -246,19 +246,24 @@ def profile(fn, runs: int) -> dict:
         torch.cuda.synchronize()
     by_family: dict[str, float] = defaultdict(float)
     top: dict[str, float] = defaultdict(float)
+    launches: dict[str, float] = defaultdict(float)
     for event in prof.key_averages():
         us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
         if us <= 0 or event.key.startswith("ProfilerStep"):
             continue
         by_family[family(event.key)] += us / runs
         top[event.key] += us / runs
+        launches[event.key] += event.count / runs
     heaviest = sorted(top.items(), key=lambda kv: -kv[1])[:30]
     kernels = sum(event.count for event in prof.key_averages()
                   if (getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)) > 0)
     return {"gpu_ms_by_family": {k: round(v / 1e3, 4) for k, v in sorted(by_family.items(), key=lambda kv: -kv[1])},
             "gpu_ms_total": round(sum(by_family.values()) / 1e3, 4),
             "kernels_per_run": round(kernels / runs, 1),
-            "top_kernels_ms": [(k[:90], round(v / 1e3, 4)) for k, v in heaviest]}
+            "top_kernels_ms": [(k[:90], round(v / 1e3, 4)) for k, v in heaviest],
+            # every kernel: (name, launches a run, ms a run), by launches: where a replay's ~600 launches come from
+            "kernel_launches": [(k[:90], round(launches[k], 1), round(top[k] / 1e3, 4))
+                                for k in sorted(top, key=lambda k: (-launches[k], -top[k]))]}
 
 
 def main() -> None:

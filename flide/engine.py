@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
 from concurrent.futures import Future
@@ -211,8 +212,24 @@ class Engine:
                     branch.options.append(rows)
                 except ValueError as error:
                     raise RequestError(f"questions.{question.name}", str(error), 400) from None
-        _ = prepared.round_layout  # its part of any round, made here (the caller's or a prepare thread), not per round
+        # its part of any round, made here (the caller's or a prepare thread), not per round
+        if prepared.round_layout.max_id >= self.vocab_rows:
+            raise self._outside_vocabulary(prepared)
         return prepared
+
+    @functools.cached_property
+    def vocab_rows(self) -> int:
+        """Rows of the model's input embedding: a token id must be below it."""
+        return self.flat.text_model.embed_tokens.weight.shape[0]
+
+    def _outside_vocabulary(self, prepared: PreparedRequest) -> RequestError:
+        """The error for a request whose tokens include an id the model has no embedding for (a tokenizer that does
+        not match the model), naming the part that holds it."""
+        parts = [("state", t) for t in prepared.trunks]
+        parts += [(f"questions.{b.questions[0].name}", b.tokens) for b in prepared.branches]
+        field, ids = next((f, ids) for f, ids in parts if len(ids) and int(ids.max()) >= self.vocab_rows)
+        return RequestError(field, f"tokenizes to id {int(ids.max())}, outside the model's vocabulary of "
+                                   f"{self.vocab_rows} embedding rows: the tokenizer does not match the model.", 400)
 
     def decide(self, request: Any | list) -> dict | list[dict]:
         """Answers one request (dict or JSON string) -> {question name: answer}, or a list of requests -> a list of

@@ -251,7 +251,7 @@ class RequestLayout:
     round has one).
     """
 
-    __slots__ = ("_options", "_small", "_tokens", "counts", "parts", "reads", "trunk_reads")
+    __slots__ = ("_options", "_small", "_tokens", "counts", "max_id", "parts", "reads", "trunk_reads")
 
     def __init__(self, request: PreparedRequest, skip: list[int] | None = None):
         """`skip[t]`: tokens of trunk t resumed from a checkpoint (flide/checkpoints): its segment then holds only
@@ -303,6 +303,9 @@ class RequestLayout:
         segments = [*trunks, *(b.tokens for b in branches)]
         lens = [*trunk_lens, *branch_lens]
         ids = np.concatenate(segments) if len(segments) > 1 else np.asarray(segments[0] if segments else [])
+        # the largest id, which the engine checks against the model's embedding rows (an id past them would be a
+        # device-side assert on CUDA, which takes the process's CUDA context down with it)
+        self.max_id = int(ids.max()) if ids.size else -1
         if ids.dtype != np.int32:
             if ids.size and (ids.max() >= 2**31 or ids.min() < -2**31):
                 raise ValueError("token ids must fit in int32")

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import flide
 from flide.models.tiny import tiny_model, tiny_tokenizer
@@ -134,6 +135,23 @@ def test_prompt_over_token_limit(model, tok):
         engine.decide(long)
     check_error(info.value, "state", 413, ["max_prompt_tokens", "50"])
     assert engine.decide(short) == before
+
+
+def test_token_outside_the_models_vocabulary_is_a_clear_error(model, tok):
+    """A tokenizer that does not match the model: an id past the embedding's rows is refused at prepare time, naming
+    the part that holds it (on CUDA the embedding would hit a device-side assert, which takes the process's CUDA
+    context down), and the engine answers a request within the vocabulary as before."""
+    small = copy.deepcopy(model)
+    embed = small.get_input_embeddings()
+    rows = 600  # the tiny tokenizer's special tokens (the question's part of the template) have ids ~670-700
+    small.set_input_embeddings(torch.nn.Embedding.from_pretrained(embed.weight.detach()[:rows].clone(), freeze=True))
+    engine = flide.patch(small, tok, config=SMALL)
+    request = {"state": "Hi.", "questions": {"ok": {"type": "noul", "instructions": "Urgent?"}}}
+    with pytest.raises(flide.RequestError) as info:
+        engine.prepare(request)
+    check_error(info.value, "questions.ok", 400, ["vocabulary", str(rows), "does not match"])
+    assert engine.vocab_rows == rows
+    assert flide.patch(model, tok, config=SMALL).decide(request)["ok"]["type"] == "noul"
 
 
 def test_error_in_a_list_names_the_request(engine, good_answer):

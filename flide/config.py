@@ -97,6 +97,10 @@ class RuntimeConfig:
     # float32 drops two roundings of the whole hidden state a layer, the largest rounding steps of a bf16 forward (the
     # stream's magnitude grows with depth, its updates do not), so answers stay nearer the float32 model's
     residual: str = "model"
+    # Inductor's combo kernels (horizontal fusion): independent kernels of a layer launched as one. A GDN layer's
+    # inputs to its custom ops (q, k, v, g, beta) are five small Triton kernels of different sizes, which Inductor
+    # does not fuse otherwise (H200 RACE replay: ~570 launches, ~0.27 ms of gaps between them). Opt-in, unmeasured
+    combo_kernels: bool = False
     # what runs before each replay after the capture. none (the default): no compiled call at all: a round launches
     # the CUDA graph that cudagraph trees recorded for its bucket (flide/graphs/direct.py; a bucket whose graph cannot
     # be taken keeps the compiled call, logged). check: the compiled call with all of dynamo's guards; skip_modules:

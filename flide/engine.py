@@ -138,6 +138,7 @@ class Engine:
 
         runner = GraphRunner(self.flat, self.config.capacities, self.max_options, self.device, self.pad_id,
                              compiler=self.config.runtime.compiler, rounding=self.config.runtime.rounding,
+                             combo_kernels=self.config.runtime.combo_kernels,
                              guards=self.config.runtime.guards,
                              batch_invariant=self.kernels.batch_invariant)
         with gemm_reductions(self.config.runtime.gemm_reductions, self.device):  # the graphs record cuBLAS's picks

@@ -178,6 +178,21 @@ def test_fp32_residual_compiles_to_the_eager_answers():
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
 
 
+def test_combo_kernels_reach_inductor(monkeypatch):
+    """`runtime.combo_kernels: true` is passed to Inductor with reduce-overhead's options (the GPU test, tests/gpu/
+    test_graphs_gpu.py, checks the answers: Inductor's CPU code has no combo kernels)."""
+    seen = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: seen.append(kwargs["options"]) or fn)
+    tok, model = tiny_tokenizer(), tiny_model("qwen3_5_text")
+    for combo in (False, True):
+        engine = flide.patch(model, tok, config={"runtime": {"combo_kernels": combo}})
+        runner = GraphRunner(engine.flat, engine.config.capacities, engine.max_options, engine.device, engine.pad_id,
+                             compile=True, progress=False, combo_kernels=engine.config.runtime.combo_kernels)
+        runner._compiled_forward()
+    assert "combo_kernels" not in seen[0] and seen[1]["combo_kernels"] is True
+    assert seen[1]["triton.cudagraphs"] is True  # still reduce-overhead's options
+
+
 def test_skip_modules_forwards_compile_on_their_own():
     """`runtime.guards: skip_modules`: each runner's forward has a code object of its own, so dynamo's compile cache
     (kept per code object) never hands it another engine's compile, nor another engine its unguarded one; the default

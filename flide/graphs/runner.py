@@ -106,9 +106,10 @@ class GraphRunner:
     def __init__(self, flat: torch.nn.Module, caps: CapacityConfig, options: int, device: torch.device, pad_id: int,
                  compile: bool = True, progress: bool = True, compiler: str = "inductor", rounding: str = "eager",
                  guards: str = "none",
-                 batch_invariant: bool = False):
+                 batch_invariant: bool = False, combo_kernels: bool = False):
         self.flat, self.caps, self.options, self.pad_id = flat, caps, options, pad_id
         self.rounding = rounding
+        self.combo_kernels = combo_kernels
         if guards not in GUARD_MODES:
             raise ValueError(f"guards must be one of {', '.join(GUARD_MODES)}, got {guards!r}.")
         self.guards = guards
@@ -253,6 +254,8 @@ class GraphRunner:
 
         options = {**list_mode_options("reduce-overhead"), "emulate_precision_casts": self.rounding == "eager",
                    **guard_filter}
+        if self.combo_kernels:  # `runtime.combo_kernels`: Inductor's horizontal fusion of independent kernels
+            options["combo_kernels"] = True
         return torch.compile(forward, dynamic=True, fullgraph=True, options=options)
 
     # ---- rounds ----

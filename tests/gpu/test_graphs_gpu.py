@@ -171,3 +171,27 @@ def test_cudagraphs_compiler_equals_eager(setup):
     answers = fast_start.decide(requests[:16])
     expected = engine.decide(requests[:16])
     assert max(max_difference(a, b) for a, b in zip(answers, expected)) < 1e-4
+
+
+def test_combo_kernels_equal_the_default_and_replay_without_recompiles(monkeypatch):
+    """`runtime.combo_kernels: true` (Inductor launches independent kernels as one): the same answers as the default
+    graphs (fp32: within 1e-5; the per-element code is Inductor's own either way) and, after the capture, rounds of
+    any composition replay without a recompile or a new recording."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    tok = tiny_tokenizer()
+    model = tiny_model("qwen3_5_text").cuda()
+    spare = copy.deepcopy(model)
+    rng = random.Random(12)
+    requests = [random_request(rng, max_questions=12, max_words=60) for _ in range(24)]
+    default = flide.patch(model, tok, config=GRAPHS)
+    combo = flide.patch(spare, tok, config={**GRAPHS, "runtime": {**GRAPHS["runtime"], "combo_kernels": True}})
+    assert combo.runner is not None and combo.runner.combo_kernels
+    counters.clear()
+    recorded = recordings(monkeypatch)
+    got = combo.decide(requests)
+    for _ in range(20):
+        combo.decide(rng.sample(requests, rng.randint(1, 12)))
+    assert max(max_difference(a, b) for a, b in zip(got, default.decide(requests))) < 1e-5
+    assert recorded == [] and counters["stats"].get("unique_graphs", 0) == 0, dict(counters["stats"])

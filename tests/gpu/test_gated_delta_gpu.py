@@ -237,6 +237,30 @@ def test_fork_from_round_tables_equals_fork_without(dtype):
     assert rel_err(o_t, ref_o) < TOL[dtype]
 
 
+@pytest.mark.parametrize("variant", ["fla", "fla_wy", "fla_cuda"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fork_reads_q_and_k_slices_with_the_bits_of_contiguous_copies(dtype, variant):
+    """The model passes q and k as column slices of the conv's [T, 2 K Hk + V Hv] output (flide/models/layers.py):
+    the state call's normalisation reads them in place (`l2norm_pair`, one launch) with the bits that contiguous
+    copies get, and so every row and final state of the fork."""
+    from flide.ops.gated_delta import STATE_KERNELS, WY_KERNELS, fork_tables
+
+    delta = kernel(variant)
+    (q, k, v, decay, beta), r = inputs(2048, dtype, seed=21)
+    T, hk, d = q.shape
+    wide = torch.cat([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], 1)
+    q_slice, k_slice = wide[:, :hk * d].view(T, hk, d), wide[:, hk * d:2 * hk * d].view(T, hk, d)
+    assert not q_slice.is_contiguous() and torch.equal(q_slice, q) and torch.equal(k_slice, k)
+    meta = (r.state_start, r.state_len, r.branch_start, r.branch_len, r.branch_state)
+    wy = delta in WY_KERNELS
+    tables = fork_tables(r.state_start, r.state_len, r.branch_start, r.branch_len, r.state_chunks,
+                         r.branch_chunks if wy else None)
+    kwargs = dict(branch_kernel=BRANCH_KERNELS.get(delta), state_kernel=STATE_KERNELS[delta], tables=tables, wy=wy)
+    o, finals = plain_fork(delta, q, k, v, decay, beta, *meta, 128 ** -0.5, True, **kwargs)
+    o_s, finals_s = plain_fork(delta, q_slice, k_slice, v, decay, beta, *meta, 128 ** -0.5, True, **kwargs)
+    assert torch.equal(finals_s, finals) and torch.equal(o_s, o)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_unfilled_final_state_equals_fla(dtype, monkeypatch):
     """fla.EMPTY_FINAL_STATE's own launch of fla's h kernel (final states `torch.empty`, not zero-filled) gives the

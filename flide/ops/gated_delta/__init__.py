@@ -107,7 +107,7 @@ def gated_delta_fla_states(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
 def _fake_states(q, k, v, g, beta, cu_seqlens, chunk_indices, chunk_offsets, scale, use_qk_l2norm):
     T, Hv, V = v.shape
     return (q.new_empty(T, Hv, V), q.new_empty(cu_seqlens.shape[0] - 2, Hv, k.shape[2], V, dtype=torch.float32),
-            torch.empty_like(q), torch.empty_like(k))
+            q.new_empty(q.shape), k.new_empty(k.shape))  # contiguous, whatever q's and k's strides
 
 
 @torch.library.custom_op("flide::gated_delta_branches_triton", mutates_args=(), device_types="cuda")

@@ -204,10 +204,14 @@ def run(q, k, v, g, beta, cu_seqlens, chunk_indices, h0, scale: float, use_qk_l2
     superset of the sequences, each chunk computed on its own) the chunk-local steps run over those sequences and
     their w, u and gate cumsums ([T, Hv, K], [T, Hv, V], [T, Hv] float32, log2 units) come back too."""
     cumsum, intra, fwd_h, fwd_o, rcp_ln2 = _fla_steps()
-    if use_qk_l2norm:  # ours, not fla's: one launch configuration for every stream (see l2norm.py)
-        from .l2norm import l2norm
+    if use_qk_l2norm:  # ours, not fla's: one launch configuration for every stream (see l2norm.py); q and k may
+        # be column slices of the conv's output (the model passes them so): read in place, written contiguous
+        from .l2norm import l2norm_pair
 
-        q, k = l2norm(q), l2norm(k)
+        q, k = l2norm_pair(q, k)
+    else:  # fla's kernels index q / k / v as contiguous [T, H, D]
+        q, k = q.contiguous(), k.contiguous()
+    v = v.contiguous()
     if offsets is None:
         offsets = chunk_offsets(cu_seqlens)
     qn, kn = q, k

@@ -558,18 +558,29 @@ else:
         longer = torch.cat([randn(5, *shape[1:], seed=99), x, randn(40, *shape[1:], seed=98)])
         assert torch.equal(delta_l2norm.l2norm(longer)[5:5 + shape[0]], y)
 
+    @pytest.mark.parametrize("normalize", [True, False], ids=["l2norm", "copy"])
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-    @pytest.mark.parametrize("shape", [(1, 1, 16), (37, 2, 24), (65, 3, 128)], ids=["1x1x16", "37x2x24", "65x3x128"])
-    def test_gated_delta_l2norm_pair_reads_slices_in_place_with_the_same_bits(shape, dtype):
-        """q and k as column slices of one wider row (the conv's output holds q, k and v side by side), in one
-        launch whose programs may hold rows of both: each output contiguous, with `l2norm`'s bits for each."""
-        assert isinstance(delta_l2norm._l2norm_pair_kernel, InterpretedFunction)
-        T, H, D = shape
-        wide = randn(T, 2 * H * D + 7, seed=T + 1).to(dtype)
+    @pytest.mark.parametrize("shape", [(1, 1, 16, 1), (37, 2, 24, 3), (65, 3, 128, 6)],
+                             ids=["1x1x16", "37x2x24", "65x3x128"])
+    def test_gated_delta_l2norm_prepare_qkv_reads_slices_in_place_with_the_same_bits(shape, dtype, normalize):
+        """q, k and v as column slices of one wider row (the conv's output holds them side by side), laid out in one
+        launch whose programs may hold rows of all three: each output a new contiguous tensor, q and k with
+        `l2norm`'s bits (or copied), v copied."""
+        assert isinstance(delta_l2norm._qkv_kernel, InterpretedFunction)
+        T, H, D, HV = shape
+        wide = randn(T, 2 * H * D + HV * D + 7, seed=T + 1).to(dtype)
         q, k = wide[:, :H * D].view(T, H, D), wide[:, H * D:2 * H * D].view(T, H, D)
-        assert T == 1 or not (q.is_contiguous() or k.is_contiguous())  # one token: every view counts as contiguous
-        yq, yk = delta_l2norm.l2norm_pair(q, k)
-        assert yq.is_contiguous() and yk.is_contiguous() and yq.dtype == yk.dtype == dtype
-        assert torch.equal(yq, delta_l2norm.l2norm(q)) and torch.equal(yk, delta_l2norm.l2norm(k))
+        v = wide[:, 2 * H * D:2 * H * D + HV * D].view(T, HV, D)
+        assert T == 1 or not (q.is_contiguous() or v.is_contiguous())  # one token: every view counts as contiguous
+        yq, yk, yv = delta_l2norm.prepare_qkv(q, k, v, normalize)
+        assert all(y.is_contiguous() and y.dtype == dtype for y in (yq, yk, yv))
+        assert all(y.data_ptr() != x.data_ptr() for x, y in zip((q, k, v), (yq, yk, yv)))
+        if normalize:
+            assert torch.equal(yq, delta_l2norm.l2norm(q)) and torch.equal(yk, delta_l2norm.l2norm(k))
+        else:
+            assert torch.equal(yq, q) and torch.equal(yk, k)
+        assert torch.equal(yv, v)
         with pytest.raises(ValueError, match="one \\[T, H, D\\] shape"):
-            delta_l2norm.l2norm_pair(q, k[..., :1])
+            delta_l2norm.prepare_qkv(q, k[..., :1], v, normalize)
+        with pytest.raises(ValueError, match="v \\[T, HV, DV\\]"):
+            delta_l2norm.prepare_qkv(q, k, v[:0], normalize)

@@ -177,10 +177,10 @@ class FlideGatedDeltaNet(_Swapped):
         # float32, as transformers does: in half precision exp(A_log) could overflow
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         if ck is None:
-            # q and k as they lie in the conv's output (column slices): every variant makes them contiguous itself
-            # where it needs to, and the fla state call's normalisation reads them in place and writes them
-            # contiguous (two copy kernels a layer fewer); v is laid out once here for both calls
-            out, _ = gated_delta_fork(self.delta_op, q, k, v.contiguous(), g, beta,
+            # q, k and v as they lie in the conv's output (column slices): every variant makes them contiguous itself
+            # where it needs to; the fla state call lays out all three in one launch that also normalises q and k,
+            # and hands them to the question call (three Inductor copy kernels a layer fewer, v stored once)
+            out, _ = gated_delta_fork(self.delta_op, q, k, v, g, beta,
                                       r.state_start, r.state_len, r.branch_start, r.branch_len, r.branch_state,
                                       self.head_k_dim ** -0.5, True, branch_kernel=self.branch_op,
                                       state_kernel=self.state_op, tables=ctx.tables, wy=self.wy)

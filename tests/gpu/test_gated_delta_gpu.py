@@ -239,10 +239,10 @@ def test_fork_from_round_tables_equals_fork_without(dtype):
 
 @pytest.mark.parametrize("variant", ["fla", "fla_wy", "fla_cuda"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_fork_reads_q_and_k_slices_with_the_bits_of_contiguous_copies(dtype, variant):
-    """The model passes q and k as column slices of the conv's [T, 2 K Hk + V Hv] output (flide/models/layers.py):
-    the state call's normalisation reads them in place (`l2norm_pair`, one launch) with the bits that contiguous
-    copies get, and so every row and final state of the fork."""
+def test_fork_reads_qkv_slices_with_the_bits_of_contiguous_copies(dtype, variant):
+    """The model passes q, k and v as column slices of the conv's [T, 2 K Hk + V Hv] output (flide/models/layers.py):
+    the state call lays them out in one launch that normalises q and k (`prepare_qkv`), with the bits that contiguous
+    copies get, and so every row and final state of the fork; the question call reads the state call's q, k, v."""
     from flide.ops.gated_delta import STATE_KERNELS, WY_KERNELS, fork_tables
 
     delta = kernel(variant)
@@ -250,14 +250,16 @@ def test_fork_reads_q_and_k_slices_with_the_bits_of_contiguous_copies(dtype, var
     T, hk, d = q.shape
     wide = torch.cat([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], 1)
     q_slice, k_slice = wide[:, :hk * d].view(T, hk, d), wide[:, hk * d:2 * hk * d].view(T, hk, d)
-    assert not q_slice.is_contiguous() and torch.equal(q_slice, q) and torch.equal(k_slice, k)
+    v_slice = wide[:, 2 * hk * d:].view(T, -1, d)
+    assert not q_slice.is_contiguous() and not v_slice.is_contiguous()
+    assert torch.equal(q_slice, q) and torch.equal(k_slice, k) and torch.equal(v_slice, v)
     meta = (r.state_start, r.state_len, r.branch_start, r.branch_len, r.branch_state)
     wy = delta in WY_KERNELS
     tables = fork_tables(r.state_start, r.state_len, r.branch_start, r.branch_len, r.state_chunks,
                          r.branch_chunks if wy else None)
     kwargs = dict(branch_kernel=BRANCH_KERNELS.get(delta), state_kernel=STATE_KERNELS[delta], tables=tables, wy=wy)
     o, finals = plain_fork(delta, q, k, v, decay, beta, *meta, 128 ** -0.5, True, **kwargs)
-    o_s, finals_s = plain_fork(delta, q_slice, k_slice, v, decay, beta, *meta, 128 ** -0.5, True, **kwargs)
+    o_s, finals_s = plain_fork(delta, q_slice, k_slice, v_slice, decay, beta, *meta, 128 ** -0.5, True, **kwargs)
     assert torch.equal(finals_s, finals) and torch.equal(o_s, o)
 
 

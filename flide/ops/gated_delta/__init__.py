@@ -99,15 +99,16 @@ gated_delta_fla_resumable = register_resumable("gated_delta", "fla")(
 def gated_delta_fla_states(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                            cu_seqlens: torch.Tensor, chunk_indices: torch.Tensor, chunk_offsets: torch.Tensor,
                            scale: float, use_qk_l2norm: bool
-                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return fla.gated_delta_states(q, k, v, g, beta, cu_seqlens, chunk_indices, chunk_offsets, scale, use_qk_l2norm)
 
 
 @gated_delta_fla_states.register_fake
 def _fake_states(q, k, v, g, beta, cu_seqlens, chunk_indices, chunk_offsets, scale, use_qk_l2norm):
     T, Hv, V = v.shape
+    # q, k and v come back contiguous whatever the inputs' strides
     return (q.new_empty(T, Hv, V), q.new_empty(cu_seqlens.shape[0] - 2, Hv, k.shape[2], V, dtype=torch.float32),
-            q.new_empty(q.shape), k.new_empty(k.shape))  # contiguous, whatever q's and k's strides
+            q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape))
 
 
 @torch.library.custom_op("flide::gated_delta_branches_triton", mutates_args=(), device_types="cuda")
@@ -157,7 +158,8 @@ def gated_delta_fla_states_wy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def _fake_states_wy(q, k, v, g, beta, all_cu_seqlens, all_chunks, cu_seqlens, chunk_indices, chunk_offsets, scale,
                     use_qk_l2norm):
     T, Hv, V = v.shape
-    o, final, qn, kn = _fake_states(q, k, v, g, beta, cu_seqlens, chunk_indices, chunk_offsets, scale, use_qk_l2norm)
+    o, final, qn, kn, _ = _fake_states(q, k, v, g, beta, cu_seqlens, chunk_indices, chunk_offsets, scale,
+                                       use_qk_l2norm)
     return (o, final, qn, kn, k.new_empty(T, Hv, k.shape[2]), v.new_empty(T, Hv, V),
             q.new_empty(T, Hv, dtype=torch.float32))
 
@@ -287,9 +289,9 @@ def fork(kernel, q, k, v, g, beta, state_start, state_len, branch_start, branch_
         return combine(o_states, o_branches, state_start, state_len, branch_start, branch_len, tables), finals
     if state_kernel is not None and tables is not None:
         # q and k come back normalised: the question call reads them so (one normalisation per token, not one in
-        # every step of every (branch, head, value tile) program of the question kernel)
-        o_states, finals, q, k = state_kernel(q, k, v, g, beta, tables.state_cu_seqlens, tables.state_chunks,
-                                              tables.state_chunk_offsets, scale, use_qk_l2norm)
+        # every step of every (branch, head, value tile) program of the question kernel), and v laid out once
+        o_states, finals, q, k, v = state_kernel(q, k, v, g, beta, tables.state_cu_seqlens, tables.state_chunks,
+                                                 tables.state_chunk_offsets, scale, use_qk_l2norm)
         use_qk_l2norm = False
     else:
         no_initial = q.new_zeros(0, v.shape[1], k.shape[2], v.shape[2], dtype=torch.float32)

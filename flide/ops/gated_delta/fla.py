@@ -177,10 +177,9 @@ def gated_delta_states(q, k, v, g, beta, cu_seqlens, chunk_indices, offsets, sca
     """The fork's state call from tables derived once per round (`gated_delta.fork_tables`): every sequence of
     `cu_seqlens` [N + 2] (the states, then the empty sequence that spare chunk rows name) from zero; `chunk_indices`:
     the round's `state_chunks`; `offsets`: `chunk_offsets(cu_seqlens)`. Returns (o [T, Hv, V], final [N, Hv, K, V]
-    float32, q, k): q and k as the kernels read them (L2-normalised over the whole stream with `use_qk_l2norm`), so
-    the question call reads them as they are instead of normalising every token again in its recurrence."""
-    if not use_qk_l2norm:  # a custom op's outputs must not alias its inputs
-        q, k = q.clone(), k.clone()
+    float32, q, k, v): q, k and v as the kernels read them (contiguous; q and k L2-normalised over the whole stream
+    with `use_qk_l2norm`), so the question call reads them as they are instead of normalising every token again in
+    its recurrence or laying v out again."""
     return run(q, k, v, g, beta, cu_seqlens, chunk_indices, None, scale, use_qk_l2norm, offsets)
 
 
@@ -191,30 +190,27 @@ def gated_delta_states_wy(q, k, v, g, beta, all_cu_seqlens, all_chunks, cu_seqle
     same launches, the state-to-state steps over the states only. Returns (o, final, q, k as the state call's) +
     (w [T, Hv, K], u [T, Hv, V], gamma [T, Hv] float32 in log2 units) for the questions' chunked call
     (`questions_wy.py`)."""
-    if not use_qk_l2norm:  # a custom op's outputs must not alias its inputs
-        q, k = q.clone(), k.clone()
-    return run(q, k, v, g, beta, cu_seqlens, chunk_indices, None, scale, use_qk_l2norm, offsets,
-               prep=(all_cu_seqlens, all_chunks))
+    out = run(q, k, v, g, beta, cu_seqlens, chunk_indices, None, scale, use_qk_l2norm, offsets,
+              prep=(all_cu_seqlens, all_chunks))
+    return out[:4] + out[5:]  # the questions' WY form replaces v
 
 
 def run(q, k, v, g, beta, cu_seqlens, chunk_indices, h0, scale: float, use_qk_l2norm: bool,
         offsets: torch.Tensor | None = None, prep: tuple[torch.Tensor, torch.Tensor] | None = None):
-    """fla's forward over the sequences of `cu_seqlens` -> (o [T, Hv, V], final [N, Hv, K, V] float32, q, k as the
-    kernels read them: normalised with `use_qk_l2norm`, else the inputs). With `prep` (cu_seqlens, chunk rows of a
-    superset of the sequences, each chunk computed on its own) the chunk-local steps run over those sequences and
-    their w, u and gate cumsums ([T, Hv, K], [T, Hv, V], [T, Hv] float32, log2 units) come back too."""
+    """fla's forward over the sequences of `cu_seqlens` -> (o [T, Hv, V], final [N, Hv, K, V] float32, q, k, v as the
+    kernels read them: new contiguous tensors, q and k normalised with `use_qk_l2norm`). With `prep` (cu_seqlens,
+    chunk rows of a superset of the sequences, each chunk computed on its own) the chunk-local steps run over those
+    sequences and their w, u and gate cumsums ([T, Hv, K], [T, Hv, V], [T, Hv] float32, log2 units) come back too."""
     cumsum, intra, fwd_h, fwd_o, rcp_ln2 = _fla_steps()
-    if use_qk_l2norm:  # ours, not fla's: one launch configuration for every stream (see l2norm.py); q and k may
-        # be column slices of the conv's output (the model passes them so): read in place, written contiguous
-        from .l2norm import l2norm_pair
+    # q, k and v as fla's kernels index them (contiguous [T, H, D]), q / k normalised by ours, not fla's: one launch
+    # configuration for every stream (see l2norm.py); they may be column slices of the conv's output (the model
+    # passes them so): read in place, written as new tensors, which the question call reads too
+    from .l2norm import prepare_qkv
 
-        q, k = l2norm_pair(q, k)
-    else:  # fla's kernels index q / k / v as contiguous [T, H, D]
-        q, k = q.contiguous(), k.contiguous()
-    v = v.contiguous()
+    q, k, v = prepare_qkv(q, k, v, use_qk_l2norm)
     if offsets is None:
         offsets = chunk_offsets(cu_seqlens)
-    qn, kn = q, k
+    qn, kn, vn = q, k, v
     q, k, v, beta = q[None], k[None], v[None], beta[None].to(q.dtype)
     # as chunk_gated_delta_rule_fwd: gates cumulated per chunk in log2 units, the WY form within chunks, the states
     # chunk to chunk (and each sequence's final state), then the outputs
@@ -231,5 +227,5 @@ def run(q, k, v, g, beta, cu_seqlens, chunk_indices, h0, scale: float, use_qk_l2
               chunk_indices=chunk_indices)
     # rows outside the call's span are left as fla leaves them (unwritten): `fork` selects each row from the call
     # that covers it (`combine`), which costs one pass instead of zeroing here and summing there
-    out = (o[0].to(q.dtype), final[:cu_seqlens.shape[0] - 2], qn, kn)
+    out = (o[0].to(q.dtype), final[:cu_seqlens.shape[0] - 2], qn, kn, vn)
     return out if prep is None else (*out, w[0], u[0], g[0])

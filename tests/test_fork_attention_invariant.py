@@ -165,6 +165,20 @@ else:
         assert out.shape == (tokens, hq, d) and out.dtype == torch.float32
         torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)  # NaN anywhere (an unwritten element) fails
 
+    def test_invariant_reads_strided_key_and_value_rows_with_the_same_bits():
+        """The model hands v over as a column slice of the fused q/k/v projection (flide/models/layers.py): rows of
+        any stride give the bits of contiguous ones."""
+        tokens, (hq, hkv, d) = 150, (4, 2, 16)
+        r = random_round_tensors(random.Random(7), tokens, max_requests=6, max_questions=6, max_state=40,
+                                 max_question=12)
+        q, k, v = randn(tokens, hq, d, seed=1), randn(tokens, hkv, d, seed=2), randn(tokens, hkv, d, seed=3)
+        wide = torch.cat([q.reshape(tokens, -1), k.reshape(tokens, -1), v.reshape(tokens, -1)], 1)
+        k_slice = wide[:, hq * d:(hq + hkv) * d].view(tokens, hkv, d)
+        v_slice = wide[:, (hq + hkv) * d:].view(tokens, hkv, d)
+        assert not v_slice.is_contiguous()
+        want = run(q, k, v, r, d ** -0.5, SMALL, out=poisoned(tokens, hq, d))
+        assert torch.equal(run(q, k_slice, v_slice, r, d ** -0.5, SMALL, out=poisoned(tokens, hq, d)), want)
+
     def test_invariant_short_states_value_dim_and_fp16():
         """States of 0-2 tokens (questions without a state next to questions with one, one-token states), Dv != D;
         fp16 in, fp16 out, within fp16 rounding of the fp32 reference."""

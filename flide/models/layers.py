@@ -117,7 +117,9 @@ class FlideAttention(_Swapped):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.apply_rotary(q, k, ctx.cos, ctx.sin, unsqueeze_dim=1)  # [T, H, D] with cos [T, d]
         r, ck = ctx.round, ctx.checkpoint
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        # v stays a column slice of the projection: every variant reads rows of any stride (one copy kernel a layer
+        # fewer); q and k come out of the norm and rotary code as new tensors
+        q, k = q.contiguous(), k.contiguous()
         if ck is not None and ck.resumes:  # resumed states: their checkpoint's keys precede the stream's
             pk, pv = ck.prefix()
             out = ck.work.ops["fork_attention"](q, k, v, r.seg_lo, r.trunk_lo, r.trunk_hi, pk, pv, ck.work.pre_lo,

@@ -193,8 +193,10 @@ class FlideGatedDeltaNet(_Swapped):
                 r.state_len, r.branch_start, r.branch_len, r.branch_state, self.head_k_dim ** -0.5, True, initial,
                 ck.work.initial_index, ck.work.snapshot_chunk)
             ck.save_gdn(conv_in, snapshot, weight.shape[1])
-        z = z.reshape(-1, self.head_v_dim)
-        out = self.norm(out.reshape(-1, self.head_v_dim), z).reshape(T, -1)
+        # the gated norm over [T, Hv, V] (per head row, as transformers' [T * Hv, V]): merging the last two dims is
+        # then a view for Inductor, where [T * Hv, V] -> [T, Hv * V] with a symbolic T became a copy kernel before
+        # out_proj in every GDN layer (session 20's H200 output code)
+        out = self.norm(out, z.reshape(T, -1, self.head_v_dim)).reshape(T, -1)
         return self.out_proj(out)
 
 

@@ -228,9 +228,10 @@ class Engine:
         not match the model), naming the part that holds it."""
         parts = [("state", t) for t in prepared.trunks]
         parts += [(f"questions.{b.questions[0].name}", b.tokens) for b in prepared.branches]
-        field, ids = next((f, ids) for f, ids in parts if len(ids) and int(ids.max()) >= self.vocab_rows)
-        return RequestError(field, f"tokenizes to id {int(ids.max())}, outside the model's vocabulary of "
-                                   f"{self.vocab_rows} embedding rows: the tokenizer does not match the model.", 400)
+        field, top = next(((f, int(ids.max())) for f, ids in parts if len(ids) and int(ids.max()) >= self.vocab_rows),
+                          ("request", prepared.round_layout.max_id))
+        return RequestError(field, f"tokenizes to id {top}, outside the model's vocabulary of {self.vocab_rows} "
+                                   "embedding rows: the tokenizer does not match the model.", 400)
 
     def decide(self, request: Any | list) -> dict | list[dict]:
         """Answers one request (dict or JSON string) -> {question name: answer}, or a list of requests -> a list of

@@ -307,7 +307,7 @@ class RequestLayout:
         # device-side assert on CUDA, which takes the process's CUDA context down with it)
         self.max_id = int(ids.max()) if ids.size else -1
         if ids.dtype != np.int32:
-            if ids.size and (ids.max() >= 2**31 or ids.min() < -2**31):
+            if ids.size and (self.max_id >= 2**31 or ids.min() < -2**31):
                 raise ValueError("token ids must fit in int32")
             ids = ids.astype(np.int32)
         shift = [0, *accumulate(lens)][:-1]  # each segment's start, less its first position

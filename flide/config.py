@@ -23,6 +23,9 @@ class KernelConfig:
     fork_attention: str = "auto"
     gated_delta: str = "auto"
     fork_conv: str = "auto"
+    # the gated RMS norm that ends a GDN layer, with the fork's row select: torch (the model's own norm module, fused
+    # by Inductor) or triton (one kernel that reads each row from the call that wrote it)
+    gated_norm: str = "auto"
     # selective: the last layer's MLP and the head run only at readout rows and only the label logits are computed.
     # full: the last layer and the whole vocabulary run at every token, then the rows are read (the ablation).
     # invariant: selective with every score summed in a fixed order. auto: selective, or invariant when
@@ -99,7 +102,8 @@ class RuntimeConfig:
     residual: str = "model"
     # Inductor's combo kernels (horizontal fusion): independent kernels of a layer launched as one. A GDN layer's
     # inputs to its custom ops (q, k, v, g, beta) are five small Triton kernels of different sizes, which Inductor
-    # does not fuse otherwise (H200 RACE replay: ~570 launches, ~0.27 ms of gaps between them). Opt-in, unmeasured
+    # does not fuse otherwise. Opt-in: on the H200 (session 21, 0.8B) RACE 473 -> 426 launches, GPU 3.44 -> 3.41 ms, but
+    # QuALITY 32.7 -> 33.0 and sweep 64 40.2 -> 40.6 ms (benchmarks/results/h200_profile_0_8b_combo_ab_*.json)
     combo_kernels: bool = False
     # what runs before each replay after the capture. none (the default): no compiled call at all: a round launches
     # the CUDA graph that cudagraph trees recorded for its bucket (flide/graphs/direct.py; a bucket whose graph cannot

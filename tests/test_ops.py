@@ -525,6 +525,11 @@ def opcheck_args(op: str):
         return (q, k, v, g, beta, t.branch_start, t.branch_len, initial_state, t.branch_state, KD ** -0.5, True)
     if op == "linear":
         return (randn(T, 6, seed=6), randn(5, 6, seed=7), randn(5, seed=8))
+    if op == "gated_norm":
+        states_end = int(t.state_len.sum())
+        ends = (torch.tensor([states_end]), t.branch_start[:1].clone(), torch.tensor([states_end + int(t.branch_len.sum())]))
+        return (randn(T, HV, VD, seed=9), randn(T, HV, VD, seed=10), randn(T, HV, VD, seed=11),
+                randn(VD, seed=12), *ends, 1e-6)
     raise AssertionError(op)
 
 
@@ -582,7 +587,8 @@ def test_registry_variants():
     for op in ("fork_attention", "fork_conv", "gated_delta"):
         assert "reference" in variants(op), op
     assert {"selective", "full"} <= set(variants("readout"))
-    assert set(OP_FAMILIES) == {"fork_attention", "fork_conv", "gated_delta", "readout", "linear"}
+    assert set(OP_FAMILIES) == {"fork_attention", "fork_conv", "gated_delta", "gated_norm", "readout", "linear"}
+    assert {"torch", "triton"} <= set(variants("gated_norm"))
     assert {"torch", "blocked", "triton"} <= set(variants("linear"))
     ops = flide.ops.resolve_all(KernelConfig())
     assert set(ops) == set(OP_FAMILIES)

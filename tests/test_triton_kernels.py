@@ -27,7 +27,7 @@ if not INTERPRETED:
     from flide.testing import run_in_triton_interpreter
 
     @pytest.mark.parametrize("kernel", ["fork_conv", "fork_attention", "gated_delta_branches", "gated_delta_l2norm",
-                                        "gated_delta_questions_wy"])
+                                        "gated_delta_questions_wy", "gated_norm"])
     def test_in_the_triton_interpreter(kernel):
         """Runs this file's `test_<kernel>_*` checks in a child process with TRITON_INTERPRET=1."""
         run_in_triton_interpreter(__file__, f"test_{kernel}_", 4)
@@ -43,6 +43,8 @@ else:
     from flide.ops.gated_delta import l2norm as delta_l2norm
     from flide.ops.gated_delta import questions_wy as delta_wy
     from flide.ops.gated_delta import reference as delta_ref
+    from flide.ops.gated_norm import reference as norm_ref
+    from flide.ops.gated_norm import triton as norm_triton
     from flide.testing import random_round_tensors, resume_states
 
     def tiny_round(tokens: int, seed: int, max_state: int = 40, max_question: int = 12, max_questions: int = 6):
@@ -584,3 +586,96 @@ else:
             delta_l2norm.prepare_qkv(q, k[..., :1], v, normalize)
         with pytest.raises(ValueError, match="v \\[T, HV, DV\\]"):
             delta_l2norm.prepare_qkv(q, k, v[:0], normalize)
+
+    # -----------------------------------------------------------------------------------------------------------------
+    # gated_norm: the fork's row select + the gated RMS norm
+    # -----------------------------------------------------------------------------------------------------------------
+
+    def gated_norm_inputs(T: int, H: int, V: int, dtype, seed: int, spans: tuple[int, int, int]):
+        """x_states / x_branches poisoned with NaN outside their calls' rows (a call may leave them unwritten), the
+        gate as a column slice of a wider row (as the GDN layer's fused input projection holds it)."""
+        states_end, branches_start, branches_end = spans
+        x_states, x_branches = poisoned(T, H, V, dtype=dtype), poisoned(T, H, V, dtype=dtype)
+        x_states[:states_end] = randn(states_end, H, V, seed=seed, dtype=dtype)
+        x_branches[branches_start:branches_end] = randn(branches_end - branches_start, H, V, seed=seed + 1,
+                                                        dtype=dtype)
+        wide = randn(T, H * V + 9, seed=seed + 2, dtype=dtype)
+        gate = wide[:, 5:5 + H * V].view(T, H, V)
+        ends = [torch.tensor([n], dtype=torch.int32) for n in spans]
+        return x_states, x_branches, gate, ends
+
+    def test_gated_norm_kernel_is_interpreted():
+        assert isinstance(norm_triton._gated_norm_kernel, InterpretedFunction)
+
+    @pytest.mark.parametrize("weight_dtype", ["same", "fp32"])
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+    @pytest.mark.parametrize("shape,spans", [((1, 1, 16), (1, 1, 1)), ((37, 2, 24), (15, 15, 31)),
+                                             ((50, 3, 128), (20, 24, 44)), ((9, 2, 32), (0, 0, 9))],
+                             ids=["1x1x16-states", "37x2x24", "50x3x128-gap", "9x2x32-questions"])
+    def test_gated_norm_matches_the_reference_and_never_reads_unwritten_rows(shape, spans, dtype, weight_dtype):
+        """Each row from the call that covers it (NaN elsewhere never leaks), zero rows where neither does (the tail
+        padding, a gap), V padded to a power of two, the gate read in place as a strided slice; roundings where
+        transformers' norm rounds (weight * x in x's dtype when that is the product's dtype, not with fp32
+        weights)."""
+        T, H, V = shape
+        x_states, x_branches, gate, ends = gated_norm_inputs(T, H, V, dtype, T, spans)
+        weight = (1 + 0.5 * randn(V, seed=7)).to(dtype if weight_dtype == "same" else torch.float32)
+        got = norm_triton.gated_norm(x_states, x_branches, gate, weight, *ends, 1e-6)
+        want = norm_ref.gated_norm(x_states, x_branches, gate, weight, *ends, 1e-6)
+        assert got.shape == (T, H, V) and got.dtype == dtype and got.is_contiguous()
+        assert not got.isnan().any()
+        covered = torch.zeros(T, dtype=torch.bool)
+        covered[:spans[0]] = True
+        covered[spans[1]:spans[2]] = True
+        assert torch.equal(got[~covered], torch.zeros_like(got[~covered]))
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+        else:  # this triton's interpreter truncates float32 -> bf16 casts (the GPU rounds to nearest): within two
+            # bf16 steps here; tests/gpu/test_gated_norm_gpu.py checks the GPU's bits against the reference
+            torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+    def test_gated_norm_keeps_each_rows_bits_in_any_stream():
+        """A row's output has the same bits inside a longer stream with other spans (batch-invariant)."""
+        T, H, V = 21, 2, 64
+        x_states, x_branches, gate, ends = gated_norm_inputs(T, H, V, torch.bfloat16, 3, (10, 10, 21))
+        weight = (1 + 0.5 * randn(V, seed=7)).to(torch.bfloat16)
+        alone = norm_triton.gated_norm(x_states, x_branches, gate, weight, *ends, 1e-6)
+        pad = 13
+        longer = [torch.cat([randn(pad, H, V, seed=50 + i, dtype=torch.bfloat16), x, randn(30, H, V, seed=60 + i,
+                                                                                          dtype=torch.bfloat16)])
+                  for i, x in enumerate((x_states, x_branches, gate))]
+        # the same rows now sit 13 rows later; the states' span starts at 0, so it also covers the leading rows
+        ends = [torch.tensor([n], dtype=torch.int64) for n in (pad + 10, pad + 10, pad + 21)]
+        inside = norm_triton.gated_norm(*longer, weight, *ends, 1e-6)
+        assert torch.equal(inside[pad:pad + T], alone)
+
+    def test_gated_norm_refuses_mismatched_inputs():
+        x_states, x_branches, gate, ends = gated_norm_inputs(4, 2, 16, torch.float32, 1, (2, 2, 4))
+        weight = torch.ones(16)
+        with pytest.raises(ValueError, match="gate is"):
+            norm_triton.gated_norm(x_states, x_branches, gate[:, :1], weight, *ends, 1e-6)
+        with pytest.raises(ValueError, match="weight is"):
+            norm_triton.gated_norm(x_states, x_branches, gate, weight[:8], *ends, 1e-6)
+        with pytest.raises(ValueError, match="last dim must be contiguous"):
+            norm_triton.gated_norm(x_states, x_branches, gate.transpose(0, 2).contiguous().transpose(0, 2), weight,
+                                   *ends, 1e-6)
+
+    def test_gated_norm_in_a_whole_tiny_model_answers_as_the_models_own_norm():
+        """Every GDN layer of a tiny Qwen3.5 (fp32, eager rounds on the CPU) ending in the Triton kernel answers as
+        the model's own norm after the select, to float32 rounding."""
+        import flide
+        from flide.models.layers import FlideGatedDeltaNet
+        from flide.models.tiny import tiny_model, tiny_tokenizer
+        from flide.testing import max_difference, random_request
+
+        engine = flide.patch(tiny_model("qwen3_5_text"), tiny_tokenizer())
+        rng = random.Random(4)
+        requests = [random_request(rng, max_questions=5, max_words=60) for _ in range(4)]
+        want = engine.decide(requests)
+        layers = [m for m in engine.model.modules() if isinstance(m, FlideGatedDeltaNet)]
+        assert layers
+        for layer in layers:
+            layer.norm_op = norm_triton.gated_norm
+        got = engine.decide(requests)
+        assert max(max_difference(a, b) for a, b in zip(want, got)) < 1e-5
+

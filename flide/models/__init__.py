@@ -43,7 +43,8 @@ def swap_mixers(text_model: nn.Module, ops: dict) -> None:
                                  f"layout is not one Flide runs.")
         if hasattr(layer, "linear_attn"):
             original = getattr(layer.linear_attn, "original", layer.linear_attn)
-            layer.linear_attn = FlideGatedDeltaNet(original, ops["fork_conv"], ops["gated_delta"])
+            layer.linear_attn = FlideGatedDeltaNet(original, ops["fork_conv"], ops["gated_delta"],
+                                                   ops["gated_norm"])
         elif hasattr(layer, "self_attn"):
             original = getattr(layer.self_attn, "original", layer.self_attn)
             layer.self_attn = FlideAttention(original, ops["fork_attention"])

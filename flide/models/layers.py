@@ -17,8 +17,9 @@ from torch import nn
 
 from .fused import fuse, project
 from ..ops.gated_delta import BRANCH_KERNELS, STATE_KERNELS, WY_KERNELS
-from ..ops.gated_delta import fork as gated_delta_fork
+from ..ops.gated_delta import fork_parts as gated_delta_fork_parts
 from ..ops.gated_delta import fork_resumable as gated_delta_fork_resumable
+from ..ops.gated_norm.reference import select_rows
 from ..round import RoundTensors
 
 
@@ -139,15 +140,23 @@ class FlideGatedDeltaNet(_Swapped):
     calls of `gated_delta` (states first, then every question from its state's final recurrent state)."""
 
     NAMES = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "norm", "out_proj", "A_log", "dt_bias")
-    SHARED = ("conv_op", "delta_op", "branch_op", "state_op")
+    SHARED = ("conv_op", "delta_op", "branch_op", "state_op", "norm_op")
 
-    def __init__(self, original: nn.Module, conv_op: Callable, delta_op: Callable):
+    def __init__(self, original: nn.Module, conv_op: Callable, delta_op: Callable, norm_op: Callable | None = None):
         super().__init__(original, self.NAMES)
         if original.conv1d.bias is not None:
             raise ValueError("Gated DeltaNet with a conv bias is not supported.")
         if original.activation not in ("silu", "swish"):
             raise ValueError(f"Gated DeltaNet with activation {original.activation!r} is not supported.")
         self.conv_op, self.delta_op = conv_op, delta_op
+        # the gated norm as one op with the fork's row select (`kernels.gated_norm`), or None: the model's own norm
+        # module after the select (the `torch` variant, which Inductor fuses)
+        self.norm_op = None if norm_op is None or getattr(norm_op, "keeps_module", False) else norm_op
+        if self.norm_op is not None:
+            norm = original.norm
+            if getattr(norm, "activation", None) not in ("silu", "swish") or not hasattr(norm, "variance_epsilon"):
+                raise ValueError(f"`kernels.gated_norm` runs Qwen3.5's gated RMS norm (SiLU gate); this layer's norm "
+                                 f"({type(norm).__name__}) is not one: use `kernels.gated_norm: torch`.")
         # the variant's faster question call, if it has one: looked up here, once, not in traced code
         self.branch_op = BRANCH_KERNELS.get(delta_op)
         self.state_op = STATE_KERNELS.get(delta_op)  # and its state call from the round's tables
@@ -182,10 +191,15 @@ class FlideGatedDeltaNet(_Swapped):
             # q, k and v as they lie in the conv's output (column slices): every variant makes them contiguous itself
             # where it needs to; the fla state call lays out all three in one launch that also normalises q and k,
             # and hands them to the question call (three Inductor copy kernels a layer fewer, v stored once)
-            out, _ = gated_delta_fork(self.delta_op, q, k, v, g, beta,
-                                      r.state_start, r.state_len, r.branch_start, r.branch_len, r.branch_state,
-                                      self.head_k_dim ** -0.5, True, branch_kernel=self.branch_op,
-                                      state_kernel=self.state_op, tables=ctx.tables, wy=self.wy)
+            parts = gated_delta_fork_parts(self.delta_op, q, k, v, g, beta, r.state_start, r.state_len,
+                                           r.branch_start, r.branch_len, r.branch_state, self.head_k_dim ** -0.5,
+                                           True, branch_kernel=self.branch_op, state_kernel=self.state_op,
+                                           tables=ctx.tables, wy=self.wy)
+            if self.norm_op is not None:  # the select and the norm in one op
+                out = self.norm_op(*parts[:2], z.reshape(T, -1, self.head_v_dim), self.norm.weight, *parts[2:5],
+                                   self.norm.variance_epsilon)
+                return self.out_proj(out.reshape(T, -1))
+            out = select_rows(*parts[:5])
         else:  # states start from their checkpoints' recurrent states; the state call snapshots the saves' states
             initial = ck.initial_state((v.shape[1], self.head_k_dim, self.head_v_dim))
             out, _, snapshot = gated_delta_fork_resumable(

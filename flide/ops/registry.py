@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 
-OP_FAMILIES = ("fork_attention", "gated_delta", "fork_conv", "readout", "linear")
+OP_FAMILIES = ("fork_attention", "gated_delta", "fork_conv", "gated_norm", "readout", "linear")
 
 _REGISTRY: dict[tuple[str, str], Callable] = {}
 _AVAILABLE: dict[tuple[str, str], Callable[[], str | None]] = {}
@@ -108,6 +108,8 @@ AUTO = {
     # the Triton conv: one launch for the whole stream (the reference gathers windows in several ops); its GPU
     # tests (tests/gpu/test_fork_conv_gpu.py, 32 cases vs the reference) pass on the H200 (2026-11-30)
     "fork_conv": {"cuda": ("triton", "reference")},
+    # `torch` until the Triton kernel is measured on the H200 (session 21)
+    "gated_norm": {},
     "readout": {},
     "linear": {},  # `torch`: the model's own nn.Linear modules stay (no swap)
 }
@@ -121,13 +123,14 @@ AUTO_INVARIANT = {
     # rounded them away). The Triton conv sums the taps in one fixed order per token, whatever the length; so does
     # the reference now (elementwise, tap by tap), the fallback where Triton cannot run.
     "fork_conv": {"cuda": ("triton", "reference"), "cpu": ("reference",)},
+    "gated_norm": {"cuda": ("torch",), "cpu": ("torch",)},
     "readout": {"cuda": ("invariant",), "cpu": ("invariant",)},
     "linear": {"cuda": ("triton",), "cpu": ("blocked",)},
 }
 # what `auto` falls back to when no device-specific pick can run: the references (readout: selective; linear: the
 # model's own layers)
 FALLBACK = {"fork_attention": "reference", "gated_delta": "reference", "fork_conv": "reference",
-            "readout": "selective", "linear": "torch"}
+            "gated_norm": "torch", "readout": "selective", "linear": "torch"}
 
 
 def _runs_here(key: tuple[str, str]) -> bool:

@@ -13,6 +13,7 @@ import torch
 from ..registry import register, register_resumable
 from ..resume import gated_delta_with_snapshot
 from . import fla, reference
+from ..gated_norm.reference import select_rows
 
 
 @torch.library.custom_op("flide::gated_delta_reference", mutates_args=())
@@ -263,30 +264,55 @@ def fork_tables(state_start: torch.Tensor, state_len: torch.Tensor, branch_start
                       fla.span_end(branch_start, branch_len), all_cu_seqlens, all_chunks)
 
 
+class ForkParts(NamedTuple):
+    """The two calls of a fork before their rows are combined (`fork_parts`): each row of the layer's output comes
+    from the call that covers it, rows [0, states_end) from `o_states`, rows [branches_start, branches_end) from
+    `o_branches`, the rest (tail padding) zero. A GDN layer hands them to its gated norm (`flide.ops.gated_norm`),
+    which selects while it normalises; `fork` combines them itself."""
+
+    o_states: torch.Tensor  # [T, Hv, V]
+    o_branches: torch.Tensor  # [T, Hv, V]
+    states_end: torch.Tensor  # [1]
+    branches_start: torch.Tensor  # [1]
+    branches_end: torch.Tensor  # [1]
+    finals: torch.Tensor  # [NS, Hv, K, V] float32: each state's final recurrent state
+
+
 def fork(kernel, q, k, v, g, beta, state_start, state_len, branch_start, branch_len, branch_state, scale: float,
          use_qk_l2norm: bool, branch_kernel=None, state_kernel=None,
          tables: ForkTables | None = None, wy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forked gated delta rule, in two calls of one varlen kernel (`fork_parts`), their rows combined.
+
+    Returns: (o [T, Hv, V], state_final [NS, Hv, K, V] float32).
+    """
+    parts = fork_parts(kernel, q, k, v, g, beta, state_start, state_len, branch_start, branch_len, branch_state,
+                       scale, use_qk_l2norm, branch_kernel, state_kernel, tables, wy)
+    return select_rows(*parts[:5]), parts.finals
+
+
+def fork_parts(kernel, q, k, v, g, beta, state_start, state_len, branch_start, branch_len, branch_state,
+               scale: float, use_qk_l2norm: bool, branch_kernel=None, state_kernel=None,
+               tables: ForkTables | None = None, wy: bool = False) -> ForkParts:
     """Forked gated delta rule, in two calls of one varlen kernel.
 
     Call 1 runs every state from a zero state and keeps each one's final recurrent state (float32); call 2 runs every
     question from the final state of its state (`branch_state` indexes the states). The level-major layout puts all
     states in one span and all questions in the next, so each row's output is taken from the call that covers it
-    (`combine`), and rows covered by neither (the tail padding) are zero.
+    (`ForkParts`), and rows covered by neither (the tail padding) are zero.
 
     `branch_kernel`: the question call's kernel when the variant has a faster one (`BRANCH_KERNELS[kernel]`; the
     model layers look it up at patch time, outside traced code): it returns only the outputs. `state_kernel`
     (`STATE_KERNELS[kernel]`) with `tables` (`fork_tables`, once per round): the state call from the round's tables.
     `wy` (the variant is in WY_KERNELS; decided at patch time): the state call also returns the questions' WY form
     and the question call takes it (`questions_wy.py`).
-
-    Returns: (o [T, Hv, V], state_final [NS, Hv, K, V] float32).
     """
     if wy and state_kernel is not None and branch_kernel is not None and tables is not None:
         o_states, finals, q, k, w, u, gamma = state_kernel(
             q, k, v, g, beta, tables.all_cu_seqlens, tables.all_chunks, tables.state_cu_seqlens, tables.state_chunks,
             tables.state_chunk_offsets, scale, use_qk_l2norm)
         o_branches = branch_kernel(q, k, w, u, gamma, branch_start, branch_len, finals, branch_state, scale)
-        return combine(o_states, o_branches, state_start, state_len, branch_start, branch_len, tables), finals
+        return ForkParts(o_states, o_branches, *spans(state_start, state_len, branch_start, branch_len, tables),
+                         finals)
     if state_kernel is not None and tables is not None:
         # q and k come back normalised: the question call reads them so (one normalisation per token, not one in
         # every step of every (branch, head, value tile) program of the question kernel), and v laid out once
@@ -303,22 +329,24 @@ def fork(kernel, q, k, v, g, beta, state_start, state_len, branch_start, branch_
     else:
         o_branches, _ = kernel(q, k, v, g, beta, branch_start, branch_len, finals, branch_state, scale,
                                use_qk_l2norm)
-    return combine(o_states, o_branches, state_start, state_len, branch_start, branch_len, tables), finals
+    return ForkParts(o_states, o_branches, *spans(state_start, state_len, branch_start, branch_len, tables), finals)
+
+
+def spans(state_start: torch.Tensor, state_len: torch.Tensor, branch_start: torch.Tensor, branch_len: torch.Tensor,
+          tables: ForkTables | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(states_end, branches_start, branches_end), each [1]: the rows each call of a fork covers (the states' span
+    starts at row 0). From the round's tables when given (derived once per forward), else from the segments."""
+    if tables is not None:
+        return tables.states_end, branch_start[:1], tables.branches_end
+    return fla.span_end(state_start, state_len), branch_start[:1], fla.span_end(branch_start, branch_len)
 
 
 def combine(o_states: torch.Tensor, o_branches: torch.Tensor, state_start: torch.Tensor, state_len: torch.Tensor,
             branch_start: torch.Tensor, branch_len: torch.Tensor, tables: ForkTables | None = None) -> torch.Tensor:
     """The stream's output from the two calls: state rows from the first, question rows from the second, zero
-    elsewhere. One fused select: a variant may leave the rows outside its call's span unwritten (fla does, and they
-    can hold NaN, which a sum would spread and a select does not), and no variant needs to zero them first."""
-    t = torch.arange(o_states.shape[0], device=o_states.device)[:, None, None]
-    if tables is not None:
-        states_end, branches_end = tables.states_end, tables.branches_end
-    else:
-        states_end, branches_end = fla.span_end(state_start, state_len), fla.span_end(branch_start, branch_len)
-    in_branches = (t >= branch_start[:1]) & (t < branches_end)
-    zero = torch.zeros((), dtype=o_states.dtype, device=o_states.device)
-    return torch.where(t < states_end, o_states, torch.where(in_branches, o_branches, zero))
+    elsewhere (`select_rows`: a variant may leave the rows outside its call's span unwritten, fla does, and they can
+    hold NaN, which a sum would spread and a select does not)."""
+    return select_rows(o_states, o_branches, *spans(state_start, state_len, branch_start, branch_len, tables))
 
 
 def fork_resumable(snapshot_kernel, q, k, v, g, beta, state_start, state_len, branch_start, branch_len, branch_state,

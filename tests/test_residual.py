@@ -58,19 +58,22 @@ def test_fp32_residual_stream_is_float32_and_mixers_read_the_models_dtype():
              for block in engine.flat.blocks]
     for block in engine.flat.blocks[:-1]:  # the last block's parts run one by one (selective readout)
 
-        def run(h, ctx, original=block.run):
-            out = original(h, ctx)
-            streams.append((h.dtype, out.dtype))
-            return out
+        def run_deferred(h, pending, ctx, original=block.run_deferred):
+            out, mlp_out = original(h, pending, ctx)
+            streams.append((h.dtype, pending.dtype, out.dtype))
+            return out, mlp_out
 
-        block.run = run  # FlatBlock.forward calls self.run
+        block.run_deferred = run_deferred  # FlatBlock.forward calls self.run_deferred
     try:
         engine.decide(_requests(2, 2))
     finally:
         for hook in hooks:
             hook.remove()
     assert len(mixer_inputs) == len(engine.flat.blocks) and set(mixer_inputs) == {torch.bfloat16}
-    assert len(streams) == len(engine.flat.blocks) - 1 and set(streams) == {(torch.float32, torch.float32)}
+    assert len(streams) == len(engine.flat.blocks) - 1
+    assert {(h, out) for h, _, out in streams} == {(torch.float32, torch.float32)}
+    # the MLP output each block hands the next to add: the model's dtype (the first block adds fp32 zeros)
+    assert [pending for _, pending, _ in streams] == [torch.float32] + [torch.bfloat16] * (len(streams) - 1)
 
 
 def test_fp32_residual_resumes_from_checkpoints():

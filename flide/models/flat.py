@@ -86,17 +86,27 @@ class FlatBlock(nn.Module):
         return mlp.down_proj(mlp.act_fn(gate) * up)
 
     @torch.compiler.nested_compile_region
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor,
-                chunk_offsets: torch.Tensor, states_end: torch.Tensor, branches_end: torch.Tensor,
-                all_cu_seqlens: torch.Tensor, all_chunks: torch.Tensor, *fields: torch.Tensor) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, pending: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cu_seqlens: torch.Tensor, chunk_offsets: torch.Tensor, states_end: torch.Tensor,
+                branches_end: torch.Tensor, all_cu_seqlens: torch.Tensor, all_chunks: torch.Tensor,
+                *fields: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         r = RoundTensors(*fields)
         tables = ForkTables(cu_seqlens, r.state_chunks, chunk_offsets, states_end, branches_end, all_cu_seqlens,
                             all_chunks)
-        return self.run(h, FlatContext(r, cos, sin, tables=tables))
+        return self.run_deferred(h, pending, FlatContext(r, cos, sin, tables=tables))
+
+    def run_deferred(self, h: torch.Tensor, pending: torch.Tensor,
+                     ctx: FlatContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer with the residual add that ends the layer before it still to do (`pending`, that layer's MLP
+        output): done here, the add fuses into this layer's input-norm kernel, inside one compile region, where as
+        the last op of the region before it was a kernel of its own (one launch and one pass over the stream fewer
+        a layer). Returns (h, this layer's MLP output, not yet added)."""
+        h = residual(h, pending)
+        h = residual(h, self.mixer(self.normed(self.input_layernorm, h), flide=ctx))
+        return h, self.run_mlp(self.normed(self.post_attention_layernorm, h))
 
     def run(self, h: torch.Tensor, ctx: FlatContext) -> torch.Tensor:
-        """The layer with a context of its own: inside `forward`'s compile region, or eagerly for rounds with
-        checkpoints (never compiled)."""
+        """The whole layer with a context of its own, eagerly, for rounds with checkpoints (never compiled)."""
         h = residual(h, self.mixer(self.normed(self.input_layernorm, h), flide=ctx))
         return residual(h, self.run_mlp(self.normed(self.post_attention_layernorm, h)))
 
@@ -161,9 +171,15 @@ class FlatModel(nn.Module):
             tables = fork_tables(r.state_start, r.state_len, r.branch_start, r.branch_len, r.state_chunks,
                                  r.branch_chunks if self.wy else None)
             ctx = FlatContext(r, cos[0], sin[0], tables=tables)
+            # each block returns its MLP output un-added, for the next block's input-norm kernel to add
+            # (`run_deferred`); the first adds zeros (h + 0 has h's bits), so every block has one signature and
+            # compiles as one region per layer kind
+            pending = torch.zeros_like(h)
             for block in self.blocks[:-1]:
-                h = block(h, ctx.cos, ctx.sin, tables.state_cu_seqlens, tables.state_chunk_offsets, tables.states_end,
-                          tables.branches_end, tables.all_cu_seqlens, tables.all_chunks, *fields)
+                h, pending = block(h, pending, ctx.cos, ctx.sin, tables.state_cu_seqlens, tables.state_chunk_offsets,
+                                   tables.states_end, tables.branches_end, tables.all_cu_seqlens, tables.all_chunks,
+                                   *fields)
+            h = residual(h, pending)
         h = residual(h, last.mixer(last.normed(last.input_layernorm, h), flide=ctx))
         if self.selective:
             h = h[r.readout_rows]  # only the read rows go on through the last MLP, the norm and the head

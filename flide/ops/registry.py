@@ -108,8 +108,9 @@ AUTO = {
     # the Triton conv: one launch for the whole stream (the reference gathers windows in several ops); its GPU
     # tests (tests/gpu/test_fork_conv_gpu.py, 32 cases vs the reference) pass on the H200 (2026-11-30)
     "fork_conv": {"cuda": ("triton", "reference")},
-    # `torch` until the Triton kernel is measured on the H200 (session 21)
-    "gated_norm": {},
+    # the Triton kernel: it reads each row once from the gated delta call that wrote it, where Inductor's fusion of
+    # the select and the model's norm module loads both calls' rows (H200 measurement: NOTES.md, session 21)
+    "gated_norm": {"cuda": ("triton", "torch")},
     "readout": {},
     "linear": {},  # `torch`: the model's own nn.Linear modules stay (no swap)
 }
@@ -123,7 +124,7 @@ AUTO_INVARIANT = {
     # rounded them away). The Triton conv sums the taps in one fixed order per token, whatever the length; so does
     # the reference now (elementwise, tap by tap), the fallback where Triton cannot run.
     "fork_conv": {"cuda": ("triton", "reference"), "cpu": ("reference",)},
-    "gated_norm": {"cuda": ("torch",), "cpu": ("torch",)},
+    "gated_norm": {"cuda": ("triton", "torch"), "cpu": ("torch",)},
     "readout": {"cuda": ("invariant",), "cpu": ("invariant",)},
     "linear": {"cuda": ("triton",), "cpu": ("blocked",)},
 }

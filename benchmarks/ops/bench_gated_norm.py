@@ -36,7 +36,7 @@ STREAMS = {"race-0.8b": (448, 16, 300, 437), "quality-0.8b": (8192, 16, 6113, 80
            "state2000_q64-0.8b": (10240, 16, 2004, 9176), "quality-9b": (8192, 32, 6113, 8045)}
 V = 128
 # (BLOCK_T, num_warps) tried by --sweep; the default is flide.ops.gated_norm.triton's
-SWEEP = [(8, 2), (16, 4), (32, 4), (32, 8), (64, 8)]
+SWEEP = [(8, 2), (16, 4), (32, 4), (32, 8), (64, 8)]  # (8, 2) the default since session 21's sweep
 
 
 def bench(name: str, T: int, H: int, states_end: int, branches_end: int, bandwidth: float, sweep: bool) -> list[dict]:

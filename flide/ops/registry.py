@@ -109,7 +109,9 @@ AUTO = {
     # tests (tests/gpu/test_fork_conv_gpu.py, 32 cases vs the reference) pass on the H200 (2026-11-30)
     "fork_conv": {"cuda": ("triton", "reference")},
     # the Triton kernel: it reads each row once from the gated delta call that wrote it, where Inductor's fusion of
-    # the select and the model's norm module loads both calls' rows (H200 measurement: NOTES.md, session 21)
+    # the select and the model's norm module loads both calls' rows: on the H200 (2026-12-01, 0.8B, bf16, one call)
+    # 28 vs 81 us a layer on QuALITY, replay GPU time 31.7 vs 32.7 ms, sweep 64 38.9 vs 40.1, RACE 3.37 vs 3.42
+    # (results/h200_profile_0_8b_gated_norm_ab_*.json; every GPU test file passed with it as the default)
     "gated_norm": {"cuda": ("triton", "torch")},
     "readout": {},
     "linear": {},  # `torch`: the model's own nn.Linear modules stay (no swap)

@@ -1,10 +1,12 @@
 """The fork's row select and the gated RMS norm as one Triton kernel (contract: `reference.gated_norm`).
 
 Inductor fused the reference's select and norm into one kernel too, but it loads every row from both calls' outputs
-(the select's two branches), and on the H200 that kernel took 81 us a layer on QuALITY's 8,192-token bucket
-(1.46 ms of a 0.8B replay; session 21's profile), ~2.5x the traffic of reading x once, the gate once and writing the
-result. Here each row is loaded only from the call that wrote it (masked loads fetch nothing), so the kernel reads
-one x row, one gate row and writes one row: the whole of its cost.
+(the select's two branches), and inside a 0.8B replay on the H200 that kernel took 81 us a layer on QuALITY's
+8,192-token bucket (1.46 ms of the replay). Here each row is loaded only from the call that wrote it (masked loads
+fetch nothing), so the kernel reads one x row, one gate row and writes one row: the whole of its cost. H200
+(session 21, `benchmarks/results/ops_gated_norm_h200.md`, `h200_profile_0_8b_gated_norm_ab_*.json`): 28 us a layer
+on QuALITY (1.2x the copy floor; Inductor's fusion alone 35 us, in the replay 81 us), replay GPU time QuALITY
+32.70 -> 31.72 ms, sweep 64 40.12 -> 38.91, RACE 3.42 -> 3.37.
 
 Each program owns BLOCK_T tokens of one head: rows of V values, normalised along V in fp32 with one fixed tile and
 warp count (no autotuning), so a row's bits never depend on the stream's length or on other rows: batch-invariant.
@@ -21,8 +23,10 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_T = 16  # tokens per program (of one head)
-NUM_WARPS = 4
+# the fastest tile of the H200 sweep (`bench_gated_norm.py --sweep`) or tied with it on every stream: RACE 2.9 us,
+# QuALITY 27.7 (0.8B) / 52.1 (9B), sweep 64 33.2; (16, 4) was 3.2 / 29.2 / 55.2 / 35.1
+BLOCK_T = 8  # tokens per program (of one head)
+NUM_WARPS = 2
 
 
 @triton.jit

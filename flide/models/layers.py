@@ -187,6 +187,7 @@ class FlideGatedDeltaNet(_Swapped):
         beta = b.sigmoid()
         # float32, as transformers does: in half precision exp(A_log) could overflow
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        gate = z.reshape(T, -1, self.head_v_dim)  # the gated norm's [T, Hv, V] (see the end)
         if ck is None:
             # q, k and v as they lie in the conv's output (column slices): every variant makes them contiguous itself
             # where it needs to; the fla state call lays out all three in one launch that also normalises q and k,
@@ -196,10 +197,11 @@ class FlideGatedDeltaNet(_Swapped):
                                            True, branch_kernel=self.branch_op, state_kernel=self.state_op,
                                            tables=ctx.tables, wy=self.wy)
             if self.norm_op is not None:  # the select and the norm in one op
-                out = self.norm_op(*parts[:2], z.reshape(T, -1, self.head_v_dim), self.norm.weight, *parts[2:5],
-                                   self.norm.variance_epsilon)
+                out = self.norm_op(parts.o_states, parts.o_branches, gate, self.norm.weight, parts.states_end,
+                                   parts.branches_start, parts.branches_end, self.norm.variance_epsilon)
                 return self.out_proj(out.reshape(T, -1))
-            out = select_rows(*parts[:5])
+            out = select_rows(parts.o_states, parts.o_branches, parts.states_end, parts.branches_start,
+                              parts.branches_end)
         else:  # states start from their checkpoints' recurrent states; the state call snapshots the saves' states
             initial = ck.initial_state((v.shape[1], self.head_k_dim, self.head_v_dim))
             out, _, snapshot = gated_delta_fork_resumable(
@@ -210,7 +212,7 @@ class FlideGatedDeltaNet(_Swapped):
         # the gated norm over [T, Hv, V] (per head row, as transformers' [T * Hv, V]): merging the last two dims is
         # then a view for Inductor, where [T * Hv, V] -> [T, Hv * V] with a symbolic T became a copy kernel before
         # out_proj in every GDN layer (session 20's H200 output code)
-        out = self.norm(out, z.reshape(T, -1, self.head_v_dim)).reshape(T, -1)
+        out = self.norm(out, gate).reshape(T, -1)
         return self.out_proj(out)
 
 

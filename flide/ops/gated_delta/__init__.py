@@ -287,7 +287,8 @@ def fork(kernel, q, k, v, g, beta, state_start, state_len, branch_start, branch_
     """
     parts = fork_parts(kernel, q, k, v, g, beta, state_start, state_len, branch_start, branch_len, branch_state,
                        scale, use_qk_l2norm, branch_kernel, state_kernel, tables, wy)
-    return select_rows(*parts[:5]), parts.finals
+    o = select_rows(parts.o_states, parts.o_branches, parts.states_end, parts.branches_start, parts.branches_end)
+    return o, parts.finals
 
 
 def fork_parts(kernel, q, k, v, g, beta, state_start, state_len, branch_start, branch_len, branch_state,

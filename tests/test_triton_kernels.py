@@ -78,6 +78,54 @@ else:
         assert out.shape == want.shape and out.dtype == torch.float32
         torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)  # NaN anywhere (an unwritten element) fails
 
+    @pytest.mark.parametrize("normalize", [True, False], ids=["l2norm", "plain"])
+    @pytest.mark.parametrize("tokens,key_heads,value_heads,dim", [(1, 1, 1, 16), (65, 2, 4, 16), (130, 1, 2, 32)])
+    def test_fork_conv_qkv_matches_reference_and_the_plain_conv(tokens, key_heads, value_heads, dim, normalize):
+        """The conv with q | k | v laid out as the gated delta kernels read them (`fork_conv_qkv`): equal to the
+        reference (conv, split, per-head L2 norm), x read in place as a column slice, three new contiguous tensors;
+        v (and q / k unnormalised) with the plain Triton conv's bits at the same tile (one head a channel tile)."""
+        D = (2 * key_heads + value_heads) * dim
+        r = tiny_round(tokens, seed=tokens + D)
+        x = randn(tokens, D + 24, seed=11)[:, 8:8 + D]
+        weight = randn(D, 4, seed=12)
+        q, k, v = conv_triton.fork_conv_qkv(x, weight, r.seg_lo, r.trunk_lo, r.trunk_hi, key_heads, dim, normalize)
+        want = conv_ref.fork_conv_qkv(x, weight, r.seg_lo, r.trunk_lo, r.trunk_hi, key_heads, dim, normalize)
+        assert [y.shape for y in (q, k, v)] == [(tokens, key_heads, dim)] * 2 + [(tokens, value_heads, dim)]
+        assert all(y.is_contiguous() for y in (q, k, v))
+        for got, ref in zip((q, k, v), want):
+            torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+        plain = conv_triton.fork_conv(x, weight, r.seg_lo, r.trunk_lo, r.trunk_hi, True, block_d=dim)
+        assert torch.equal(v.reshape(tokens, -1), plain[:, 2 * key_heads * dim:])
+        if not normalize:
+            assert torch.equal(torch.cat([q, k], 1).reshape(tokens, -1), plain[:, :2 * key_heads * dim])
+        else:
+            norms = torch.cat([q, k], 1).norm(dim=-1)
+            live = torch.cat([want[0], want[1]], 1).abs().amax(-1) > 0
+            torch.testing.assert_close(norms[live], torch.ones_like(norms[live]), atol=1e-4, rtol=0)
+
+    def test_fork_conv_qkv_rows_keep_their_bits_in_a_longer_stream():
+        """A request's q / k / v rows have the same bits alone and after other requests (fixed tiles, per-row
+        norms): batch-invariant."""
+        r = tiny_round(70, seed=21)
+        x, weight = randn(70, 64, seed=22), randn(64, 4, seed=23)
+        alone = conv_triton.fork_conv_qkv(x, weight, r.seg_lo, r.trunk_lo, r.trunk_hi, 1, 16, True)
+        pad = 19  # rows of another segment before it: every table index shifts by pad
+        x2 = torch.cat([randn(pad, 64, seed=24), x])
+        lo = torch.cat([torch.zeros(pad, dtype=r.seg_lo.dtype), r.seg_lo + pad])
+        tlo = torch.cat([torch.zeros(pad, dtype=r.seg_lo.dtype), r.trunk_lo + pad])
+        thi = torch.cat([torch.zeros(pad, dtype=r.seg_lo.dtype), r.trunk_hi + pad])
+        inside = conv_triton.fork_conv_qkv(x2, weight, lo, tlo, thi, 1, 16, True)
+        for a, b in zip(alone, inside):
+            assert torch.equal(b[pad:], a)
+
+    def test_fork_conv_qkv_refuses_layouts_it_cannot_tile():
+        r = tiny_round(8, seed=1)
+        x, weight = randn(8, 48, seed=1), randn(48, 4, seed=2)
+        with pytest.raises(ValueError, match="power of two"):
+            conv_triton.fork_conv_qkv(x, weight, r.seg_lo, r.trunk_lo, r.trunk_hi, 1, 12, True)
+        with pytest.raises(ValueError, match="not q \\| k"):
+            conv_triton.fork_conv_qkv(x, weight, r.seg_lo, r.trunk_lo, r.trunk_hi, 2, 16, True)
+
     @pytest.mark.parametrize("width", [1, 2, 3, 4, 6])
     def test_fork_conv_short_states_and_widths(width):
         """States of 0-3 tokens (shorter than the window): a question's window reaches past its state's start and
@@ -677,5 +725,36 @@ else:
         for layer in layers:
             layer.norm_op = norm_triton.gated_norm
         got = engine.decide(requests)
+        assert max(max_difference(a, b) for a, b in zip(want, got)) < 1e-5
+
+    def test_fork_conv_qkv_in_a_whole_tiny_model_answers_as_the_plain_path():
+        """Every GDN layer of a tiny Qwen3.5 (fp32, eager rounds on the CPU) on the laid-out path: the fused conv
+        (interpreted) hands q, k (normalised) and v straight to the state call (here the reference over the round's
+        state table) and the question call: answers as the plain path's, to float32 rounding."""
+        import flide
+        from flide.models.layers import FlideGatedDeltaNet
+        from flide.models.tiny import tiny_model, tiny_tokenizer
+        from flide.testing import max_difference, random_request
+
+        def laid_out_states(q, k, v, g, beta, cu_seqlens, chunk_indices, chunk_offsets, scale):
+            assert all(x.is_contiguous() for x in (q, k, v))
+            n = cu_seqlens.shape[0] - 2
+            start, length = cu_seqlens[:n], cu_seqlens[1:n + 1] - cu_seqlens[:n]
+            no_initial = q.new_zeros(0, v.shape[1], k.shape[2], v.shape[2], dtype=torch.float32)
+            return delta_ref.gated_delta(q, k, v, g, beta, start, length, no_initial, torch.full_like(start, -1),
+                                         scale, False)
+
+        engine = flide.patch(tiny_model("qwen3_5_text"), tiny_tokenizer())
+        rng = random.Random(6)
+        requests = [random_request(rng, max_questions=5, max_words=60) for _ in range(4)]
+        want = engine.decide(requests)
+        layers = [m for m in engine.model.modules() if isinstance(m, FlideGatedDeltaNet)]
+        assert layers and all(layer.conv_qkv_op is None for layer in layers)  # the CPU's variants: plain path
+        calls = []
+        for layer in layers:
+            layer.conv_qkv_op = lambda *args: calls.append(1) or conv_triton.fork_conv_qkv(*args)
+            layer.laid_out_state_op = laid_out_states
+        got = engine.decide(requests)
+        assert len(calls) >= len(layers)
         assert max(max_difference(a, b) for a, b in zip(want, got)) < 1e-5
 

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .fused import fuse, project
-from ..ops.gated_delta import BRANCH_KERNELS, STATE_KERNELS, WY_KERNELS
+from ..ops.fork_conv import QKV_KERNELS
+from ..ops.gated_delta import BRANCH_KERNELS, LAID_OUT_STATE_KERNELS, STATE_KERNELS, WY_KERNELS
 from ..ops.gated_delta import fork_parts as gated_delta_fork_parts
 from ..ops.gated_delta import fork_resumable as gated_delta_fork_resumable
 from ..ops.gated_norm.reference import select_rows
@@ -140,7 +141,7 @@ class FlideGatedDeltaNet(_Swapped):
     calls of `gated_delta` (states first, then every question from its state's final recurrent state)."""
 
     NAMES = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "norm", "out_proj", "A_log", "dt_bias")
-    SHARED = ("conv_op", "delta_op", "branch_op", "state_op", "norm_op")
+    SHARED = ("conv_op", "delta_op", "branch_op", "state_op", "norm_op", "conv_qkv_op", "laid_out_state_op")
 
     def __init__(self, original: nn.Module, conv_op: Callable, delta_op: Callable, norm_op: Callable | None = None):
         super().__init__(original, self.NAMES)
@@ -164,6 +165,14 @@ class FlideGatedDeltaNet(_Swapped):
         self.in_sizes: list[int] | None = None  # the four input projections as one GEMM (fuse_projections)
         self.key_dim, self.value_dim = original.key_dim, original.value_dim
         self.head_k_dim, self.head_v_dim = original.head_k_dim, original.head_v_dim
+        # the conv writes q, k (normalised) and v as the gated delta kernels read them, in its own launch, when the
+        # conv variant has that form and the state call takes them so (`fork_parts(laid_out=True)`): the state
+        # call's layout launch, which read the conv's output back and wrote it again, drops out. Heads of one
+        # power-of-two width: one conv channel tile is one head
+        dim = self.head_k_dim
+        fusable = dim == self.head_v_dim and dim & (dim - 1) == 0 and dim <= 256 and not self.wy
+        self.conv_qkv_op = QKV_KERNELS.get(conv_op) if fusable else None
+        self.laid_out_state_op = LAID_OUT_STATE_KERNELS.get(delta_op) if fusable else None
 
     def fuse_projections(self) -> None:
         """in_proj_qkv / z / b / a as one GEMM (flide/models/fused.py); the layer's weights become views of it."""
@@ -176,26 +185,36 @@ class FlideGatedDeltaNet(_Swapped):
         T, r, ck = x.shape[0], ctx.round, ctx.checkpoint
         conv_in, z, b, a = project(self, "in_proj", self.in_sizes, self._in_projections(), x)
         weight = self.conv1d.weight.squeeze(1)
-        if ck is not None and ck.resumes:  # a resumed state's conv window continues the checkpoint's last inputs
-            qkv = ck.work.ops["fork_conv"](conv_in, weight, r.seg_lo, r.trunk_lo, r.trunk_hi, ck.window(),
-                                           ck.work.win_index, True)
+        # laid out: the fused conv writes q, k (normalised) and v as the gated delta kernels read them (not in
+        # rounds with checkpoints, whose companions take the plain conv's output)
+        laid_out = ck is None and self.conv_qkv_op is not None and self.laid_out_state_op is not None \
+            and ctx.tables is not None
+        if laid_out:
+            q, k, v = self.conv_qkv_op(conv_in, weight, r.seg_lo, r.trunk_lo, r.trunk_hi,
+                                       self.key_dim // self.head_k_dim, self.head_k_dim, True)
         else:
-            qkv = self.conv_op(conv_in, weight, r.seg_lo, r.trunk_lo, r.trunk_hi, True)
-        q, k, v = torch.split(qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q, k = q.reshape(T, -1, self.head_k_dim), k.reshape(T, -1, self.head_k_dim)
-        v = v.reshape(T, -1, self.head_v_dim)
+            if ck is not None and ck.resumes:  # a resumed state's conv window continues the checkpoint's inputs
+                qkv = ck.work.ops["fork_conv"](conv_in, weight, r.seg_lo, r.trunk_lo, r.trunk_hi, ck.window(),
+                                               ck.work.win_index, True)
+            else:
+                qkv = self.conv_op(conv_in, weight, r.seg_lo, r.trunk_lo, r.trunk_hi, True)
+            q, k, v = torch.split(qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+            q, k = q.reshape(T, -1, self.head_k_dim), k.reshape(T, -1, self.head_k_dim)
+            v = v.reshape(T, -1, self.head_v_dim)
         beta = b.sigmoid()
         # float32, as transformers does: in half precision exp(A_log) could overflow
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         gate = z.reshape(T, -1, self.head_v_dim)  # the gated norm's [T, Hv, V] (see the end)
         if ck is None:
-            # q, k and v as they lie in the conv's output (column slices): every variant makes them contiguous itself
-            # where it needs to; the fla state call lays out all three in one launch that also normalises q and k,
-            # and hands them to the question call (three Inductor copy kernels a layer fewer, v stored once)
+            # laid out: q, k (normalised) and v as the kernels read them, from the fused conv. Else as they lie in
+            # the conv's output (column slices): every variant makes them contiguous itself where it needs to; the
+            # fla state call lays out all three in one launch that also normalises q and k, and hands them to the
+            # question call (three Inductor copy kernels a layer fewer, v stored once)
             parts = gated_delta_fork_parts(self.delta_op, q, k, v, g, beta, r.state_start, r.state_len,
                                            r.branch_start, r.branch_len, r.branch_state, self.head_k_dim ** -0.5,
-                                           True, branch_kernel=self.branch_op, state_kernel=self.state_op,
-                                           tables=ctx.tables, wy=self.wy)
+                                           not laid_out, branch_kernel=self.branch_op,
+                                           state_kernel=self.laid_out_state_op if laid_out else self.state_op,
+                                           tables=ctx.tables, wy=self.wy, laid_out=laid_out)
             if self.norm_op is not None:  # the select and the norm in one op
                 out = self.norm_op(parts.o_states, parts.o_branches, gate, self.norm.weight, parts.states_end,
                                    parts.branches_start, parts.branches_end, self.norm.variance_epsilon)

@@ -65,8 +65,11 @@ def test_every_output_element_is_written(tokens, dtype):
 
 
 def test_opcheck_on_cuda():
+    from flide.ops.fork_conv import fork_conv_qkv_triton
+
     x, weight, r = inputs(200, 96, torch.bfloat16, seed=3)
     torch.library.opcheck(triton_op(), (x, weight, r.seg_lo, r.trunk_lo, r.trunk_hi, True))
+    torch.library.opcheck(fork_conv_qkv_triton, (x, weight, r.seg_lo, r.trunk_lo, r.trunk_hi, 1, 32, True))
 
 
 def test_replays_in_a_cuda_graph_with_other_rounds():
@@ -114,3 +117,35 @@ def test_triton_window_rows_equal_the_fresh_stream(dtype):
     torch.testing.assert_close(got.float(), want, atol=1e-5 if dtype == torch.float32 else 2e-2,
                                rtol=1e-5 if dtype == torch.float32 else 2e-2)
     assert torch.equal(got, fresh[kept])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("key_heads,value_heads,dim", [(16, 16, 128), (16, 32, 128), (2, 4, 16)],
+                         ids=["0.8b", "9b", "tiny"])
+@pytest.mark.parametrize("tokens", [1, 65, 3600])
+def test_conv_qkv_matches_reference_and_lays_out_what_prepare_qkv_did(tokens, key_heads, value_heads, dim, dtype):
+    """The fused layout (`fork_conv_qkv_triton`, what the GDN layer runs with fla): v has the plain Triton conv's
+    bits, q / k unnormalised too; normalised q / k equal the reference's within one rounding and, in bf16, the bits
+    of the path it replaces (plain conv, then the state call's `prepare_qkv`) on nearly every element."""
+    from flide.ops.fork_conv import fork_conv_qkv_triton
+    from flide.ops.gated_delta.l2norm import prepare_qkv
+
+    D = (2 * key_heads + value_heads) * dim
+    x, weight, r = inputs(tokens, D + 32, dtype, seed=tokens + D)
+    x, weight = x[:, 16:16 + D], weight[:D]  # a column slice, as the layer's fused projection holds it
+    meta = (r.seg_lo, r.trunk_lo, r.trunk_hi)
+    q, k, v = fork_conv_qkv_triton(x, weight, *meta, key_heads, dim, True)
+    want = reference.fork_conv_qkv(x.float(), weight.float(), *meta, key_heads, dim, True)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    for got, ref in zip((q, k, v), want):
+        assert got.dtype == dtype and got.is_contiguous()
+        torch.testing.assert_close(got.float(), ref, **tol)
+    plain = triton_op()(x, weight, *meta, True)
+    kc = key_heads * dim
+    assert torch.equal(v.reshape(tokens, -1), plain[:, 2 * kc:])
+    q0, k0, _ = fork_conv_qkv_triton(x, weight, *meta, key_heads, dim, False)
+    assert torch.equal(torch.cat([q0, k0], 1).reshape(tokens, -1), plain[:, :2 * kc])
+    before = prepare_qkv(plain[:, :kc].view(tokens, key_heads, dim), plain[:, kc:2 * kc].view(tokens, key_heads, dim),
+                         plain[:, 2 * kc:].view(tokens, value_heads, dim), True)
+    equal = (torch.cat([q, k]) == torch.cat(before[:2])).float().mean().item()
+    assert equal > 0.99, f"only {equal:.4f} of q / k's elements have prepare_qkv's bits"

@@ -263,6 +263,34 @@ def test_fork_reads_qkv_slices_with_the_bits_of_contiguous_copies(dtype, variant
     assert torch.equal(finals_s, finals) and torch.equal(o_s, o)
 
 
+@pytest.mark.parametrize("variant", ["fla", "fla_cuda"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_laid_out_fork_equals_the_fork_that_lays_out_itself(dtype, variant):
+    """The fork on q, k (normalised) and v already laid out (`fork_parts(laid_out=True)` with the variant's
+    `LAID_OUT_STATE_KERNELS` op: what the GDN layer runs after the fused conv) has the bits of the fork that lays them
+    out itself (the state call's `prepare_qkv`) given the same laid-out values, every row and final state; the laid-
+    out state op passes opcheck."""
+    from flide.ops.gated_delta import LAID_OUT_STATE_KERNELS, STATE_KERNELS, fork_parts, fork_tables
+    from flide.ops.gated_delta.l2norm import prepare_qkv
+    from flide.ops.gated_norm.reference import select_rows
+
+    delta = kernel(variant)
+    (q, k, v, decay, beta), r = inputs(2048, dtype, seed=27)
+    meta = (r.state_start, r.state_len, r.branch_start, r.branch_len, r.branch_state)
+    tables = fork_tables(r.state_start, r.state_len, r.branch_start, r.branch_len, r.state_chunks)
+    o, finals = plain_fork(delta, q, k, v, decay, beta, *meta, 128 ** -0.5, True,
+                           branch_kernel=BRANCH_KERNELS.get(delta), state_kernel=STATE_KERNELS[delta], tables=tables)
+    qn, kn, vn = prepare_qkv(q, k, v, True)
+    parts = fork_parts(delta, qn, kn, vn, decay, beta, *meta, 128 ** -0.5, False,
+                       branch_kernel=BRANCH_KERNELS.get(delta), state_kernel=LAID_OUT_STATE_KERNELS[delta],
+                       tables=tables, laid_out=True)
+    assert torch.equal(parts.finals, finals)
+    assert torch.equal(select_rows(*parts[:5]), o)
+    torch.library.opcheck(LAID_OUT_STATE_KERNELS[delta], (qn, kn, vn, decay, beta, tables.state_cu_seqlens,
+                                                          tables.state_chunks, tables.state_chunk_offsets, 128 ** -0.5),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_unfilled_final_state_equals_fla(dtype, monkeypatch):
     """fla.EMPTY_FINAL_STATE's own launch of fla's h kernel (final states `torch.empty`, not zero-filled) gives the

@@ -85,3 +85,24 @@ def _conv(windows: torch.Tensor, weight: torch.Tensor, silu: bool, dtype: torch.
     if silu:
         out = F.silu(out)
     return out.to(dtype).contiguous()
+
+
+def fork_conv_qkv(x: torch.Tensor, weight: torch.Tensor, seg_lo: torch.Tensor, trunk_lo: torch.Tensor,
+                  trunk_hi: torch.Tensor, key_heads: int, head_dim: int,
+                  normalize: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`fork_conv` with SiLU, its q | k | v channels split into (q [T, key_heads, head_dim], k, v [T, value heads,
+    head_dim]), q and k L2-normalised per head with `normalize` (x / sqrt(sum(x^2) + 1e-6) in fp32, rounded to x's
+    dtype): the oracle of the Triton conv's fused layout (`triton.fork_conv_qkv`)."""
+    T, D = x.shape
+    out = fork_conv(x, weight, seg_lo, trunk_lo, trunk_hi, True)
+    key_cols = key_heads * head_dim
+    q, k, v = out[:, :key_cols], out[:, key_cols:2 * key_cols], out[:, 2 * key_cols:]
+    q, k, v = q.reshape(T, key_heads, head_dim), k.reshape(T, key_heads, head_dim), v.reshape(T, -1, head_dim)
+    if normalize:
+        q, k = (_l2norm(y) for y in (q, k))
+    return q.contiguous(), k.contiguous(), v.contiguous()
+
+
+def _l2norm(y: torch.Tensor) -> torch.Tensor:
+    f = y.float()
+    return (f / torch.sqrt((f * f).sum(-1, keepdim=True) + 1e-6)).to(y.dtype)

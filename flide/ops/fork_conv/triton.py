@@ -28,13 +28,15 @@ from ..tables import check_token_tables
 BLOCK_T = 32  # tokens per tile
 BLOCK_D = 128  # channels per tile: 256 contiguous bytes of a bf16 row per token
 NUM_WARPS = 4
+EPS = 1e-6  # of the q / k L2 norm in `fork_conv_qkv` (gated_delta/l2norm.py's, fla's)
 
 
 @triton.jit
 def _fork_conv_kernel(x_ptr, w_ptr, out_ptr, seg_lo_ptr, trunk_lo_ptr, trunk_hi_ptr, win_ptr, win_index_ptr, T, D,
                       stride_xt, stride_xd, stride_wd, stride_ww, stride_ot, stride_od, stride_win_r, stride_win_d,
-                      W: tl.constexpr, SILU: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-                      HAS_WINDOW: tl.constexpr):
+                      k_ptr, v_ptr, KEY_COLS, W: tl.constexpr, SILU: tl.constexpr, BLOCK_T: tl.constexpr,
+                      BLOCK_D: tl.constexpr, HAS_WINDOW: tl.constexpr, SPLIT: tl.constexpr, NORM: tl.constexpr,
+                      EPS: tl.constexpr):
     pid_t = tl.program_id(0)
     pid_d = tl.program_id(1)
     # int64 token indices: row * stride can pass 2**31 in long streams of wide channels
@@ -80,8 +82,28 @@ def _fork_conv_kernel(x_ptr, w_ptr, out_ptr, seg_lo_ptr, trunk_lo_ptr, trunk_hi_
         # reference (2026-11-30, H200, RACE TV 15.2 vs 6.1 points; 3.98 with the reference conv)
         acc = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
         acc = acc * tl.sigmoid(acc)
-    tl.store(out_ptr + t[:, None] * stride_ot + d[None, :] * stride_od, acc.to(out_ptr.dtype.element_ty),
-             mask=t_ok[:, None] & d_ok[None, :])
+    y = acc.to(out_ptr.dtype.element_ty)
+    if SPLIT:
+        # q / k / v laid out for the gated delta kernels (`fork_conv_qkv`): out_ptr is q [T, KEY_COLS], k_ptr k, v_ptr
+        # v [T, D - 2 KEY_COLS], all contiguous; BLOCK_D is one head's width, so a tile is one head of one of them,
+        # and q / k rows are L2-normalised here over the head (the formula of gated_delta/l2norm.py) from the
+        # rounded outputs they would otherwise be read back from
+        c0 = pid_d * BLOCK_D
+        if c0 < 2 * KEY_COLS:
+            if NORM:
+                yf = y.to(tl.float32)
+                rstd = 1 / tl.sqrt(tl.sum(yf * yf, 1) + EPS)
+                y = (yf * rstd[:, None]).to(out_ptr.dtype.element_ty)
+            if c0 < KEY_COLS:
+                tl.store(out_ptr + t[:, None] * KEY_COLS + d[None, :], y, mask=t_ok[:, None] & d_ok[None, :])
+            else:
+                tl.store(k_ptr + t[:, None] * KEY_COLS + (d - KEY_COLS)[None, :], y,
+                         mask=t_ok[:, None] & d_ok[None, :])
+        else:
+            tl.store(v_ptr + t[:, None] * (D - 2 * KEY_COLS) + (d - 2 * KEY_COLS)[None, :], y,
+                     mask=t_ok[:, None] & d_ok[None, :])
+    else:
+        tl.store(out_ptr + t[:, None] * stride_ot + d[None, :] * stride_od, y, mask=t_ok[:, None] & d_ok[None, :])
 
 
 def fork_conv(x: torch.Tensor, weight: torch.Tensor, seg_lo: torch.Tensor, trunk_lo: torch.Tensor,
@@ -121,6 +143,42 @@ def fork_conv(x: torch.Tensor, weight: torch.Tensor, seg_lo: torch.Tensor, trunk
     grid = (triton.cdiv(T, block_t), triton.cdiv(D, block_d))
     _fork_conv_kernel[grid](x, weight, out, seg_lo, trunk_lo, trunk_hi, rows, win_index, T, D,
                             x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
-                            rows.stride(0), rows.stride(1), W=W, SILU=bool(silu), BLOCK_T=block_t, BLOCK_D=block_d,
-                            HAS_WINDOW=window is not None, num_warps=num_warps)
+                            rows.stride(0), rows.stride(1), out, out, 0, W=W, SILU=bool(silu), BLOCK_T=block_t,
+                            BLOCK_D=block_d, HAS_WINDOW=window is not None, SPLIT=False, NORM=False, EPS=EPS,
+                            num_warps=num_warps)
     return out
+
+
+def fork_conv_qkv(x: torch.Tensor, weight: torch.Tensor, seg_lo: torch.Tensor, trunk_lo: torch.Tensor,
+                  trunk_hi: torch.Tensor, key_heads: int, head_dim: int, normalize: bool, *, block_t: int = BLOCK_T,
+                  num_warps: int = NUM_WARPS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The GDN layer's conv (SiLU) with its output laid out as the gated delta kernels read it, in the same launch:
+    (q [T, key_heads, head_dim], k likewise, v [T, value heads, head_dim]), new contiguous tensors, q and k
+    L2-normalised per head with `normalize` (y = x / sqrt(sum(x^2) + 1e-6), sums in fp32, as l2norm.py). The conv's
+    channels are q | k | v, heads of `head_dim` (a power of two: one channel tile is one head). What it saves: the
+    [T, D] conv output written, read back and written again by the state call's layout kernel (`prepare_qkv`).
+    Same contract as `fork_conv` otherwise; `reference.fork_conv_qkv` is its oracle."""
+    T, D = x.shape
+    W = weight.shape[1]
+    key_cols = key_heads * head_dim
+    if weight.shape[0] != D:
+        raise ValueError(f"weight is {tuple(weight.shape)}, expected [{D}, W]")
+    if head_dim < 1 or head_dim & (head_dim - 1) or head_dim > 256:
+        raise ValueError(f"head_dim must be a power of two up to 256 (one channel tile a head), got {head_dim}")
+    if 2 * key_cols > D or (D - 2 * key_cols) % head_dim:
+        raise ValueError(f"{D} channels are not q | k ({key_heads} heads of {head_dim} each) | v (heads of "
+                         f"{head_dim})")
+    check_token_tables(T, seg_lo=seg_lo, trunk_lo=trunk_lo, trunk_hi=trunk_hi)
+    new = dict(dtype=x.dtype, device=x.device)
+    q = torch.empty(T, key_heads, head_dim, **new)
+    k = torch.empty(T, key_heads, head_dim, **new)
+    v = torch.empty(T, (D - 2 * key_cols) // head_dim, head_dim, **new)
+    if T == 0 or D == 0:
+        return q, k, v
+    seg_lo, trunk_lo, trunk_hi = seg_lo.contiguous(), trunk_lo.contiguous(), trunk_hi.contiguous()
+    grid = (triton.cdiv(T, block_t), D // head_dim)
+    _fork_conv_kernel[grid](x, weight, q, seg_lo, trunk_lo, trunk_hi, x, seg_lo, T, D,
+                            x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), 0, 0, x.stride(0),
+                            x.stride(1), k, v, key_cols, W=W, SILU=True, BLOCK_T=block_t, BLOCK_D=head_dim,
+                            HAS_WINDOW=False, SPLIT=True, NORM=bool(normalize), EPS=EPS, num_warps=num_warps)
+    return q, k, v

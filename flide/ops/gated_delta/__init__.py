@@ -112,6 +112,19 @@ def _fake_states(q, k, v, g, beta, cu_seqlens, chunk_indices, chunk_offsets, sca
             q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape))
 
 
+@torch.library.custom_op("flide::gated_delta_fla_states_laid_out", mutates_args=(), device_types="cuda")
+def gated_delta_fla_states_laid_out(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                                    beta: torch.Tensor, cu_seqlens: torch.Tensor, chunk_indices: torch.Tensor,
+                                    chunk_offsets: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return fla.gated_delta_states_laid_out(q, k, v, g, beta, cu_seqlens, chunk_indices, chunk_offsets, scale)
+
+
+@gated_delta_fla_states_laid_out.register_fake
+def _fake_states_laid_out(q, k, v, g, beta, cu_seqlens, chunk_indices, chunk_offsets, scale):
+    T, Hv, V = v.shape
+    return q.new_empty(T, Hv, V), q.new_empty(cu_seqlens.shape[0] - 2, Hv, k.shape[2], V, dtype=torch.float32)
+
+
 @torch.library.custom_op("flide::gated_delta_branches_triton", mutates_args=(), device_types="cuda")
 def gated_delta_branches_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                 beta: torch.Tensor, seg_start: torch.Tensor, seg_len: torch.Tensor,
@@ -231,6 +244,11 @@ BRANCH_KERNELS = {gated_delta_fla: gated_delta_branches_triton, gated_delta_fla_
 # every layer of a round
 STATE_KERNELS = {gated_delta_fla: gated_delta_fla_states, gated_delta_fla_wy: gated_delta_fla_states_wy,
                  gated_delta_fla_cuda: gated_delta_fla_states}
+# variants whose state call can also take q, k and v already laid out (contiguous, q / k normalised): the GDN layer's
+# fused conv writes them so (`fork_conv.QKV_KERNELS`), and the state call's layout launch (`prepare_qkv`, which reads
+# the conv's output back and writes it again) drops out; `fork_parts(laid_out=True)`
+LAID_OUT_STATE_KERNELS = {gated_delta_fla: gated_delta_fla_states_laid_out,
+                          gated_delta_fla_cuda: gated_delta_fla_states_laid_out}
 # variants whose fork runs the questions in chunked (WY) form from the state call's chunk-local steps (`fork(wy=)`)
 WY_KERNELS = (gated_delta_fla_wy,)
 
@@ -293,7 +311,7 @@ def fork(kernel, q, k, v, g, beta, state_start, state_len, branch_start, branch_
 
 def fork_parts(kernel, q, k, v, g, beta, state_start, state_len, branch_start, branch_len, branch_state,
                scale: float, use_qk_l2norm: bool, branch_kernel=None, state_kernel=None,
-               tables: ForkTables | None = None, wy: bool = False) -> ForkParts:
+               tables: ForkTables | None = None, wy: bool = False, laid_out: bool = False) -> ForkParts:
     """Forked gated delta rule, in two calls of one varlen kernel.
 
     Call 1 runs every state from a zero state and keeps each one's final recurrent state (float32); call 2 runs every
@@ -305,8 +323,22 @@ def fork_parts(kernel, q, k, v, g, beta, state_start, state_len, branch_start, b
     model layers look it up at patch time, outside traced code): it returns only the outputs. `state_kernel`
     (`STATE_KERNELS[kernel]`) with `tables` (`fork_tables`, once per round): the state call from the round's tables.
     `wy` (the variant is in WY_KERNELS; decided at patch time): the state call also returns the questions' WY form
-    and the question call takes it (`questions_wy.py`).
+    and the question call takes it (`questions_wy.py`). `laid_out`: q, k and v come as the kernels read them
+    (contiguous, q and k normalised: `fork_conv.QKV_KERNELS`), and `state_kernel` is the variant's
+    `LAID_OUT_STATE_KERNELS` form, which takes them so; both calls read them as they are.
     """
+    if laid_out:
+        if state_kernel is None or tables is None or use_qk_l2norm:
+            raise ValueError("a laid-out fork needs the round's tables, the laid-out state kernel and q / k "
+                             "normalised already (use_qk_l2norm False)")
+        o_states, finals = state_kernel(q, k, v, g, beta, tables.state_cu_seqlens, tables.state_chunks,
+                                        tables.state_chunk_offsets, scale)
+        if branch_kernel is not None:
+            o_branches = branch_kernel(q, k, v, g, beta, branch_start, branch_len, finals, branch_state, scale, False)
+        else:
+            o_branches, _ = kernel(q, k, v, g, beta, branch_start, branch_len, finals, branch_state, scale, False)
+        return ForkParts(o_states, o_branches, *spans(state_start, state_len, branch_start, branch_len, tables),
+                         finals)
     if wy and state_kernel is not None and branch_kernel is not None and tables is not None:
         o_states, finals, q, k, w, u, gamma = state_kernel(
             q, k, v, g, beta, tables.all_cu_seqlens, tables.all_chunks, tables.state_cu_seqlens, tables.state_chunks,

@@ -195,19 +195,32 @@ def gated_delta_states_wy(q, k, v, g, beta, all_cu_seqlens, all_chunks, cu_seqle
     return out[:4] + out[5:]  # the questions' WY form replaces v
 
 
+def gated_delta_states_laid_out(q, k, v, g, beta, cu_seqlens, chunk_indices, offsets, scale: float):
+    """`gated_delta_states` on q, k and v already laid out as fla's kernels read them (contiguous [T, H, D]; q and k
+    normalised: the GDN layer's fused conv, `fork_conv_qkv`, writes them so), which the question call then reads
+    too. Returns (o [T, Hv, V], final [N, Hv, K, V] float32)."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not x.is_contiguous():
+            raise ValueError(f"{name} must be contiguous [T, H, D] (laid out as fla's kernels read it)")
+    return run(q, k, v, g, beta, cu_seqlens, chunk_indices, None, scale, False, offsets, laid_out=True)[:2]
+
+
 def run(q, k, v, g, beta, cu_seqlens, chunk_indices, h0, scale: float, use_qk_l2norm: bool,
-        offsets: torch.Tensor | None = None, prep: tuple[torch.Tensor, torch.Tensor] | None = None):
+        offsets: torch.Tensor | None = None, prep: tuple[torch.Tensor, torch.Tensor] | None = None,
+        laid_out: bool = False):
     """fla's forward over the sequences of `cu_seqlens` -> (o [T, Hv, V], final [N, Hv, K, V] float32, q, k, v as the
     kernels read them: new contiguous tensors, q and k normalised with `use_qk_l2norm`). With `prep` (cu_seqlens,
     chunk rows of a superset of the sequences, each chunk computed on its own) the chunk-local steps run over those
-    sequences and their w, u and gate cumsums ([T, Hv, K], [T, Hv, V], [T, Hv] float32, log2 units) come back too."""
+    sequences and their w, u and gate cumsums ([T, Hv, K], [T, Hv, V], [T, Hv] float32, log2 units) come back too.
+    `laid_out`: q, k and v are already as the kernels read them (and returned as they are)."""
     cumsum, intra, fwd_h, fwd_o, rcp_ln2 = _fla_steps()
     # q, k and v as fla's kernels index them (contiguous [T, H, D]), q / k normalised by ours, not fla's: one launch
     # configuration for every stream (see l2norm.py); they may be column slices of the conv's output (the model
     # passes them so): read in place, written as new tensors, which the question call reads too
-    from .l2norm import prepare_qkv
+    if not laid_out:
+        from .l2norm import prepare_qkv
 
-    q, k, v = prepare_qkv(q, k, v, use_qk_l2norm)
+        q, k, v = prepare_qkv(q, k, v, use_qk_l2norm)
     if offsets is None:
         offsets = chunk_offsets(cu_seqlens)
     qn, kn, vn = q, k, v

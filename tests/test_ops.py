@@ -527,7 +527,8 @@ def opcheck_args(op: str):
         return (randn(T, 6, seed=6), randn(5, 6, seed=7), randn(5, seed=8))
     if op == "gated_norm":
         states_end = int(t.state_len.sum())
-        ends = (torch.tensor([states_end]), t.branch_start[:1].clone(), torch.tensor([states_end + int(t.branch_len.sum())]))
+        branches_end = states_end + int(t.branch_len.sum())
+        ends = (torch.tensor([states_end]), t.branch_start[:1].clone(), torch.tensor([branches_end]))
         return (randn(T, HV, VD, seed=9), randn(T, HV, VD, seed=10), randn(T, HV, VD, seed=11),
                 randn(VD, seed=12), *ends, 1e-6)
     raise AssertionError(op)

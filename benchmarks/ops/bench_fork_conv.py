@@ -11,7 +11,9 @@ Streams: a 2,000-token state with 64 questions of 40 tokens (T=4,608), and 64 RA
 over the measured copy bandwidth. "conv1d-stream" is `F.conv1d` (depthwise, causal padding) over the whole stream
 as one sequence plus SiLU: what an engine without forks would run (cuDNN; answering nothing correctly). `triton` rows
 carry their largest difference from the fp32 reference (`max_abs_err_vs_reference`) where the reference fits;
-with --sweep, rows `triton[T..,D..,w..]` time other (BLOCK_T, BLOCK_D, num_warps) tiles.
+with --sweep, rows `triton[T..,D..,w..]` time other (BLOCK_T, BLOCK_D, num_warps) tiles. `triton+prepare_qkv` and
+`triton-qkv` time the GDN layer's conv with the layout for the gated delta kernels (q / k L2-normalised) done after
+it by the fla state call's launch, or by the conv itself (their floors: the conv's).
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ def bench_stream(sname: str, r, channels: int, width: int, bandwidth: float, swe
     from flide.ops.fork_conv import triton as triton_kernel
 
     T = r.seg_lo.shape[0]
+    key_heads = channels // 3 // 128  # Qwen3.5-0.8B / 4B's conv: q | k | v of 16 heads of 128 each at 6,144
     x = torch.randn(T, channels, device="cuda", dtype=torch.bfloat16)
     weight = (torch.randn(channels, width, device="cuda") * 0.5).to(torch.bfloat16)
     floor_s = 2 * x.numel() * x.element_size() / bandwidth
@@ -71,6 +74,10 @@ def bench_stream(sname: str, r, channels: int, width: int, bandwidth: float, swe
         "conv1d-stream": lambda: F.silu(F.conv1d(x.T[None], weight[:, None, :], padding=width - 1,
                                                  groups=channels)[0, :, :T]).T,
         "reference": lambda: resolve("fork_conv", "reference")(x, weight, *meta),
+        # the GDN layer's two forms: the conv, then the fla state call's layout launch (q / k normalised); or the
+        # conv laying them out itself (`fork_conv_qkv`, what the layer runs with fla since session 21)
+        "triton+prepare_qkv": lambda: _then_prepare(triton_op(x, weight, *meta), key_heads),
+        "triton-qkv": lambda: triton_kernel.fork_conv_qkv(x, weight, *meta[:3], key_heads, 128, True),
     }
     if sweep:
         for bt, bd, warps in SWEEP:
@@ -86,13 +93,21 @@ def bench_stream(sname: str, r, channels: int, width: int, bandwidth: float, swe
                "value": ms, "unit": "ms", "hardware": torch.cuda.get_device_name(), "tokens": T,
                "floor_ms": floor_s * 1e3, "x_floor": ms / (floor_s * 1e3)}
         extra = ""
-        if engine.startswith("triton") and want is not None:
+        if engine.startswith("triton") and want is not None and isinstance(out, torch.Tensor):
             row["max_abs_err_vs_reference"] = (out.float() - want).abs().max().item()
             extra = f"  max abs err vs fp32 reference {row['max_abs_err_vs_reference']:.1e}"
         rows.append(row)
         print(f"{sname:18} {engine:14} T={T:6} {ms:8.4f} ms  floor {floor_s * 1e3:7.4f} ms x{row['x_floor']:.1f}"
               f"{extra}", flush=True)
     return rows
+
+
+def _then_prepare(out: torch.Tensor, key_heads: int):
+    from flide.ops.gated_delta.l2norm import prepare_qkv
+
+    T, kc = out.shape[0], key_heads * 128
+    return prepare_qkv(out[:, :kc].view(T, key_heads, 128), out[:, kc:2 * kc].view(T, key_heads, 128),
+                       out[:, 2 * kc:].view(T, -1, 128), True)
 
 
 def main() -> None:

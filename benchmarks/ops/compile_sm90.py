@@ -104,6 +104,7 @@ def main() -> int:
     from flide.ops.fork_attention import triton_invariant as attn
     from flide.ops.fork_conv import triton as conv
     from flide.ops.gated_delta import branches, questions_wy
+    from flide.ops.gated_norm import triton as gated_norm
     from flide.ops.linear import triton as linear
 
     ok = True
@@ -118,12 +119,19 @@ def main() -> int:
                 dict(GROUP=4, HEAD_DIM=256, HEAD_DIM_V=256, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=256,
                      BLOCK_DV=256, PRECISION="ieee" if dtype == "fp32" else "tf32", STATS=False, HAS_PREFIX=prefix),
                 {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
-        for window in (False, True):
+        for window, split in ((False, False), (True, False), (False, True)):
             ok &= compile_one(
-                f"fork_conv {dtype} window={window}", conv._fork_conv_kernel,
-                {"x_ptr": triton_dtype, "w_ptr": triton_dtype, "out_ptr": triton_dtype, "win_ptr": triton_dtype},
-                "*i32", {}, dict(W=4, SILU=True, BLOCK_T=conv.BLOCK_T, BLOCK_D=conv.BLOCK_D, HAS_WINDOW=window),
-                {"num_warps": conv.NUM_WARPS})
+                f"fork_conv {dtype} window={window} split={split}", conv._fork_conv_kernel,
+                {n: triton_dtype for n in ("x_ptr", "w_ptr", "out_ptr", "win_ptr", "k_ptr", "v_ptr")}, "*i32", {},
+                dict(W=4, SILU=True, BLOCK_T=conv.BLOCK_T, BLOCK_D=conv.BLOCK_D, HAS_WINDOW=window, SPLIT=split,
+                     NORM=split, EPS=conv.EPS), {"num_warps": conv.NUM_WARPS})
+        for weight_dtype in dict.fromkeys((triton_dtype, "*fp32")):  # bf16 and fp32 weights; fp32 once
+            ok &= compile_one(
+                f"gated_norm {dtype} weight {weight_dtype[1:]}", gated_norm._gated_norm_kernel,
+                {n: triton_dtype for n in ("xs_ptr", "xb_ptr", "gate_ptr", "out_ptr")} | {"w_ptr": weight_dtype},
+                "*i32", {"eps": "fp32"}, dict(V=128, BV=128, BLOCK_T=gated_norm.BLOCK_T,
+                                              ROUND_PRODUCT=weight_dtype == triton_dtype),
+                {"num_warps": gated_norm.NUM_WARPS})
         for final, snapshot, hv in ((False, False, 16), (False, False, 32), (True, False, 16), (True, True, 16)):
             block_v = branches.BLOCK_V_MANY_HEADS if hv >= 32 else branches.BLOCK_V
             ok &= compile_one(

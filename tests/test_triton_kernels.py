@@ -103,6 +103,35 @@ else:
             live = torch.cat([want[0], want[1]], 1).abs().amax(-1) > 0
             torch.testing.assert_close(norms[live], torch.ones_like(norms[live]), atol=1e-4, rtol=0)
 
+    @pytest.mark.parametrize("value_heads", [1, 3, 16])
+    def test_fork_conv_qkv_gates_match_transformers_formulas(value_heads):
+        """With `gates` the fused conv also writes the GDN layer's g = -exp(A_log) * softplus(a + dt_bias) (fp32) and
+        beta = sigmoid(b) from a / b read in place as column slices (one more column of programs), the conv's outputs
+        unchanged. bf16 inputs as a model's; large a + dt_bias take softplus's linear branch (x > 20)."""
+        tokens, dim = 37, 16
+        D = (2 + value_heads) * dim
+        r = tiny_round(tokens, seed=value_heads)
+        x, weight = randn(tokens, D, seed=13), randn(D, 4, seed=14)
+        proj = (randn(tokens, 2 * value_heads + 5, seed=15) * 8).to(torch.bfloat16)
+        a, b = proj[:, 3:3 + value_heads], proj[:, 3 + value_heads:3 + 2 * value_heads]
+        a_log = randn(value_heads, seed=16).to(torch.bfloat16)
+        dt_bias = (randn(value_heads, seed=17) * 3).to(torch.bfloat16)
+        dt_bias[0] = 25.0  # head 0's a + dt_bias mostly above 20: softplus's linear branch
+        gates = (a, b, a_log, dt_bias)
+        got = conv_triton.fork_conv_qkv(x, weight, r.seg_lo, r.trunk_lo, r.trunk_hi, 1, dim, True, gates)
+        want = conv_ref.fork_conv_qkv(x, weight, r.seg_lo, r.trunk_lo, r.trunk_hi, 1, dim, True, gates)
+        plain = conv_triton.fork_conv_qkv(x, weight, r.seg_lo, r.trunk_lo, r.trunk_hi, 1, dim, True)
+        assert len(got) == 5 and all(torch.equal(y, z) for y, z in zip(got[:3], plain))
+        g, beta = got[3:]
+        assert g.dtype == torch.float32 and beta.dtype == torch.bfloat16 and g.is_contiguous() and beta.is_contiguous()
+        assert ((a.float() + dt_bias.float()) > 20).any()  # the linear branch is exercised
+        torch.testing.assert_close(g, want[3], atol=1e-5, rtol=1e-5)
+        # this triton's interpreter truncates float32 -> bf16: within one bf16 step here (the GPU test checks bits)
+        torch.testing.assert_close(beta.float(), want[4].float(), atol=8e-3, rtol=8e-3)
+        with pytest.raises(ValueError, match="dt_bias"):
+            conv_triton.fork_conv_qkv(x, weight, r.seg_lo, r.trunk_lo, r.trunk_hi, 1, dim, True,
+                                      (a, b, a_log, dt_bias[:1]) if value_heads > 1 else (a, b, a_log, dt_bias[:0]))
+
     def test_fork_conv_qkv_rows_keep_their_bits_in_a_longer_stream():
         """A request's q / k / v rows have the same bits alone and after other requests (fixed tiles, per-row
         norms): batch-invariant."""
@@ -729,7 +758,7 @@ else:
 
     def test_fork_conv_qkv_in_a_whole_tiny_model_answers_as_the_plain_path():
         """Every GDN layer of a tiny Qwen3.5 (fp32, eager rounds on the CPU) on the laid-out path: the fused conv
-        (interpreted) hands q, k (normalised) and v straight to the state call (here the reference over the round's
+        (interpreted; with the gates g / beta) hands q, k (normalised) and v straight to the state call (here the reference over the round's
         state table) and the question call: answers as the plain path's, to float32 rounding."""
         import flide
         from flide.models.layers import FlideGatedDeltaNet
@@ -752,7 +781,12 @@ else:
         assert layers and all(layer.conv_qkv_op is None for layer in layers)  # the CPU's variants: plain path
         calls = []
         for layer in layers:
-            layer.conv_qkv_op = lambda *args: calls.append(1) or conv_triton.fork_conv_qkv(*args)
+            def fused(x, weight, seg_lo, trunk_lo, trunk_hi, a, b, a_log, dt_bias, key_heads, head_dim, normalize):
+                calls.append(1)
+                return conv_triton.fork_conv_qkv(x, weight, seg_lo, trunk_lo, trunk_hi, key_heads, head_dim,
+                                                 normalize, (a, b, a_log, dt_bias))
+
+            layer.conv_qkv_op = fused
             layer.laid_out_state_op = laid_out_states
         got = engine.decide(requests)
         assert len(calls) >= len(layers)

@@ -64,6 +64,9 @@ def bench_stream(sname: str, r, channels: int, width: int, bandwidth: float, swe
 
     T = r.seg_lo.shape[0]
     key_heads = channels // 3 // 128  # Qwen3.5-0.8B / 4B's conv: q | k | v of 16 heads of 128 each at 6,144
+    # the layer's gates (the fused form computes them too; before, two Inductor kernels), 16 value heads
+    ab = torch.randn(T, 32, device="cuda", dtype=torch.bfloat16)
+    gates = (ab[:, :16], ab[:, 16:], torch.randn(16, device="cuda"), torch.randn(16, device="cuda"))
     x = torch.randn(T, channels, device="cuda", dtype=torch.bfloat16)
     weight = (torch.randn(channels, width, device="cuda") * 0.5).to(torch.bfloat16)
     floor_s = 2 * x.numel() * x.element_size() / bandwidth
@@ -76,8 +79,8 @@ def bench_stream(sname: str, r, channels: int, width: int, bandwidth: float, swe
         "reference": lambda: resolve("fork_conv", "reference")(x, weight, *meta),
         # the GDN layer's two forms: the conv, then the fla state call's layout launch (q / k normalised); or the
         # conv laying them out itself (`fork_conv_qkv`, what the layer runs with fla since session 21)
-        "triton+prepare_qkv": lambda: _then_prepare(triton_op(x, weight, *meta), key_heads),
-        "triton-qkv": lambda: triton_kernel.fork_conv_qkv(x, weight, *meta[:3], key_heads, 128, True),
+        "triton+prepare_qkv": lambda: _then_prepare(triton_op(x, weight, *meta), key_heads, gates),
+        "triton-qkv": lambda: triton_kernel.fork_conv_qkv(x, weight, *meta[:3], key_heads, 128, True, gates),
     }
     if sweep:
         for bt, bd, warps in SWEEP:
@@ -102,12 +105,16 @@ def bench_stream(sname: str, r, channels: int, width: int, bandwidth: float, swe
     return rows
 
 
-def _then_prepare(out: torch.Tensor, key_heads: int):
+def _then_prepare(out: torch.Tensor, key_heads: int, gates):
+    """The unfused path's layout launch and its two gate kernels (eager torch here: the replay's Inductor kernels
+    are one launch each too)."""
     from flide.ops.gated_delta.l2norm import prepare_qkv
 
+    a, b, a_log, dt_bias = gates
     T, kc = out.shape[0], key_heads * 128
-    return prepare_qkv(out[:, :kc].view(T, key_heads, 128), out[:, kc:2 * kc].view(T, key_heads, 128),
-                       out[:, 2 * kc:].view(T, -1, 128), True)
+    laid_out = prepare_qkv(out[:, :kc].view(T, key_heads, 128), out[:, kc:2 * kc].view(T, key_heads, 128),
+                           out[:, 2 * kc:].view(T, -1, 128), True)
+    return laid_out, -a_log.exp() * F.softplus(a.float() + dt_bias), b.sigmoid()
 
 
 def main() -> None:

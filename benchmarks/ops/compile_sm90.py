@@ -122,9 +122,10 @@ def main() -> int:
         for window, split in ((False, False), (True, False), (False, True)):
             ok &= compile_one(
                 f"fork_conv {dtype} window={window} split={split}", conv._fork_conv_kernel,
-                {n: triton_dtype for n in ("x_ptr", "w_ptr", "out_ptr", "win_ptr", "k_ptr", "v_ptr")}, "*i32", {},
+                {n: triton_dtype for n in ("x_ptr", "w_ptr", "out_ptr", "win_ptr", "k_ptr", "v_ptr", "a_ptr", "b_ptr",
+                                           "alog_ptr", "dt_ptr", "beta_ptr")} | {"g_ptr": "*fp32"}, "*i32", {},
                 dict(W=4, SILU=True, BLOCK_T=conv.BLOCK_T, BLOCK_D=conv.BLOCK_D, HAS_WINDOW=window, SPLIT=split,
-                     NORM=split, EPS=conv.EPS), {"num_warps": conv.NUM_WARPS})
+                     NORM=split, EPS=conv.EPS, GATES=split, BLOCK_H=16, LIBDEVICE=True), {"num_warps": conv.NUM_WARPS})
         for weight_dtype in dict.fromkeys((triton_dtype, "*fp32")):  # bf16 and fp32 weights; fp32 once
             ok &= compile_one(
                 f"gated_norm {dtype} weight {weight_dtype[1:]}", gated_norm._gated_norm_kernel,

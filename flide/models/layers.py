@@ -189,9 +189,9 @@ class FlideGatedDeltaNet(_Swapped):
         # rounds with checkpoints, whose companions take the plain conv's output)
         laid_out = ck is None and self.conv_qkv_op is not None and self.laid_out_state_op is not None \
             and ctx.tables is not None
-        if laid_out:
-            q, k, v = self.conv_qkv_op(conv_in, weight, r.seg_lo, r.trunk_lo, r.trunk_hi,
-                                       self.key_dim // self.head_k_dim, self.head_k_dim, True)
+        if laid_out:  # and the gates g / beta, from the same launch
+            q, k, v, g, beta = self.conv_qkv_op(conv_in, weight, r.seg_lo, r.trunk_lo, r.trunk_hi, a, b, self.A_log,
+                                                self.dt_bias, self.key_dim // self.head_k_dim, self.head_k_dim, True)
         else:
             if ck is not None and ck.resumes:  # a resumed state's conv window continues the checkpoint's inputs
                 qkv = ck.work.ops["fork_conv"](conv_in, weight, r.seg_lo, r.trunk_lo, r.trunk_hi, ck.window(),
@@ -201,9 +201,9 @@ class FlideGatedDeltaNet(_Swapped):
             q, k, v = torch.split(qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
             q, k = q.reshape(T, -1, self.head_k_dim), k.reshape(T, -1, self.head_k_dim)
             v = v.reshape(T, -1, self.head_v_dim)
-        beta = b.sigmoid()
-        # float32, as transformers does: in half precision exp(A_log) could overflow
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+            beta = b.sigmoid()
+            # float32, as transformers does: in half precision exp(A_log) could overflow
+            g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         gate = z.reshape(T, -1, self.head_v_dim)  # the gated norm's [T, Hv, V] (see the end)
         if ck is None:
             # laid out: q, k (normalised) and v as the kernels read them, from the fused conv. Else as they lie in

@@ -69,7 +69,9 @@ def test_opcheck_on_cuda():
 
     x, weight, r = inputs(200, 96, torch.bfloat16, seed=3)
     torch.library.opcheck(triton_op(), (x, weight, r.seg_lo, r.trunk_lo, r.trunk_hi, True))
-    torch.library.opcheck(fork_conv_qkv_triton, (x, weight, r.seg_lo, r.trunk_lo, r.trunk_hi, 1, 32, True))
+    a, b = x[:, :3].clone(), x[:, 3:6]  # the gates' inputs: a contiguous, b a column slice
+    gates = (a, b, torch.randn(3, device="cuda"), torch.randn(3, device="cuda").to(torch.bfloat16))
+    torch.library.opcheck(fork_conv_qkv_triton, (x, weight, r.seg_lo, r.trunk_lo, r.trunk_hi, *gates, 1, 32, True))
 
 
 def test_replays_in_a_cuda_graph_with_other_rounds():
@@ -131,19 +133,32 @@ def test_conv_qkv_matches_reference_and_lays_out_what_prepare_qkv_did(tokens, ke
     from flide.ops.gated_delta.l2norm import prepare_qkv
 
     D = (2 * key_heads + value_heads) * dim
-    x, weight, r = inputs(tokens, D + 32, dtype, seed=tokens + D)
-    x, weight = x[:, 16:16 + D], weight[:D]  # a column slice, as the layer's fused projection holds it
+    x, weight, r = inputs(tokens, D + 32 + 2 * value_heads, dtype, seed=tokens + D)
+    # column slices, as the layer's fused projection holds them: the conv's input, then a and b
+    x, weight, proj = x[:, 16:16 + D], weight[:D], x[:, 16 + D:] * 4
+    a, b = proj[:, :value_heads], proj[:, value_heads:2 * value_heads]
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    a_log = torch.randn(value_heads, device="cuda", generator=gen).to(dtype)
+    dt_bias = (torch.randn(value_heads, device="cuda", generator=gen) * 3).to(dtype)
     meta = (r.seg_lo, r.trunk_lo, r.trunk_hi)
-    q, k, v = fork_conv_qkv_triton(x, weight, *meta, key_heads, dim, True)
+    q, k, v, g, beta = fork_conv_qkv_triton(x, weight, *meta, a, b, a_log, dt_bias, key_heads, dim, True)
     want = reference.fork_conv_qkv(x.float(), weight.float(), *meta, key_heads, dim, True)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     for got, ref in zip((q, k, v), want):
         assert got.dtype == dtype and got.is_contiguous()
         torch.testing.assert_close(got.float(), ref, **tol)
+    # the gates as the layer computed them in torch before (what Inductor fused): eager CUDA's exp / log1p are
+    # libdevice's too, so the bits agree on nearly every element
+    want_g = -a_log.float().exp() * torch.nn.functional.softplus(a.float() + dt_bias)
+    want_beta = b.sigmoid()
+    assert g.dtype == torch.float32 and beta.dtype == dtype
+    torch.testing.assert_close(g, want_g, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(beta.float(), want_beta.float(), atol=1e-2, rtol=1e-2)
+    assert (g == want_g).float().mean() > 0.99 and (beta == want_beta).float().mean() > 0.99
     plain = triton_op()(x, weight, *meta, True)
     kc = key_heads * dim
     assert torch.equal(v.reshape(tokens, -1), plain[:, 2 * kc:])
-    q0, k0, _ = fork_conv_qkv_triton(x, weight, *meta, key_heads, dim, False)
+    q0, k0 = fork_conv_qkv_triton(x, weight, *meta, a, b, a_log, dt_bias, key_heads, dim, False)[:2]
     assert torch.equal(torch.cat([q0, k0], 1).reshape(tokens, -1), plain[:, :2 * kc])
     before = prepare_qkv(plain[:, :kc].view(tokens, key_heads, dim), plain[:, kc:2 * kc].view(tokens, key_heads, dim),
                          plain[:, 2 * kc:].view(tokens, value_heads, dim), True)

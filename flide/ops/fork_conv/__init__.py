@@ -55,21 +55,25 @@ register("fork_conv", "triton", available=needs_cuda_triton, batch_invariant=Tru
 
 @torch.library.custom_op("flide::fork_conv_qkv_triton", mutates_args=(), device_types="cuda")
 def fork_conv_qkv_triton(x: torch.Tensor, weight: torch.Tensor, seg_lo: torch.Tensor, trunk_lo: torch.Tensor,
-                         trunk_hi: torch.Tensor, key_heads: int, head_dim: int,
-                         normalize: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    # the GDN layer's conv with q / k / v laid out (and q / k normalised) for the gated delta kernels in the same
-    # launch (flide.models.layers: with the fla state call that takes them so, `LAID_OUT_STATE_KERNELS`)
+                         trunk_hi: torch.Tensor, a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
+                         dt_bias: torch.Tensor, key_heads: int, head_dim: int, normalize: bool
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    # the GDN layer's conv with q / k / v laid out (and q / k normalised) for the gated delta kernels, and the
+    # layer's gates g / beta, in one launch (flide.models.layers: with the fla state call that takes them so,
+    # `LAID_OUT_STATE_KERNELS`)
     from . import triton as kernel
 
-    return kernel.fork_conv_qkv(x, weight, seg_lo, trunk_lo, trunk_hi, key_heads, head_dim, normalize)
+    return kernel.fork_conv_qkv(x, weight, seg_lo, trunk_lo, trunk_hi, key_heads, head_dim, normalize,
+                                (a, b, a_log, dt_bias))
 
 
 @fork_conv_qkv_triton.register_fake
-def _fake_qkv(x, weight, seg_lo, trunk_lo, trunk_hi, key_heads, head_dim, normalize):
+def _fake_qkv(x, weight, seg_lo, trunk_lo, trunk_hi, a, b, a_log, dt_bias, key_heads, head_dim, normalize):
     T, D = x.shape
     key_cols = key_heads * head_dim
     return (x.new_empty(T, key_heads, head_dim), x.new_empty(T, key_heads, head_dim),
-            x.new_empty(T, (D - 2 * key_cols) // head_dim, head_dim))
+            x.new_empty(T, (D - 2 * key_cols) // head_dim, head_dim), a.new_empty(a.shape, dtype=torch.float32),
+            b.new_empty(b.shape))
 
 
 # conv variants with a fused q / k / v layout form (looked up at patch time by the GDN layer)

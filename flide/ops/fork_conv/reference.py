@@ -88,11 +88,13 @@ def _conv(windows: torch.Tensor, weight: torch.Tensor, silu: bool, dtype: torch.
 
 
 def fork_conv_qkv(x: torch.Tensor, weight: torch.Tensor, seg_lo: torch.Tensor, trunk_lo: torch.Tensor,
-                  trunk_hi: torch.Tensor, key_heads: int, head_dim: int,
-                  normalize: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  trunk_hi: torch.Tensor, key_heads: int, head_dim: int, normalize: bool,
+                  gates: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                  ) -> tuple[torch.Tensor, ...]:
     """`fork_conv` with SiLU, its q | k | v channels split into (q [T, key_heads, head_dim], k, v [T, value heads,
     head_dim]), q and k L2-normalised per head with `normalize` (x / sqrt(sum(x^2) + 1e-6) in fp32, rounded to x's
-    dtype): the oracle of the Triton conv's fused layout (`triton.fork_conv_qkv`)."""
+    dtype); with `gates` (a, b, A_log, dt_bias) also the GDN layer's g (fp32) and beta as transformers computes them:
+    the oracle of the Triton conv's fused layout (`triton.fork_conv_qkv`)."""
     T, D = x.shape
     out = fork_conv(x, weight, seg_lo, trunk_lo, trunk_hi, True)
     key_cols = key_heads * head_dim
@@ -100,7 +102,12 @@ def fork_conv_qkv(x: torch.Tensor, weight: torch.Tensor, seg_lo: torch.Tensor, t
     q, k, v = q.reshape(T, key_heads, head_dim), k.reshape(T, key_heads, head_dim), v.reshape(T, -1, head_dim)
     if normalize:
         q, k = (_l2norm(y) for y in (q, k))
-    return q.contiguous(), k.contiguous(), v.contiguous()
+    laid_out = (q.contiguous(), k.contiguous(), v.contiguous())
+    if gates is None:
+        return laid_out
+    a, b, a_log, dt_bias = gates
+    g = -a_log.float().exp() * F.softplus(a.float() + dt_bias)
+    return (*laid_out, g.contiguous(), b.sigmoid().contiguous())
 
 
 def _l2norm(y: torch.Tensor) -> torch.Tensor:

@@ -18,11 +18,18 @@ CPU tests check it.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from ..tables import check_token_tables
+
+# Triton's interpreter has no libdevice: there the gates' exp / log1p fall back to tl.exp / tl.log(1 + x) (equal
+# to float32 rounding away from x << 0); compiled, they are libdevice's, as Inductor's and eager CUDA's are
+_LIBDEVICE = os.environ.get("TRITON_INTERPRET") != "1"
 
 # Default tiles (no spills on sm_90: benchmarks/ops/kernel_resources.py; bench_fork_conv.py --sweep times others)
 BLOCK_T = 32  # tokens per tile
@@ -32,15 +39,44 @@ EPS = 1e-6  # of the q / k L2 norm in `fork_conv_qkv` (gated_delta/l2norm.py's, 
 
 
 @triton.jit
+def _gdn_gates(a_ptr, b_ptr, alog_ptr, dt_ptr, g_ptr, beta_ptr, t, t_ok, stride_at, stride_bt, HV,
+               BLOCK_H: tl.constexpr, LIBDEVICE: tl.constexpr):
+    """A GDN layer's gates for tokens t, as transformers computes them: g = -exp(A_log) * softplus(a + dt_bias) in
+    fp32 (softplus: x above 20 as it is, else log1p(exp(x))), beta = sigmoid(b) rounded to b's dtype; a / b are
+    column slices of the layer's input projection ([T, HV], any row stride), g [T, HV] fp32 and beta [T, HV] out."""
+    h = tl.arange(0, BLOCK_H)
+    h_ok = h < HV
+    m = t_ok[:, None] & h_ok[None, :]
+    a = tl.load(a_ptr + t[:, None] * stride_at + h[None, :], mask=m, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + t[:, None] * stride_bt + h[None, :], mask=m, other=0.0).to(tl.float32)
+    a_log = tl.load(alog_ptr + h, mask=h_ok, other=0.0).to(tl.float32)
+    dt = tl.load(dt_ptr + h, mask=h_ok, other=0.0).to(tl.float32)
+    x = a + dt[None, :]
+    if LIBDEVICE:
+        decay, soft = libdevice.exp(a_log), libdevice.log1p(libdevice.exp(x))
+    else:
+        decay, soft = tl.exp(a_log), tl.log(1.0 + tl.exp(x))
+    g = -decay[None, :] * tl.where(x > 20.0, x, soft)
+    tl.store(g_ptr + t[:, None] * HV + h[None, :], g, mask=m)
+    tl.store(beta_ptr + t[:, None] * HV + h[None, :], tl.sigmoid(b).to(beta_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
 def _fork_conv_kernel(x_ptr, w_ptr, out_ptr, seg_lo_ptr, trunk_lo_ptr, trunk_hi_ptr, win_ptr, win_index_ptr, T, D,
                       stride_xt, stride_xd, stride_wd, stride_ww, stride_ot, stride_od, stride_win_r, stride_win_d,
-                      k_ptr, v_ptr, KEY_COLS, W: tl.constexpr, SILU: tl.constexpr, BLOCK_T: tl.constexpr,
-                      BLOCK_D: tl.constexpr, HAS_WINDOW: tl.constexpr, SPLIT: tl.constexpr, NORM: tl.constexpr,
-                      EPS: tl.constexpr):
+                      k_ptr, v_ptr, KEY_COLS, a_ptr, b_ptr, alog_ptr, dt_ptr, g_ptr, beta_ptr, stride_at, stride_bt,
+                      HV, W: tl.constexpr, SILU: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+                      HAS_WINDOW: tl.constexpr, SPLIT: tl.constexpr, NORM: tl.constexpr, EPS: tl.constexpr,
+                      GATES: tl.constexpr, BLOCK_H: tl.constexpr, LIBDEVICE: tl.constexpr):
     pid_t = tl.program_id(0)
     pid_d = tl.program_id(1)
     # int64 token indices: row * stride can pass 2**31 in long streams of wide channels
     t = pid_t.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    if GATES:
+        if pid_d == D // BLOCK_D:  # the grid's extra channel column: its tokens' gates, not conv channels
+            _gdn_gates(a_ptr, b_ptr, alog_ptr, dt_ptr, g_ptr, beta_ptr, t, t < T, stride_at, stride_bt, HV, BLOCK_H,
+                       LIBDEVICE)
+            return
     d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     t_ok = t < T
     d_ok = d < D
@@ -143,21 +179,25 @@ def fork_conv(x: torch.Tensor, weight: torch.Tensor, seg_lo: torch.Tensor, trunk
     grid = (triton.cdiv(T, block_t), triton.cdiv(D, block_d))
     _fork_conv_kernel[grid](x, weight, out, seg_lo, trunk_lo, trunk_hi, rows, win_index, T, D,
                             x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
-                            rows.stride(0), rows.stride(1), out, out, 0, W=W, SILU=bool(silu), BLOCK_T=block_t,
-                            BLOCK_D=block_d, HAS_WINDOW=window is not None, SPLIT=False, NORM=False, EPS=EPS,
+                            rows.stride(0), rows.stride(1), out, out, 0, *([out] * 6), 0, 0, 0, W=W,
+                            SILU=bool(silu), BLOCK_T=block_t, BLOCK_D=block_d, HAS_WINDOW=window is not None,
+                            SPLIT=False, NORM=False, EPS=EPS, GATES=False, BLOCK_H=1, LIBDEVICE=_LIBDEVICE,
                             num_warps=num_warps)
     return out
 
 
 def fork_conv_qkv(x: torch.Tensor, weight: torch.Tensor, seg_lo: torch.Tensor, trunk_lo: torch.Tensor,
-                  trunk_hi: torch.Tensor, key_heads: int, head_dim: int, normalize: bool, *, block_t: int = BLOCK_T,
-                  num_warps: int = NUM_WARPS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  trunk_hi: torch.Tensor, key_heads: int, head_dim: int, normalize: bool,
+                  gates: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None, *,
+                  block_t: int = BLOCK_T, num_warps: int = NUM_WARPS) -> tuple[torch.Tensor, ...]:
     """The GDN layer's conv (SiLU) with its output laid out as the gated delta kernels read it, in the same launch:
     (q [T, key_heads, head_dim], k likewise, v [T, value heads, head_dim]), new contiguous tensors, q and k
     L2-normalised per head with `normalize` (y = x / sqrt(sum(x^2) + 1e-6), sums in fp32, as l2norm.py). The conv's
     channels are q | k | v, heads of `head_dim` (a power of two: one channel tile is one head). What it saves: the
     [T, D] conv output written, read back and written again by the state call's layout kernel (`prepare_qkv`).
-    Same contract as `fork_conv` otherwise; `reference.fork_conv_qkv` is its oracle."""
+    `gates` (a [T, HV], b [T, HV], A_log [HV], dt_bias [HV]; a / b any row stride): the layer's g [T, HV] float32 and
+    beta [T, HV] (b's dtype) too, from one more column of programs (two Inductor kernels a layer fewer), returned
+    after v. Same contract as `fork_conv` otherwise; `reference.fork_conv_qkv` is its oracle."""
     T, D = x.shape
     W = weight.shape[1]
     key_cols = key_heads * head_dim
@@ -173,12 +213,28 @@ def fork_conv_qkv(x: torch.Tensor, weight: torch.Tensor, seg_lo: torch.Tensor, t
     q = torch.empty(T, key_heads, head_dim, **new)
     k = torch.empty(T, key_heads, head_dim, **new)
     v = torch.empty(T, (D - 2 * key_cols) // head_dim, head_dim, **new)
+    if gates is not None:
+        a, b, a_log, dt_bias = gates
+        HV = a_log.shape[0]
+        for name, y in (("a", a), ("b", b)):
+            if y.shape != (T, HV) or (HV > 1 and y.stride(1) != 1):
+                raise ValueError(f"{name} must be [{T}, {HV}] with its last dim contiguous, got {tuple(y.shape)}")
+        if dt_bias.shape != (HV,):
+            raise ValueError(f"dt_bias is {tuple(dt_bias.shape)}, expected [{HV}] like A_log")
+        g = torch.empty(T, HV, dtype=torch.float32, device=x.device)
+        beta = torch.empty(T, HV, dtype=b.dtype, device=x.device)
+        gate_args = (a, b, a_log.contiguous(), dt_bias.contiguous(), g, beta, a.stride(0), b.stride(0), HV)
+    else:
+        HV, gate_args = 0, (*([q] * 6), 0, 0, 0)
+    out = (q, k, v) if gates is None else (q, k, v, g, beta)
     if T == 0 or D == 0:
-        return q, k, v
+        return out
     seg_lo, trunk_lo, trunk_hi = seg_lo.contiguous(), trunk_lo.contiguous(), trunk_hi.contiguous()
-    grid = (triton.cdiv(T, block_t), D // head_dim)
+    grid = (triton.cdiv(T, block_t), D // head_dim + (gates is not None))
     _fork_conv_kernel[grid](x, weight, q, seg_lo, trunk_lo, trunk_hi, x, seg_lo, T, D,
                             x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), 0, 0, x.stride(0),
-                            x.stride(1), k, v, key_cols, W=W, SILU=True, BLOCK_T=block_t, BLOCK_D=head_dim,
-                            HAS_WINDOW=False, SPLIT=True, NORM=bool(normalize), EPS=EPS, num_warps=num_warps)
-    return q, k, v
+                            x.stride(1), k, v, key_cols, *gate_args, W=W, SILU=True, BLOCK_T=block_t,
+                            BLOCK_D=head_dim, HAS_WINDOW=False, SPLIT=True, NORM=bool(normalize), EPS=EPS,
+                            GATES=gates is not None, BLOCK_H=triton.next_power_of_2(max(HV, 1)),
+                            LIBDEVICE=_LIBDEVICE, num_warps=num_warps)
+    return out

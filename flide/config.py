@@ -100,10 +100,10 @@ class RuntimeConfig:
     # float32 drops two roundings of the whole hidden state a layer, the largest rounding steps of a bf16 forward (the
     # stream's magnitude grows with depth, its updates do not), so answers stay nearer the float32 model's
     residual: str = "model"
-    # Inductor's combo kernels (horizontal fusion): independent kernels of a layer launched as one. A GDN layer's
-    # inputs to its custom ops (q, k, v, g, beta) are five small Triton kernels of different sizes, which Inductor
-    # does not fuse otherwise. Opt-in: on the H200 (session 21, 0.8B) RACE 473 -> 426 launches, GPU 3.44 -> 3.41 ms, but
-    # QuALITY 32.7 -> 33.0 and sweep 64 40.2 -> 40.6 ms (benchmarks/results/h200_profile_0_8b_combo_ab_*.json)
+    # Inductor's combo kernels (horizontal fusion): independent kernels of a layer launched as one (then: a GDN
+    # layer's g and beta kernels, which the fused conv now computes itself). Opt-in: on the H200 (session 21, 0.8B)
+    # RACE 473 -> 426 launches, GPU 3.44 -> 3.41 ms, but QuALITY 32.7 -> 33.0 and sweep 64 40.2 -> 40.6 ms
+    # (benchmarks/results/h200_profile_0_8b_combo_ab_*.json)
     combo_kernels: bool = False
     # what runs before each replay after the capture. none (the default): no compiled call at all: a round launches
     # the CUDA graph that cudagraph trees recorded for its bucket (flide/graphs/direct.py; a bucket whose graph cannot

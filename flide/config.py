@@ -36,6 +36,10 @@ class KernelConfig:
     # batch-invariant mode: every answer has the same bits whatever else shares its round (`auto` picks only
     # batch-invariant variants, `flide.ops.registry.AUTO_INVARIANT`; a variant named that is not one is an error)
     batch_invariant: bool = False
+    # a GDN layer's conv also lays out q / k (normalised) / v and computes the layer's gates for the gated delta
+    # kernels, in its own launch, where its variant and the gated delta variant's state call allow it (Triton conv,
+    # fla / fla_cuda; `flide.ops.fork_conv.QKV_KERNELS`); false: the separate launches (the A/B)
+    fuse_conv_layout: bool = True
 
 
 @dataclass(frozen=True)

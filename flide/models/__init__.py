@@ -33,9 +33,9 @@ def supported_model_types() -> list[str]:
     return sorted(FAMILIES)
 
 
-def swap_mixers(text_model: nn.Module, ops: dict) -> None:
+def swap_mixers(text_model: nn.Module, ops: dict, fuse_conv_layout: bool = True) -> None:
     """Replaces every decoder layer's attention / Gated DeltaNet module with Flide's (idempotent); `ops` is
-    `resolve_all(kernels)`."""
+    `resolve_all(kernels)`, `fuse_conv_layout` `kernels.fuse_conv_layout`."""
     for index, layer in enumerate(text_model.layers):
         for name in ("input_layernorm", "post_attention_layernorm", "mlp"):
             if not hasattr(layer, name):
@@ -44,7 +44,7 @@ def swap_mixers(text_model: nn.Module, ops: dict) -> None:
         if hasattr(layer, "linear_attn"):
             original = getattr(layer.linear_attn, "original", layer.linear_attn)
             layer.linear_attn = FlideGatedDeltaNet(original, ops["fork_conv"], ops["gated_delta"],
-                                                   ops["gated_norm"])
+                                                   ops["gated_norm"], fuse_conv_layout=fuse_conv_layout)
         elif hasattr(layer, "self_attn"):
             original = getattr(layer.self_attn, "original", layer.self_attn)
             layer.self_attn = FlideAttention(original, ops["fork_attention"])
@@ -63,7 +63,7 @@ def adapt(model: nn.Module, tokenizer, kernels: KernelConfig, residual: str = "m
     text_model, head = FAMILIES[model_type](model, tokenizer)
     device = next(model.parameters()).device
     ops = resolve_all(kernels, device)  # `auto` picks for the device the model is on
-    swap_mixers(text_model, ops)
+    swap_mixers(text_model, ops, kernels.fuse_conv_layout)
     # the decoder's own nn.Linear layers stay unless another `linear` variant is picked (batch-invariant mode)
     if kernels.linear != "torch":
         separate(text_model)

@@ -143,7 +143,8 @@ class FlideGatedDeltaNet(_Swapped):
     NAMES = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "norm", "out_proj", "A_log", "dt_bias")
     SHARED = ("conv_op", "delta_op", "branch_op", "state_op", "norm_op", "conv_qkv_op", "laid_out_state_op")
 
-    def __init__(self, original: nn.Module, conv_op: Callable, delta_op: Callable, norm_op: Callable | None = None):
+    def __init__(self, original: nn.Module, conv_op: Callable, delta_op: Callable, norm_op: Callable | None = None,
+                 fuse_conv_layout: bool = True):
         super().__init__(original, self.NAMES)
         if original.conv1d.bias is not None:
             raise ValueError("Gated DeltaNet with a conv bias is not supported.")
@@ -170,7 +171,7 @@ class FlideGatedDeltaNet(_Swapped):
         # call's layout launch, which read the conv's output back and wrote it again, drops out. Heads of one
         # power-of-two width: one conv channel tile is one head
         dim = self.head_k_dim
-        fusable = dim == self.head_v_dim and dim & (dim - 1) == 0 and dim <= 256 and not self.wy
+        fusable = fuse_conv_layout and dim == self.head_v_dim and dim & (dim - 1) == 0 and dim <= 256 and not self.wy
         self.conv_qkv_op = QKV_KERNELS.get(conv_op) if fusable else None
         self.laid_out_state_op = LAID_OUT_STATE_KERNELS.get(delta_op) if fusable else None
 

@@ -5,7 +5,7 @@
 #     copies the Qwen3.5 tokenizer/configs and the workload data into ./shared (git-ignored via .git/info/exclude;
 #     the data must not be committed) and fetches the wheels into .whl (../shared/gpu/wheels.sh).
 # There (device `run`, carry [".whl"]; shared/ travels by itself):
-#     bash benchmarks/h200_session.sh alltests   every GPU test file at once (FILES=... to pick), one process each, then latency alone of 0.8B in the time left (BUDGET_S)
+#     bash benchmarks/h200_session.sh alltests   every GPU test file at once (FILES=... to pick), one process each, then latency alone of 0.8B in the time left (BUDGET_S); AB_CONFIG=X.yaml: and the profile with X for an A/B
 #     bash benchmarks/h200_session.sh kernels    GPU tests of the op variants against the references       ~8 min
 #     bash benchmarks/h200_session.sh models     GPU tests of whole engines: fast kernels, graph capture   ~8 min
 #     bash benchmarks/h200_session.sh invariant  batch-invariant mode (issue 7): invariant GEMM + attention, engine ~9 min
@@ -113,6 +113,16 @@ alltests)
             --tokenizer shared/models/qwen3_5 --data shared/data --repeats 20 --profile-runs 3 ${PROFILE_ARGS:-} \
             --out "$OUT/profile_0_8b.json" 2>&1 | grep -v DEBUG | tr '\r' '\n' | grep -v '^\s*$' > "$OUT/profile.log"
         tail -25 "$OUT/profile.log"
+    fi
+    # AB_CONFIG=configs/h200/X.yaml: then the same profile (RACE, QuALITY, sweep 64) with that config, for an A/B in
+    # one call (e.g. configs/h200/conv_layout_separate.yaml)
+    left=$(( ${BUDGET_S:-555} - ($(date +%s) - started) ))
+    if [ -n "${AB_CONFIG:-}" ] && [ "$left" -gt 100 ]; then
+        timeout "$left" python3 benchmarks/profile_round.py --config-json shared/models/qwen3_5/configs/qwen3.5-0.8b.json \
+            --tokenizer shared/models/qwen3_5 --data shared/data --repeats 20 --profile-runs 3 --config "$AB_CONFIG" \
+            --workloads race quality sweep64 --out "$OUT/profile_ab.json" 2>&1 | grep -v DEBUG | tr '\r' '\n' \
+            | grep -v '^\s*$' > "$OUT/profile_ab.log"
+        tail -5 "$OUT/profile_ab.log"
     fi ;;
 kernels|models|invariant)
     if [ "$part" = kernels ]; then

@@ -40,6 +40,10 @@ class KernelConfig:
     # kernels, in its own launch, where its variant and the gated delta variant's state call allow it (Triton conv,
     # fla / fla_cuda; `flide.ops.fork_conv.QKV_KERNELS`); false: the separate launches (the A/B)
     fuse_conv_layout: bool = True
+    # a Qwen3.5 attention layer's q / k head norms and partial rotary embedding in one Triton launch
+    # (`flide.ops.qk_prep`, CUDA) instead of the small kernels Inductor makes of the model's modules; opt-in until
+    # measured on the H200
+    fuse_attention_prep: bool = False
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ if not INTERPRETED:
     from flide.testing import run_in_triton_interpreter
 
     @pytest.mark.parametrize("kernel", ["fork_conv", "fork_attention", "gated_delta_branches", "gated_delta_l2norm",
-                                        "gated_delta_questions_wy", "gated_norm"])
+                                        "gated_delta_questions_wy", "gated_norm", "qk_prep"])
     def test_in_the_triton_interpreter(kernel):
         """Runs this file's `test_<kernel>_*` checks in a child process with TRITON_INTERPRET=1."""
         run_in_triton_interpreter(__file__, f"test_{kernel}_", 4)
@@ -45,6 +45,8 @@ else:
     from flide.ops.gated_delta import reference as delta_ref
     from flide.ops.gated_norm import reference as norm_ref
     from flide.ops.gated_norm import triton as norm_triton
+    from flide.ops.qk_prep import reference as prep_ref
+    from flide.ops.qk_prep import triton as prep_triton
     from flide.testing import random_round_tensors, resume_states
 
     def tiny_round(tokens: int, seed: int, max_state: int = 40, max_question: int = 12, max_questions: int = 6):
@@ -790,5 +792,65 @@ else:
             layer.laid_out_state_op = laid_out_states
         got = engine.decide(requests)
         assert len(calls) >= len(layers)
+        assert max(max_difference(a, b) for a, b in zip(want, got)) < 1e-5
+
+    # -----------------------------------------------------------------------------------------------------------------
+    # qk_prep: a Qwen3.5 attention layer's q / k head norms + partial rotary
+    # -----------------------------------------------------------------------------------------------------------------
+
+    def test_qk_prep_kernel_is_interpreted():
+        assert isinstance(prep_triton._qk_prep_kernel, InterpretedFunction)
+
+    @pytest.mark.parametrize("T,H,HKV,D,R", [(1, 1, 1, 16, 4), (37, 4, 2, 32, 8), (20, 3, 1, 24, 24)],
+                             ids=["1x1x1x16-R4", "37x4x2x32-R8", "20x3x1x24-full"])
+    def test_qk_prep_matches_transformers_modules(T, H, HKV, D, R):
+        """Against transformers' own Qwen3_5RMSNorm and apply_rotary_pos_emb (fp32), q read where it lies in a
+        gated projection (each head's q then its gate), k a column slice; D padded to a power of two."""
+        from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm, apply_rotary_pos_emb
+
+        projection = randn(T, H * 2 * D + HKV * D + 3, seed=T + D)
+        q = projection[:, :H * 2 * D].view(T, H, 2 * D)[..., :D]
+        k = projection[:, H * 2 * D:H * 2 * D + HKV * D].view(T, HKV, D)
+        freqs = randn(T, R // 2, seed=7)
+        cos, sin = torch.cat([freqs, freqs], -1).cos(), torch.cat([freqs, freqs], -1).sin()
+        q_norm, k_norm = Qwen3_5RMSNorm(D, eps=1e-6), Qwen3_5RMSNorm(D, eps=1e-6)
+        with torch.no_grad():
+            q_norm.weight.copy_(randn(D, seed=8) * 0.3)
+            k_norm.weight.copy_(randn(D, seed=9) * 0.3)
+        want_q, want_k = apply_rotary_pos_emb(q_norm(q), k_norm(k), cos, sin, unsqueeze_dim=1)
+        got_q, got_k = prep_triton.qk_prep(q, k, cos, sin, q_norm.weight.detach(), k_norm.weight.detach(), 1e-6)
+        assert got_q.is_contiguous() and got_k.is_contiguous()
+        torch.testing.assert_close(got_q, want_q, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got_k, want_k, atol=1e-5, rtol=1e-5)
+        ref_q, ref_k = prep_ref.qk_prep(q, k, cos, sin, q_norm.weight.detach(), k_norm.weight.detach(), 1e-6)
+        assert torch.equal(ref_q, want_q) and torch.equal(ref_k, want_k)  # the oracle is the modules' math
+
+    def test_qk_prep_rows_keep_their_bits_in_a_longer_stream():
+        T, H, HKV, D, R = 11, 2, 1, 32, 8
+        q, k = randn(T + 7, H, D, seed=1), randn(T + 7, HKV, D, seed=2)
+        cos, sin = randn(T + 7, R, seed=3), randn(T + 7, R, seed=4)
+        w = randn(D, seed=5)
+        alone = prep_triton.qk_prep(q[7:], k[7:], cos[7:], sin[7:], w, w, 1e-6)
+        inside = prep_triton.qk_prep(q, k, cos, sin, w, w, 1e-6)
+        assert torch.equal(inside[0][7:], alone[0]) and torch.equal(inside[1][7:], alone[1])
+
+    def test_qk_prep_in_a_whole_tiny_model_answers_as_the_modules():
+        """Every attention layer of a tiny Qwen3.5 (fp32, eager rounds on the CPU) preparing q / k with the kernel
+        (interpreted) answers as with the model's own norm and rotary modules, to float32 rounding."""
+        import flide
+        from flide.models.layers import FlideAttention
+        from flide.models.tiny import tiny_model, tiny_tokenizer
+        from flide.ops.qk_prep import supports
+        from flide.testing import max_difference, random_request
+
+        engine = flide.patch(tiny_model("qwen3_5_text"), tiny_tokenizer())
+        rng = random.Random(8)
+        requests = [random_request(rng, max_questions=5, max_words=60) for _ in range(4)]
+        want = engine.decide(requests)
+        layers = [m for m in engine.model.modules() if isinstance(m, FlideAttention)]
+        assert layers and all(layer.qk_prep is None and supports(layer.original) for layer in layers)
+        for layer in layers:
+            layer.qk_prep = prep_triton.qk_prep
+        got = engine.decide(requests)
         assert max(max_difference(a, b) for a, b in zip(want, got)) < 1e-5
 

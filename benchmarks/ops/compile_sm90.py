@@ -105,6 +105,7 @@ def main() -> int:
     from flide.ops.fork_conv import triton as conv
     from flide.ops.gated_delta import branches, questions_wy
     from flide.ops.gated_norm import triton as gated_norm
+    from flide.ops.qk_prep import triton as qk_prep
     from flide.ops.linear import triton as linear
 
     ok = True
@@ -133,6 +134,10 @@ def main() -> int:
                 "*i32", {"eps": "fp32"}, dict(V=128, BV=128, BLOCK_T=gated_norm.BLOCK_T,
                                               ROUND_PRODUCT=weight_dtype == triton_dtype),
                 {"num_warps": gated_norm.NUM_WARPS})
+        ok &= compile_one(
+            f"qk_prep {dtype} D256 R64", qk_prep._qk_prep_kernel,
+            {n: triton_dtype for n in ("q_ptr", "k_ptr", "cos_ptr", "sin_ptr", "wq_ptr", "wk_ptr", "oq_ptr", "ok_ptr")},
+            triton_dtype, {"eps": "fp32"}, dict(D=256, BD=256, R=64, ROWS=qk_prep.ROWS), {"num_warps": qk_prep.NUM_WARPS})
         for final, snapshot, hv in ((False, False, 16), (False, False, 32), (True, False, 16), (True, True, 16)):
             block_v = branches.BLOCK_V_MANY_HEADS if hv >= 32 else branches.BLOCK_V
             ok &= compile_one(

@@ -10,7 +10,7 @@ from typing import Callable
 from torch import nn
 
 from ..config import KernelConfig
-from ..ops.registry import resolve_all
+from ..ops.registry import needs_cuda_triton, resolve_all
 from .flat import FlatModel, Head
 from .fused import separate
 from .layers import FlideAttention, FlideGatedDeltaNet, swap_linears
@@ -33,9 +33,11 @@ def supported_model_types() -> list[str]:
     return sorted(FAMILIES)
 
 
-def swap_mixers(text_model: nn.Module, ops: dict, fuse_conv_layout: bool = True) -> None:
+def swap_mixers(text_model: nn.Module, ops: dict, fuse_conv_layout: bool = True,
+                qk_prep: Callable | None = None) -> None:
     """Replaces every decoder layer's attention / Gated DeltaNet module with Flide's (idempotent); `ops` is
-    `resolve_all(kernels)`, `fuse_conv_layout` `kernels.fuse_conv_layout`."""
+    `resolve_all(kernels)`, `fuse_conv_layout` `kernels.fuse_conv_layout`, `qk_prep` the attention layers' fused q / k
+    preparation (`kernels.fuse_attention_prep`), used where the layer's is the one it computes."""
     for index, layer in enumerate(text_model.layers):
         for name in ("input_layernorm", "post_attention_layernorm", "mlp"):
             if not hasattr(layer, name):
@@ -47,7 +49,7 @@ def swap_mixers(text_model: nn.Module, ops: dict, fuse_conv_layout: bool = True)
                                                    ops["gated_norm"], fuse_conv_layout=fuse_conv_layout)
         elif hasattr(layer, "self_attn"):
             original = getattr(layer.self_attn, "original", layer.self_attn)
-            layer.self_attn = FlideAttention(original, ops["fork_attention"])
+            layer.self_attn = FlideAttention(original, ops["fork_attention"], qk_prep)
         else:
             raise ValueError(f"Decoder layer {index} ({type(layer).__name__}) has neither attention nor Gated "
                              "DeltaNet.")
@@ -63,7 +65,13 @@ def adapt(model: nn.Module, tokenizer, kernels: KernelConfig, residual: str = "m
     text_model, head = FAMILIES[model_type](model, tokenizer)
     device = next(model.parameters()).device
     ops = resolve_all(kernels, device)  # `auto` picks for the device the model is on
-    swap_mixers(text_model, ops, kernels.fuse_conv_layout)
+    qk_prep = None
+    if kernels.fuse_attention_prep:
+        reason = needs_cuda_triton() if device.type == "cuda" else f"the model is on {device}, not on a CUDA GPU"
+        if reason is not None:
+            raise ValueError(f"`kernels.fuse_attention_prep` runs a Triton kernel on CUDA: {reason}.")
+        from ..ops.qk_prep import qk_prep_triton as qk_prep
+    swap_mixers(text_model, ops, kernels.fuse_conv_layout, qk_prep)
     # the decoder's own nn.Linear layers stay unless another `linear` variant is picked (batch-invariant mode)
     if kernels.linear != "torch":
         separate(text_model)

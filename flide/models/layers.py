@@ -84,9 +84,9 @@ class FlideAttention(_Swapped):
     apply_rotary_pos_emb), GQA.
     """
 
-    SHARED = ("op", "apply_rotary")
+    SHARED = ("op", "apply_rotary", "qk_prep")
 
-    def __init__(self, original: nn.Module, attention_op: Callable):
+    def __init__(self, original: nn.Module, attention_op: Callable, qk_prep: Callable | None = None):
         names = ("q_proj", "k_proj", "v_proj", "o_proj") + tuple(n for n in ("q_norm", "k_norm") if hasattr(original, n))
         super().__init__(original, names)
         self.op = attention_op
@@ -97,6 +97,10 @@ class FlideAttention(_Swapped):
         self.num_heads = original.o_proj.in_features // self.head_dim
         self.gated = q_out == 2 * self.num_heads * self.head_dim
         self.apply_rotary = sys.modules[type(original).__module__].apply_rotary_pos_emb
+        # q / k's head norms and rotary in one launch (`kernels.fuse_attention_prep`), where they are Qwen3.5's
+        from ..ops.qk_prep import supports
+
+        self.qk_prep = qk_prep if qk_prep is not None and supports(original) else None
         self.qkv_sizes: list[int] | None = None  # q/k/v as one GEMM (fuse_projections)
         if getattr(original, "sliding_window", None):
             raise ValueError(f"{type(original).__name__} uses sliding-window attention, which Flide does not fork yet.")
@@ -115,9 +119,12 @@ class FlideAttention(_Swapped):
             q, gate = q_out.view(T, -1, D), None
         k = k.view(T, -1, D)
         v = v.view(T, -1, D)
-        if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.apply_rotary(q, k, ctx.cos, ctx.sin, unsqueeze_dim=1)  # [T, H, D] with cos [T, d]
+        if self.qk_prep is not None:  # norms + rotary in one launch, q / k read where they lie
+            q, k = self.qk_prep(q, k, ctx.cos, ctx.sin, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+        else:
+            if hasattr(self, "q_norm"):
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.apply_rotary(q, k, ctx.cos, ctx.sin, unsqueeze_dim=1)  # [T, H, D] with cos [T, d]
         r, ck = ctx.round, ctx.checkpoint
         # v stays a column slice of the projection: every variant reads rows of any stride (one copy kernel a layer
         # fewer); q and k come out of the norm and rotary code as new tensors

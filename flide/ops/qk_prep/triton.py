@@ -33,7 +33,7 @@ def _qk_prep_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, wq_ptr, wk_ptr, oq_ptr, ok_p
     live = rows < T * (H + HKV)
     col_ok = cols < D
     # the rotary partner of each dim: i + R/2 for the first half of the rotated dims, i - R/2 for the second
-    half: tl.constexpr = R // 2
+    half = R // 2  # a constexpr (R is)
     partner = tl.where(cols < half, cols + half, tl.where(cols < R, cols - half, cols))
     in_q = (live & ~is_k)[:, None] & col_ok[None, :]
     in_k = (live & is_k)[:, None] & col_ok[None, :]

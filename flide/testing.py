@@ -251,3 +251,35 @@ def growing_conversation(seed: int, steps: int, words: int = 140, questions: int
         state += f"\n<turn {step}> " + _text(rng, words)
         out.append({"state": state, "questions": {f"q{i}": random_question(rng) for i in range(questions)}})
     return out
+
+
+def assert_mostly_same_bits(got, want, atol: float, rtol: float, min_equal: float = 0.99) -> None:
+    """`got` within (atol, rtol) of `want` and at least `min_equal` of its elements bitwise equal: a half-precision
+    kernel whose sums run in another order than its oracle's, so a rounding may land on the neighbouring value."""
+    import torch
+
+    torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=rtol)
+    equal = (got == want).float().mean().item()
+    assert equal >= min_equal, f"only {equal:.4f} of the elements have the oracle's bits (want >= {min_equal})"
+
+
+def engine_against_pipeline(kernels: dict, baseline: dict, seed: int, device: str = "cuda",
+                            buckets: tuple[int, ...] = (512, 2048, 8192)) -> tuple[float, float]:
+    """A tiny Qwen3.5 (fp32) answering 12 random requests with `kernels` (the config's `kernels` section), against
+    transformers' pipeline and against an engine with `baseline` kernels, on `device` with graphs where it has them:
+    (largest probability change vs the pipeline, vs the baseline engine)."""
+    from transformers import pipeline
+
+    import flide
+    from flide.models.tiny import tiny_model, tiny_tokenizer
+
+    rng = random.Random(seed)
+    requests = [random_request(rng, max_words=200) for _ in range(12)]
+    tok = tiny_tokenizer()
+    model = tiny_model("qwen3_5_text").to(device)
+    expected = [pipeline("decision", model=model, tokenizer=tok)(r) for r in requests]
+    config = {"runtime": {"device": device}, "capacities": {"buckets": list(buckets)}}
+    got = flide.patch(model, tok, config={**config, "kernels": kernels}).decide(requests)
+    base = flide.patch(model, tok, config={**config, "kernels": baseline}).decide(requests)
+    return (max(max_difference(e, g) for e, g in zip(expected, got)),
+            max(max_difference(b, g) for b, g in zip(base, got)))

@@ -15,7 +15,7 @@ import flide
 from flide.models.layers import FlideGatedDeltaNet
 from flide.models.tiny import tiny_model, tiny_tokenizer
 from flide.ops.gated_norm import gated_norm_torch, reference
-from flide.testing import max_difference, random_request
+from flide.testing import assert_mostly_same_bits, engine_against_pipeline, max_difference, random_request
 
 
 def _requests(seed: int, n: int) -> list[dict]:
@@ -65,3 +65,18 @@ def test_a_norm_that_is_not_the_gated_rms_norm_is_refused():
         FlideGatedDeltaNet(original, None, None, norm_op=lambda *args: None)
     # the `torch` variant keeps the module, whatever it computes
     assert FlideGatedDeltaNet(original, None, None, norm_op=gated_norm_torch).norm_op is None
+
+
+def test_the_gpu_tests_helpers_on_the_cpu():
+    """`engine_against_pipeline` and `assert_mostly_same_bits` (tests/gpu's whole-model and bits checks) do what
+    they say: here the `torch` gated norm against the pipeline and against itself, fp32 on the CPU."""
+    vs_pipeline, vs_baseline = engine_against_pipeline({"gated_norm": "torch"}, {}, seed=2, device="cpu")
+    assert vs_pipeline < 1e-5 and vs_baseline == 0.0
+    x = torch.arange(200, dtype=torch.bfloat16)
+    assert_mostly_same_bits(x, x.clone(), atol=0, rtol=0)
+    nudged = x.clone()
+    nudged[:3] += 1  # 3 of 200 elements one step off (near zero: within atol)
+    assert_mostly_same_bits(nudged, x, atol=1.5, rtol=0, min_equal=0.98)
+    with pytest.raises(AssertionError, match="oracle's bits"):
+        assert_mostly_same_bits(nudged, x, atol=1.5, rtol=0, min_equal=0.99)
+

@@ -212,7 +212,7 @@ class FlideGatedDeltaNet(_Swapped):
             beta = b.sigmoid()
             # float32, as transformers does: in half precision exp(A_log) could overflow
             g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        gate = z.reshape(T, -1, self.head_v_dim)  # the gated norm's [T, Hv, V] (see the end)
+        gate = z.reshape(T, -1, self.head_v_dim)  # the gated norm's [T, Hv, V] (see the return)
         if ck is None:
             # laid out: q, k (normalised) and v as the kernels read them, from the fused conv. Else as they lie in
             # the conv's output (column slices): every variant makes them contiguous itself where it needs to; the
@@ -224,11 +224,11 @@ class FlideGatedDeltaNet(_Swapped):
                                            state_kernel=self.laid_out_state_op if laid_out else self.state_op,
                                            tables=ctx.tables, wy=self.wy, laid_out=laid_out)
             if self.norm_op is not None:  # the select and the norm in one op
-                out = self.norm_op(parts.o_states, parts.o_branches, gate, self.norm.weight, parts.states_end,
-                                   parts.branches_start, parts.branches_end, self.norm.variance_epsilon)
-                return self.out_proj(out.reshape(T, -1))
-            out = select_rows(parts.o_states, parts.o_branches, parts.states_end, parts.branches_start,
-                              parts.branches_end)
+                normed = self.norm_op(parts.o_states, parts.o_branches, gate, self.norm.weight, parts.states_end,
+                                      parts.branches_start, parts.branches_end, self.norm.variance_epsilon)
+            else:
+                normed = self.norm(select_rows(parts.o_states, parts.o_branches, parts.states_end,
+                                               parts.branches_start, parts.branches_end), gate)
         else:  # states start from their checkpoints' recurrent states; the state call snapshots the saves' states
             initial = ck.initial_state((v.shape[1], self.head_k_dim, self.head_v_dim))
             out, _, snapshot = gated_delta_fork_resumable(
@@ -236,11 +236,11 @@ class FlideGatedDeltaNet(_Swapped):
                 r.state_len, r.branch_start, r.branch_len, r.branch_state, self.head_k_dim ** -0.5, True, initial,
                 ck.work.initial_index, ck.work.snapshot_chunk)
             ck.save_gdn(conv_in, snapshot, weight.shape[1])
-        # the gated norm over [T, Hv, V] (per head row, as transformers' [T * Hv, V]): merging the last two dims is
-        # then a view for Inductor, where [T * Hv, V] -> [T, Hv * V] with a symbolic T became a copy kernel before
+            normed = self.norm(out, gate)
+        # the gated norm runs over [T, Hv, V] (per head row, as transformers' [T * Hv, V]): merging the last two dims
+        # is then a view for Inductor, where [T * Hv, V] -> [T, Hv * V] with a symbolic T became a copy kernel before
         # out_proj in every GDN layer (session 20's H200 output code)
-        out = self.norm(out, gate).reshape(T, -1)
-        return self.out_proj(out)
+        return self.out_proj(normed.reshape(T, -1))
 
 
 class FlideLinear(_Swapped):

@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..gated_delta.reference import l2norm
+
 
 def predecessor_index(seg_lo: torch.Tensor, trunk_lo: torch.Tensor, trunk_hi: torch.Tensor, width: int) -> torch.Tensor:
     """[T, width] stream rows of the inputs each token's conv reads, oldest first; T (an extra zero row) where the
@@ -100,16 +102,11 @@ def fork_conv_qkv(x: torch.Tensor, weight: torch.Tensor, seg_lo: torch.Tensor, t
     key_cols = key_heads * head_dim
     q, k, v = out[:, :key_cols], out[:, key_cols:2 * key_cols], out[:, 2 * key_cols:]
     q, k, v = q.reshape(T, key_heads, head_dim), k.reshape(T, key_heads, head_dim), v.reshape(T, -1, head_dim)
-    if normalize:
-        q, k = (_l2norm(y) for y in (q, k))
+    if normalize:  # in fp32, rounded once to x's dtype, as the kernel does
+        q, k = (l2norm(y.float()).to(y.dtype) for y in (q, k))
     laid_out = (q.contiguous(), k.contiguous(), v.contiguous())
     if gates is None:
         return laid_out
     a, b, a_log, dt_bias = gates
     g = -a_log.float().exp() * F.softplus(a.float() + dt_bias)
     return (*laid_out, g.contiguous(), b.sigmoid().contiguous())
-
-
-def _l2norm(y: torch.Tensor) -> torch.Tensor:
-    f = y.float()
-    return (f / torch.sqrt((f * f).sum(-1, keepdim=True) + 1e-6)).to(y.dtype)

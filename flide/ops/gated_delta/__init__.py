@@ -106,9 +106,8 @@ def gated_delta_fla_states(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
 
 @gated_delta_fla_states.register_fake
 def _fake_states(q, k, v, g, beta, cu_seqlens, chunk_indices, chunk_offsets, scale, use_qk_l2norm):
-    T, Hv, V = v.shape
-    # q, k and v come back contiguous whatever the inputs' strides
-    return (q.new_empty(T, Hv, V), q.new_empty(cu_seqlens.shape[0] - 2, Hv, k.shape[2], V, dtype=torch.float32),
+    # (o, final) as the laid-out form's, then q, k and v, which come back contiguous whatever the inputs' strides
+    return (*_fake_states_laid_out(q, k, v, g, beta, cu_seqlens, chunk_indices, chunk_offsets, scale),
             q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape))
 
 
@@ -327,26 +326,20 @@ def fork_parts(kernel, q, k, v, g, beta, state_start, state_len, branch_start, b
     (contiguous, q and k normalised: `fork_conv.QKV_KERNELS`), and `state_kernel` is the variant's
     `LAID_OUT_STATE_KERNELS` form, which takes them so; both calls read them as they are.
     """
-    if laid_out:
-        if state_kernel is None or tables is None or use_qk_l2norm:
-            raise ValueError("a laid-out fork needs the round's tables, the laid-out state kernel and q / k "
-                             "normalised already (use_qk_l2norm False)")
-        o_states, finals = state_kernel(q, k, v, g, beta, tables.state_cu_seqlens, tables.state_chunks,
-                                        tables.state_chunk_offsets, scale)
-        if branch_kernel is not None:
-            o_branches = branch_kernel(q, k, v, g, beta, branch_start, branch_len, finals, branch_state, scale, False)
-        else:
-            o_branches, _ = kernel(q, k, v, g, beta, branch_start, branch_len, finals, branch_state, scale, False)
-        return ForkParts(o_states, o_branches, *spans(state_start, state_len, branch_start, branch_len, tables),
-                         finals)
-    if wy and state_kernel is not None and branch_kernel is not None and tables is not None:
+    if wy and not laid_out and state_kernel is not None and branch_kernel is not None and tables is not None:
         o_states, finals, q, k, w, u, gamma = state_kernel(
             q, k, v, g, beta, tables.all_cu_seqlens, tables.all_chunks, tables.state_cu_seqlens, tables.state_chunks,
             tables.state_chunk_offsets, scale, use_qk_l2norm)
         o_branches = branch_kernel(q, k, w, u, gamma, branch_start, branch_len, finals, branch_state, scale)
         return ForkParts(o_states, o_branches, *spans(state_start, state_len, branch_start, branch_len, tables),
                          finals)
-    if state_kernel is not None and tables is not None:
+    if laid_out:  # the question call below reads q, k and v as they are (use_qk_l2norm False)
+        if state_kernel is None or tables is None or use_qk_l2norm:
+            raise ValueError("a laid-out fork needs the round's tables, the laid-out state kernel and q / k "
+                             "normalised already (use_qk_l2norm False)")
+        o_states, finals = state_kernel(q, k, v, g, beta, tables.state_cu_seqlens, tables.state_chunks,
+                                        tables.state_chunk_offsets, scale)
+    elif state_kernel is not None and tables is not None:
         # q and k come back normalised: the question call reads them so (one normalisation per token, not one in
         # every step of every (branch, head, value tile) program of the question kernel), and v laid out once
         o_states, finals, q, k, v = state_kernel(q, k, v, g, beta, tables.state_cu_seqlens, tables.state_chunks,

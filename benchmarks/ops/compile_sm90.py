@@ -137,7 +137,8 @@ def main() -> int:
         ok &= compile_one(
             f"qk_prep {dtype} D256 R64", qk_prep._qk_prep_kernel,
             {n: triton_dtype for n in ("q_ptr", "k_ptr", "cos_ptr", "sin_ptr", "wq_ptr", "wk_ptr", "oq_ptr", "ok_ptr")},
-            triton_dtype, {"eps": "fp32"}, dict(D=256, BD=256, R=64, ROWS=qk_prep.ROWS), {"num_warps": qk_prep.NUM_WARPS})
+            triton_dtype, {"eps": "fp32"}, dict(D=256, BD=256, R=64, ROWS=qk_prep.ROWS),
+            {"num_warps": qk_prep.NUM_WARPS, "enable_fp_fusion": False})  # as qk_prep launches it
         for final, snapshot, hv in ((False, False, 16), (False, False, 32), (True, False, 16), (True, True, 16)):
             block_v = branches.BLOCK_V_MANY_HEADS if hv >= 32 else branches.BLOCK_V
             ok &= compile_one(

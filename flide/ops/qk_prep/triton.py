@@ -5,7 +5,9 @@ rotary halves, concatenations: ~6 launches per attention layer on the H200's out
 A program owns ROWS (token, head) rows of q or k (q's rows first, then k's) and all D dims of each. The rotary pairs
 dim i with dim i +- R/2 of the same row; the partner is loaded again (it is in L1) and normalised with the row's own
 rms, so it has the bits of the normalised row's element. Roundings where eager bf16 rounds: the norm's output, each
-rotary product and their sum. One fixed tile and warp count: a row's bits never depend on the stream.
+rotary product and their sum. Compiled without FP fusion: with it, LLVM turned the bf16-rounded product plus the
+other product into one bf16 fma (the first product unrounded), which left ~6 % of a bf16 layer's q / k elements
+off eager's bits (H200, session 22); without it the products and sum are bf16 mul / add, exactly eager's roundings. One fixed tile and warp count: a row's bits never depend on the stream.
 
 Runs on CPU tensors under TRITON_INTERPRET=1 (read when this module is imported), as the CPU tests run it.
 """
@@ -86,5 +88,5 @@ def qk_prep(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
         _qk_prep_kernel[(triton.cdiv(rows, ROWS),)](
             q, k, cos, sin, q_weight, k_weight, oq, ok, T, H, HKV, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
             cos.stride(0), sin.stride(0), float(eps), D=D, BD=triton.next_power_of_2(D), R=R, ROWS=ROWS,
-            num_warps=NUM_WARPS)
+            num_warps=NUM_WARPS, enable_fp_fusion=False)
     return oq, ok

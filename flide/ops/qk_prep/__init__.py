@@ -1,5 +1,5 @@
 """flide::qk_prep_triton: a Qwen3.5 attention layer's q / k head norms and partial rotary embedding in one Triton
-launch (`kernels.fuse_attention_prep`, opt-in), instead of the small kernels Inductor makes of the model's own
+launch (`kernels.fuse_attention_prep`, auto: on CUDA), instead of the small kernels Inductor makes of the model's own
 modules. `reference.py` is its oracle (the modules' math, op for op)."""
 
 from __future__ import annotations

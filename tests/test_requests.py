@@ -339,8 +339,10 @@ def test_common_prefix_length_equals_the_character_by_character_one():
 
 
 def test_question_cache_shares_parses_of_the_same_question_json_only():
-    """A question sent again (routers, agent guards) is parsed once; another key order of a choice's options is
-    another question (its options are ordered); a bad question raises every time and is never cached."""
+    """A question sent again (routers, agent guards) that transformers parses is parsed once; another key order of
+    a choice's options is another question (its options are ordered); a bad question raises every time and is never
+    cached; the common shape (`_parse_simple`'s) is parsed every time, which costs less than a look-up, and kept out
+    of the cache."""
     from transformers.decision import DecisionConfig, Question
 
     from flide.questions import QuestionCache
@@ -348,8 +350,12 @@ def test_question_cache_shares_parses_of_the_same_question_json_only():
 
     config = DecisionConfig()
     cache = QuestionCache(entries=2)
-    ab = {"type": "choice", "instructions": "Which?", "criteria": {"A": None, "B": None}}
-    ba = {"type": "choice", "instructions": "Which?", "criteria": {"B": None, "A": None}}
+    simple = {"type": "choice", "instructions": "Which?", "criteria": {"A": None, "B": None}}
+    first = parse_request({"state": "s", "questions": {"q": simple}}, config, 64, cache)[1][0]
+    assert first == Question.from_request("q", simple, config) and not cache._items
+    # instructions as a list of lines: transformers' parse (not the fast one), so cached
+    ab = {"type": "choice", "instructions": ["Which?"], "criteria": {"A": None, "B": None}}
+    ba = {"type": "choice", "instructions": ["Which?"], "criteria": {"B": None, "A": None}}
     first = parse_request({"state": "s", "questions": {"q": ab}}, config, 64, cache)[1][0]
     again = parse_request({"state": "t", "questions": {"q": dict(ab)}}, config, 64, cache)[1][0]
     assert again is first and first == Question.from_request("q", ab, config)

@@ -2,8 +2,8 @@
 
 `parse_question` takes the common shape (string texts, criteria of the type's own form) through `_parse_simple`, a
 mirror of from_request without huggingface_hub's strict-dataclass validation; everything else goes to transformers,
-which parses it or names what is wrong. `QuestionCache` keeps what transformers parsed by its JSON text for the routers,
-judges and guards that ask the same questions of every state.
+which parses it or names what is wrong. `QuestionCache` keeps what transformers parsed by its JSON text for the
+routers, judges and guards that ask the same questions of every state.
 """
 
 from __future__ import annotations

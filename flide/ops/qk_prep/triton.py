@@ -7,7 +7,8 @@ dim i with dim i +- R/2 of the same row; the partner is loaded again (it is in L
 rms, so it has the bits of the normalised row's element. Roundings where eager bf16 rounds: the norm's output, each
 rotary product and their sum. Compiled without FP fusion: with it, LLVM turned the bf16-rounded product plus the
 other product into one bf16 fma (the first product unrounded), which left ~6 % of a bf16 layer's q / k elements
-off eager's bits (H200, session 22); without it the products and sum are bf16 mul / add, exactly eager's roundings. One fixed tile and warp count: a row's bits never depend on the stream.
+off eager's bits (H200, session 22); without it the products and sum are bf16 mul / add, exactly eager's roundings.
+One fixed tile and warp count: a row's bits never depend on the stream.
 
 Runs on CPU tensors under TRITON_INTERPRET=1 (read when this module is imported), as the CPU tests run it.
 """

@@ -105,6 +105,17 @@ def _decision_prompt_port_ok() -> bool:
     return True
 
 
+def decision_prompt_after_state(question: Question) -> str | None:
+    """What DECISION_PROMPT prints after a string state for `question` (the port's text with an empty state, which
+    starts with the newlines that end the state), or None where the port does not render it: then render the whole
+    prompt (`render_decision_prompt`). For a string state s, `render_decision_prompt(s, question)` is s followed by
+    this: a request's prompts share its (long) state without it being copied into each question's render."""
+    if not _decision_prompt_port_ok():
+        return None
+    text = _decision_prompt_text("", question)
+    return text if text is not None and text.startswith("\n") else None
+
+
 def render_decision_prompt(state: Any, question: Question) -> str:
     """DECISION_PROMPT rendered for one question: the Python port where it is exact, else jinja (unsandboxed)."""
     if _decision_prompt_port_ok():

@@ -43,7 +43,7 @@ from transformers.utils.chat_template_utils import (
 
 from .chat_template import ChatAffixes
 from .config import RuntimeConfig
-from .decision_prompt import render_decision_prompt
+from .decision_prompt import decision_prompt_after_state, render_decision_prompt
 from .piece_cache import PieceCache
 from .questions import QuestionCache, parse_question
 
@@ -572,24 +572,37 @@ class PromptTokenizer:
                                                   **kwargs)
 
     def render_prompts(self, state: Any, groups: list[list[Question]]) -> list[str]:
-        """`[self.render(state, group) for group in groups]`, marking a string state's control tokens once for all
-        its prompts (transformers marks each prompt whole: ~10 us a question for a RACE passage, more for longer
-        states). With DECISION_PROMPT inside a chat template that only prints the content, a prompt is the state
-        followed by a newline and the question's lines; no control token holds a newline, so no match crosses that
-        point and the marked prompt is the marked state followed by the marked rest."""
+        """`[self.render(state, group) for group in groups]` (see `_render_sharing_state`)."""
+        return self._render_sharing_state(state, groups)[0]
+
+    def _render_sharing_state(self, state: Any, groups: list[list[Question]]) -> tuple[list[str], int]:
+        """(`[self.render(state, group) for group in groups]`, how many leading characters all of them share by
+        construction: the chat prefix and the marked state, 0 where not known), marking a string state's control
+        tokens once for all its prompts (transformers marks each prompt whole: ~10 us a question for a RACE passage,
+        more for longer states). With DECISION_PROMPT inside a chat template that only prints the content, a prompt
+        is the state followed by a newline and the question's lines; no control token holds a newline, so no match
+        crosses that point and the marked prompt is the marked state followed by the marked rest. The rest comes
+        from `decision_prompt_after_state` where the port renders it, so the state is not copied into, compared
+        with and cut out of each question's render (a 2,000-token state asked 64 questions: 64 x 3 passes over ~9k
+        characters), and `_trunk_prefixes` compares only what follows the shared part."""
         affixes = self.chat_affixes() if self.config.chat_template is None else None
         if not (self.sanitize and affixes is not None and self.marks_cut_at_newlines and isinstance(state, str)
                 and state):
-            return [self.render(state, group) for group in groups]
+            return [self.render(state, group) for group in groups], 0
         marked_state = mark_control_tokens(state, self.control_re)
-        texts = []
+        texts, shared = [], True
         for group in groups:
-            text = render_decision_prompt(state, group[0])
-            if text.startswith(state) and text.startswith("\n", len(state)):
-                texts.append(affixes.render(marked_state + mark_control_tokens(text[len(state):], self.control_re)))
+            rest = decision_prompt_after_state(group[0])
+            if rest is None:
+                text = render_decision_prompt(state, group[0])
+                if text.startswith(state) and text.startswith("\n", len(state)):
+                    rest = text[len(state):]
+            if rest is not None:
+                texts.append(affixes.render(marked_state + mark_control_tokens(rest, self.control_re)))
             else:
                 texts.append(self.render(state, group))
-        return texts
+                shared = False
+        return texts, len(affixes.prefix) + len(marked_state) if shared else 0
 
     def chat_affixes(self) -> ChatAffixes | None:
         """The chat template's prefix and suffix around a user message's content, where it provably only prints
@@ -741,7 +754,7 @@ class PromptTokenizer:
             return out
         return self.tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
 
-    def _trunk_prefixes(self, state: Any, groups: list[list[Question]], texts: list[str]) -> list[str]:
+    def _trunk_prefixes(self, state: Any, groups: list[list[Question]], texts: list[str], head: int = 0) -> list[str]:
         """Per prompt, a prefix it shares with every prompt of the same question type(s) in this request: their
         common prefix, or, for a type asked once, the common prefix with the same prompt rendered with a probe
         instruction. Per type, because templates print what depends on the type before the state (Jev), while the
@@ -754,7 +767,8 @@ class PromptTokenizer:
 
         Any common prefix cut at a safe boundary is exact (`prepare`); this one is at least as long as the
         question-independent part of the prompt, without rendering probes when a type is asked twice or more
-        (rendering is most of the host's cost: one probe instead of two, or none, saves a third of RACE's)."""
+        (rendering is most of the host's cost: one probe instead of two, or none, saves a third of RACE's).
+        `head`: leading characters every text shares by construction (`_render_sharing_state`), not compared again."""
         kinds: dict[tuple[str, ...], list[int]] = {}
         for index, group in enumerate(groups):
             kinds.setdefault(tuple(q.type for q in group), []).append(index)
@@ -763,21 +777,26 @@ class PromptTokenizer:
         for members in kinds.values():
             pool = [texts[i] for i in members]
             if len(pool) == 1 and len(texts) > 1:
-                mine = pool[0]
-                length = max(common_prefix_length(mine, other) for i, other in enumerate(texts) if i != members[0])
+                mine = pool[0][head:]
+                length = head + max(common_prefix_length(mine, other[head:])
+                                    for i, other in enumerate(texts) if i != members[0])
                 if length >= state_chars:
-                    prefixes[members[0]] = mine[:length]
+                    prefixes[members[0]] = pool[0][:length]
                     continue
+            known = head
             if len(pool) == 1:
                 group = groups[members[0]]
                 probed = [Question(q.name, q.type, self.PROBE, q.options, q.labels, q.descriptions)
                           for q in group]
                 pool.append(self.render(state, probed))
+                known = 0  # the probe is rendered whole: compare it all
             # the common prefix of a set of strings is that of its least and greatest: two C-level scans of the pool
             # and one common_prefix_length, not one per prompt (MultiRC: 34 prompts of ~2k characters)
-            length = common_prefix_length(min(pool), max(pool))
+            rests = [text[known:] for text in pool] if known else pool
+            length = known + common_prefix_length(min(rests), max(rests))
+            shared = pool[0][:length]  # one string for the type's prompts (`prepare` cuts their trunk once)
             for i in members:
-                prefixes[i] = pool[0][:length]
+                prefixes[i] = shared
         return prefixes
 
     # ---- the request ----
@@ -785,14 +804,13 @@ class PromptTokenizer:
         """Renders and tokenizes one request. Keeps no state between calls, but transformers' fast tokenizers flip
         a flag while encoding control tokens as text: give each thread its own tokenizer (see `copy_for_thread`)."""
         groups = [questions] if self.groups_all else [[q] for q in questions]
-        texts = self.render_prompts(state, groups)
-        prefixes = self._trunk_prefixes(state, groups, texts) if self.mode != "full" else [""] * len(groups)
+        texts, head = self._render_sharing_state(state, groups)
+        prefixes = self._trunk_prefixes(state, groups, texts, head) if self.mode != "full" else [""] * len(groups)
         trunk_ids: dict[str, int] = {}
         trunks: list[_Trunk] = []
         branches: list[Branch] = []
         prompt_tokens = 0
-        trunk_texts = [text[:safe_cut(text, len(prefix))] if self.mode != "full" else "" for text, prefix in
-                       zip(texts, prefixes)]
+        trunk_texts = self._trunk_texts(texts, prefixes) if self.mode != "full" else [""] * len(texts)
         # every trunk and tail of the request in one batch (the tokenizer runs a batch in parallel); full: whole
         # prompts
         distinct = list(dict.fromkeys(t for t in trunk_texts if t))
@@ -812,6 +830,23 @@ class PromptTokenizer:
         # trunks without their sentinels (each branch has counted its marks)
         trunks = [t.kept for t in trunks]
         return PreparedRequest(trunks, branches, list(questions), prompt_tokens)
+
+    @staticmethod
+    def _trunk_texts(texts: list[str], prefixes: list[str]) -> list[str]:
+        """Each prompt cut at the last safe boundary within its trunk prefix. Prompts that share a prefix object
+        (one type's, `_trunk_prefixes`) and cut at the same place share one trunk string: they agree up to the
+        prefix's end, so the cuts are equal strings, and one object is sliced and hashed once instead of once per
+        question (a 2,000-token state asked 64 questions: 64 copies and hashes of ~9k characters)."""
+        made: dict[tuple[int, int], str] = {}
+        out = []
+        for text, prefix in zip(texts, prefixes):
+            cut = safe_cut(text, len(prefix))
+            key = (id(prefix), cut)
+            trunk = made.get(key)
+            if trunk is None:
+                trunk = made[key] = text[:cut]
+            out.append(trunk)
+        return out
 
     def _branch(self, trunk_index: int, head: _Trunk, tail: np.ndarray, group: list[Question]) -> Branch:
         """Drops the sentinels (as transformers' read_marks does) and places the reads: the token before each mark,

@@ -104,7 +104,8 @@ def host_split(engine, prepared: list, repeats: int, cprofile: bool = False) -> 
     into the bucket's pinned buffer), `enqueue` (the host-to-device copy and the compiled call: dynamo's guards and
     cudagraph trees' checks before the replay is enqueued), `wait` (from the enqueue's end to the scores on the host),
     `answers` (softmax and answer dicts), and `gpu_span` (CUDA events around copy + replay + scores copy: the device's
-    time for the round, kernels and the gaps between them)."""
+    time for the round, kernels and the gaps between them); `answers_again` / `build_again`: the same two right after
+    (not part of the round: what they cost warm)."""
     from flide.graphs.buckets import plan_rounds
     from flide.round import build_round
 
@@ -143,8 +144,15 @@ def host_split(engine, prepared: list, repeats: int, cprofile: bool = False) -> 
         t4 = time.perf_counter()
         engine.answers(round_, host)
         t5 = time.perf_counter()
+        # the same host work again at once (warm caches, the core busy): the H200 host ran answers 2-5x slower than
+        # a 2-core VM runs them (session 22), measured right after the wait; a much faster second run says the
+        # first pays for waking from the wait, not for its own work
+        engine.answers(round_, host)
+        t6 = time.perf_counter()
+        build_round(prepared, planned.shape, runner.pad_id, out=bucket.host)
+        t7 = time.perf_counter()
         return {"plan": t1 - t0, "build": t2 - t1, "enqueue": t3 - t2, "wait": t4 - t3, "answers": t5 - t4,
-                "gpu_span": begin.elapsed_time(end) / 1e3}
+                "answers_again": t6 - t5, "build_again": t7 - t6, "gpu_span": begin.elapsed_time(end) / 1e3}
 
     for _ in range(repeats):
         torch.cuda.synchronize()

@@ -664,3 +664,31 @@ def test_dropping_sentinels_finds_them_among_larger_ids():
     kept, marks = _drop_sentinels(plain, 7, 8)
     assert kept is plain and len(marks) == 0
     assert len(_drop_sentinels(np.zeros(0, dtype=np.int64), 7, 8)[0]) == 0
+
+
+def test_marking_skips_only_text_that_cannot_hold_a_control_token(monkeypatch):
+    """`PromptTokenizer.mark` is transformers' `mark_control_tokens` on every text: control tokens whole, cut or
+    next to others, markers to drop, text without a control token's first character (which it returns unscanned)."""
+    import random
+
+    from transformers.decision import DecisionConfig
+    from transformers.utils.chat_template_utils import _CONTROL_TOKEN_END, _CONTROL_TOKEN_START, mark_control_tokens
+
+    import flide.requests
+    from flide.requests import PromptTokenizer
+
+    prompts = PromptTokenizer(tiny_tokenizer(), DecisionConfig())
+    assert prompts.sanitize and prompts.control_starts
+    scans = []
+    monkeypatch.setattr(flide.requests, "mark_control_tokens",
+                        lambda text, pattern: scans.append(text) or mark_control_tokens(text, pattern))
+    rng = random.Random(3)
+    atoms = ["<|im_start|>", "<|im_end|>", "<|im_", "|>", "<", "a", " ", "\n", "é", _CONTROL_TOKEN_START,
+             _CONTROL_TOKEN_END, "Which option?", "B. yes"]
+    skipped = 0
+    for _ in range(2000):
+        text = "".join(rng.choice(atoms) for _ in range(rng.randint(0, 12)))
+        before = len(scans)
+        assert prompts.mark(text) == mark_control_tokens(text, prompts.control_re)
+        skipped += len(scans) == before
+    assert 100 < skipped < 2000  # both paths ran

@@ -137,8 +137,9 @@ class RuntimeConfig:
     # the prompt piece cache (flide/piece_cache.py): tokens of state and template pieces seen before, so a history
     # sent again (agents, conversations) is not tokenized again; its bound in characters (~2 bytes of ids each), 0: off
     piece_cache_chars: int = 1 << 23
-    # parsed questions kept by their JSON (flide.requests.QuestionCache): routers and guards send the same questions
-    # with every state, and parsing one costs ~0.15 ms; 0: off
+    # parsed questions kept by their JSON (flide.questions.QuestionCache): routers and guards send the same questions
+    # with every state, and transformers' parse costs ~0.15 ms a question (the common shape, parsed in ~3 us by
+    # Flide's mirror of it, is not kept); 0: off
     question_cache_entries: int = 4096
 
 

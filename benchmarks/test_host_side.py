@@ -156,3 +156,29 @@ def test_tokenize_real_race_requests_unseen(benchmark):
     prepared = benchmark.pedantic(lambda: [tokenize_request(r, prompts, 64) for r in requests], rounds=30,
                                   warmup_rounds=2)
     assert len(prepared) == 16 and all(p.branches for p in prepared)
+
+
+@pytest.mark.benchmark(group="host-side tokenization")
+def test_tokenize_long_state_many_questions_seen(benchmark):
+    """The sweep workload's largest request (a QuALITY article cut to 2,000 tokens, asked 64 questions), sent again
+    (piece cache on, as the bench's latency runs send it): what is left is per question, and what a long state
+    costs each question (session 22, the 2-core dev VM: 3.4 ms median before the state stopped being copied into and
+    compared across every question's prompt, 1.7 after). Skipped without ../shared."""
+    from pathlib import Path
+
+    from transformers.decision import DecisionConfig
+
+    from flide import workloads
+    from flide.bench.workloads import sweep
+    from flide.loading import load_tokenizer
+    from flide.requests import PromptTokenizer, tokenize_request
+
+    model = Path(workloads.REPO).parent / "shared" / "models" / "qwen3_5"
+    if not workloads.data_available() or not model.is_dir():
+        pytest.skip("needs ../shared (QuALITY data and the Qwen3.5 tokenizer)")
+    tokenizer = load_tokenizer(str(model))
+    prompts = PromptTokenizer(tokenizer, DecisionConfig(), question_cache_entries=0)
+    request = sweep(tokenizer, counts=(64,))["sweep/q64"][0]
+    tokenize_request(request, prompts, 64)  # its pieces seen once
+    prepared = benchmark.pedantic(lambda: tokenize_request(request, prompts, 64), rounds=50, warmup_rounds=2)
+    assert len(prepared.branches) == 64 and len(prepared.trunks) == 1

@@ -6,7 +6,8 @@ lines in every tail, and above all the history of an agent or a conversation, wh
 in full. Encoding is the host's largest cost on long states (~1.3 us a character with Qwen3.5's tokenizer, so ~5 ms
 per 1,000 tokens of history per step), while looking a piece up costs a hash of its text. A piece's tokens depend
 only on its text and on whether it starts the prompt (a tail piece is encoded after a dropped newline), which is
-the key; no answer can change by caching.
+the key; no answer can change by caching. A question's tail is also kept whole (its lines' ids joined), so a tail
+seen before is one look-up.
 
 One cache serves all the prepare threads of an engine (their PromptTokenizer copies share it), LRU by characters.
 """
@@ -32,11 +33,13 @@ class PieceCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def get(self, text: str, tail: bool) -> np.ndarray | None:
+    def get(self, text: str, tail: bool, count_miss: bool = True) -> np.ndarray | None:
+        """The piece's ids, or None; `count_miss=False` for a look-up whose miss is not an encode (a whole tail,
+        whose lines are then looked up and counted one by one)."""
         with self._lock:
             ids = self._entries.get((text, tail))
             if ids is None:
-                self.misses += 1
+                self.misses += count_miss
                 return None
             self._entries.move_to_end((text, tail))
             self.hits += 1

@@ -669,12 +669,24 @@ class PromptTokenizer:
             bounds = [0, *cuts, len(text)]
             spans.append((len(items), len(items) + len(bounds) - 1))
             items += [(text[a:b], i > 0) for i, (a, b) in enumerate(pairwise(bounds))]
+        # A tail seen whole before (the same question asked of another state: routers, judges, guards; or the same
+        # request again) comes back from the piece cache in one look-up instead of one per line plus their join
+        # (~12 us of a MultiRC question's ~26 us here): its ids are its lines' joined, the same text -> ids map
+        cache = self.piece_cache if self.mode == "split" and self.piece_cache.max_chars > 0 else None
+        whole: dict[int, str] = {}  # span index -> the tail text to keep whole once encoded
         for text in tails:
+            if cache is not None and (ids := cache.get(text, True, count_miss=False)) is not None:
+                spans.append(ids)
+                continue
             lines = safe_lines(text)  # [""] for an empty tail
+            if cache is not None and len(lines) > 1:
+                whole[len(spans)] = text
             spans.append((len(items), len(items) + len(lines)))
             items += [(line, True) for line in lines]
         parts = self._encode_many(items, arrays=False)
-        encoded = [_join(parts[a:b]) for a, b in spans]
+        encoded = [span if isinstance(span, np.ndarray) else _join(parts[span[0]:span[1]]) for span in spans]
+        for index, text in whole.items():
+            cache.put(text, True, encoded[index])
         return encoded[:len(trunks)], encoded[len(trunks):]
 
     def _encode_many(self, items: list[tuple[str, bool]], arrays: bool = True) -> list[np.ndarray | list[int]]:

@@ -40,7 +40,30 @@ def test_tokens_with_and_without_the_cache_are_equal():
         assert [t.tolist() for t in a.trunks] == [t.tolist() for t in b.trunks]
         assert [x.tokens.tolist() for x in a.branches] == [x.tokens.tolist() for x in b.branches]
         assert [x.reads.tolist() for x in a.branches] == [x.reads.tolist() for x in b.branches]
+        again = cached.prepare(state, questions)  # every tail now whole in the cache: one look-up each
+        assert [x.tokens.tolist() for x in again.branches] == [x.tokens.tolist() for x in b.branches]
     assert cached.piece_cache.hits > 0
+
+
+def test_a_tail_seen_before_is_one_look_up(monkeypatch):
+    """A question asked again of another state: its tail (all its lines) comes from the cache whole, not line by
+    line; the ids are the lines' joined."""
+    import flide.requests
+
+    tok, config = tiny_tokenizer(), DecisionConfig()
+    prompts = PromptTokenizer(tok, config)
+    questions = {"q": {"type": "choice", "instructions": "Which one?", "criteria": {"a": "first", "b": None}}}
+    prompts.prepare(*parse_request({"state": "One state.", "questions": questions}, config, 64))
+    splits = []
+    real = flide.requests.safe_lines
+    monkeypatch.setattr(flide.requests, "safe_lines", lambda text: splits.append(text) or real(text))
+    hits = prompts.piece_cache.hits
+    second = prompts.prepare(*parse_request({"state": "Another state.", "questions": questions}, config, 64))
+    assert splits == [] and prompts.piece_cache.hits > hits  # the tail was not cut into lines again
+    fresh = PromptTokenizer(tok, config, piece_cache=PieceCache(0)).prepare(
+        *parse_request({"state": "Another state.", "questions": questions}, config, 64))
+    assert len(splits) == 1  # without a cache, line by line
+    assert second.branches[0].tokens.tolist() == fresh.branches[0].tokens.tolist()
 
 
 def test_a_growing_history_is_encoded_only_where_it_is_new(monkeypatch):

@@ -574,10 +574,6 @@ class PromptTokenizer:
         return self.tokenizer.apply_chat_template(conversation, chat_template=self.chat_template, tokenize=False,
                                                   **kwargs)
 
-    def render_prompts(self, state: Any, groups: list[list[Question]]) -> list[str]:
-        """`[self.render(state, group) for group in groups]` (see `_render_sharing_state`)."""
-        return self._render_sharing_state(state, groups)[0]
-
     def _render_sharing_state(self, state: Any, groups: list[list[Question]]) -> tuple[list[str], int]:
         """(`[self.render(state, group) for group in groups]`, how many leading characters all of them share by
         construction: the chat prefix and the marked state, 0 where not known), marking a string state's control

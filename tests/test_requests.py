@@ -620,9 +620,9 @@ def test_safe_lines_cut_at_every_safe_cut():
 
 
 def test_prompts_rendered_together_equal_prompts_rendered_one_by_one():
-    """`render_prompts` marks a string state's control tokens once for all its prompts: the same text as `render`
-    of each, also with control tokens (whole, cut, or next to the question) and markers in the state; the leading
-    characters it reports shared are."""
+    """`_render_sharing_state` marks a string state's control tokens once for all its prompts: the same text as
+    `render` of each, also with control tokens (whole, cut, or next to the question) and markers in the state; the
+    leading characters it reports shared are."""
     import random
 
     from transformers.decision import DecisionConfig
@@ -643,7 +643,7 @@ def test_prompts_rendered_together_equal_prompts_rendered_one_by_one():
         parsed, questions = parse_request({**request, "state": state}, DecisionConfig(), 64)
         groups = [[q] for q in questions]
         texts, head = prompts._render_sharing_state(parsed, groups)
-        assert texts == prompts.render_prompts(parsed, groups) == [prompts.render(parsed, group) for group in groups]
+        assert texts == [prompts.render(parsed, group) for group in groups]
         # the part every prompt shares by construction, which `_trunk_prefixes` skips comparing
         assert head == 0 or (head >= len(parsed) and all(t[:head] == texts[0][:head] for t in texts))
         assert prompts._trunk_prefixes(parsed, groups, texts, head) == prompts._trunk_prefixes(parsed, groups, texts)

@@ -12,11 +12,11 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .fused import fuse, project
 from ..ops.fork_conv import QKV_KERNELS
+from ..ops.fork_conv.reference import gdn_gates
 from ..ops.gated_delta import BRANCH_KERNELS, LAID_OUT_STATE_KERNELS, STATE_KERNELS, WY_KERNELS
 from ..ops.gated_delta import fork_parts as gated_delta_fork_parts
 from ..ops.gated_delta import fork_resumable as gated_delta_fork_resumable
@@ -209,9 +209,7 @@ class FlideGatedDeltaNet(_Swapped):
             q, k, v = torch.split(qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
             q, k = q.reshape(T, -1, self.head_k_dim), k.reshape(T, -1, self.head_k_dim)
             v = v.reshape(T, -1, self.head_v_dim)
-            beta = b.sigmoid()
-            # float32, as transformers does: in half precision exp(A_log) could overflow
-            g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+            g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)
         gate = z.reshape(T, -1, self.head_v_dim)  # the gated norm's [T, Hv, V] (see the return)
         if ck is None:
             # laid out: q, k (normalised) and v as the kernels read them, from the fused conv. Else as they lie in

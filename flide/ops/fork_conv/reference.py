@@ -107,6 +107,13 @@ def fork_conv_qkv(x: torch.Tensor, weight: torch.Tensor, seg_lo: torch.Tensor, t
     laid_out = (q.contiguous(), k.contiguous(), v.contiguous())
     if gates is None:
         return laid_out
-    a, b, a_log, dt_bias = gates
-    g = -a_log.float().exp() * F.softplus(a.float() + dt_bias)
-    return (*laid_out, g.contiguous(), b.sigmoid().contiguous())
+    g, beta = gdn_gates(*gates)
+    return (*laid_out, g.contiguous(), beta.contiguous())
+
+
+def gdn_gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Gated DeltaNet layer's gates as transformers computes them: g = -exp(A_log) * softplus(a + dt_bias) in
+    float32 (in half precision exp(A_log) could overflow) and beta = sigmoid(b) in b's dtype. The GDN layer's
+    unfused path computes them so, and the fused conv's gates are checked against it."""
+    return -a_log.float().exp() * F.softplus(a.float() + dt_bias), b.sigmoid()

@@ -67,7 +67,6 @@ def test_plan_and_build_64_race_requests(benchmark):
 def test_plan_and_build_real_race_requests_into_reused_buffer(benchmark):
     """The first round's worth of real RACE passages (every question; the real Qwen3.5 tokenizer from ../shared:
     63 requests, 32,724 tokens, 246 reads), planned and built into a reused buffer. Skipped without ../shared."""
-    from pathlib import Path
 
     from transformers.decision import DecisionConfig
 
@@ -75,7 +74,7 @@ def test_plan_and_build_real_race_requests_into_reused_buffer(benchmark):
     from flide.loading import load_tokenizer
     from flide.requests import PromptTokenizer, parse_request
 
-    model = Path(workloads.REPO).parent / "shared" / "models" / "qwen3_5"
+    model = workloads.data_dir().parent / "models" / "qwen3_5"
     if not workloads.data_available() or not model.is_dir():
         pytest.skip("needs ../shared (RACE data and the Qwen3.5 tokenizer)")
     config = DecisionConfig()
@@ -138,7 +137,6 @@ def test_tokenize_real_race_requests_unseen(benchmark):
     tokenizer, nothing cached (piece and question caches off: every request as if never seen), per 16 requests.
     What a request costs the host before its round in `flide serve` and in the latency of one request alone.
     Skipped without ../shared."""
-    from pathlib import Path
 
     from transformers.decision import DecisionConfig
 
@@ -147,7 +145,7 @@ def test_tokenize_real_race_requests_unseen(benchmark):
     from flide.piece_cache import PieceCache
     from flide.requests import PromptTokenizer, tokenize_request
 
-    model = Path(workloads.REPO).parent / "shared" / "models" / "qwen3_5"
+    model = workloads.data_dir().parent / "models" / "qwen3_5"
     if not workloads.data_available() or not model.is_dir():
         pytest.skip("needs ../shared (RACE data and the Qwen3.5 tokenizer)")
     prompts = PromptTokenizer(load_tokenizer(str(model)), DecisionConfig(), piece_cache=PieceCache(0),
@@ -164,7 +162,6 @@ def test_tokenize_long_state_many_questions_seen(benchmark):
     (piece cache on, as the bench's latency runs send it): what is left is per question, and what a long state
     costs each question (session 22, the 2-core dev VM: 3.4 ms median before the state stopped being copied into and
     compared across every question's prompt, 1.7 after). Skipped without ../shared."""
-    from pathlib import Path
 
     from transformers.decision import DecisionConfig
 
@@ -173,7 +170,7 @@ def test_tokenize_long_state_many_questions_seen(benchmark):
     from flide.loading import load_tokenizer
     from flide.requests import PromptTokenizer, tokenize_request
 
-    model = Path(workloads.REPO).parent / "shared" / "models" / "qwen3_5"
+    model = workloads.data_dir().parent / "models" / "qwen3_5"
     if not workloads.data_available() or not model.is_dir():
         pytest.skip("needs ../shared (QuALITY data and the Qwen3.5 tokenizer)")
     tokenizer = load_tokenizer(str(model))

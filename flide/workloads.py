@@ -31,8 +31,12 @@ __all__ = ["AGENT_QUESTIONS", "data_available", "data_dir", "jev_support", "mult
 
 
 def data_dir() -> Path:
-    """The shared data folder: `$FLIDE_DATA`, else `<repo>/../shared/data`."""
-    return Path(os.environ.get("FLIDE_DATA", REPO.parent / "shared" / "data"))
+    """The shared data folder: `$FLIDE_DATA`, else `<repo>/../shared/data`, else `<repo>/shared/data` where only that
+    exists (benchmarks/h200_session.sh stages ../shared there on the GPU machine, which has no ../shared)."""
+    if "FLIDE_DATA" in os.environ:
+        return Path(os.environ["FLIDE_DATA"])
+    beside, inside = REPO.parent / "shared" / "data", REPO / "shared" / "data"
+    return inside if not beside.is_dir() and inside.is_dir() else beside
 
 
 def data_available(folder: str | Path | None = None) -> bool:

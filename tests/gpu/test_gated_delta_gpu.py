@@ -314,6 +314,30 @@ def test_unfilled_final_state_equals_fla(dtype, monkeypatch):
     assert torch.equal(finals, want_finals) and torch.equal(o, want_o)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("tokens", [500, 3072])
+def test_kkt_warps_keep_the_bits(tokens, dtype, monkeypatch):
+    """fla.KKT_ONE_WARP_TOKENS: the fused kkt + solve kernel launched at 1 warp a program (our launch) gives the bits
+    of fla's own intra step at its autotuned pick, so a request's answers do not depend on its round's bucket."""
+    from flide.ops.gated_delta import fla as fla_module
+
+    x, r = inputs(tokens, dtype, seed=29)
+    meta = (r.state_start, r.state_len, r.branch_start, r.branch_len, r.branch_state)
+    monkeypatch.setattr(fla_module, "KKT_ONE_WARP_TOKENS", None)
+    want_o, want_finals = fork(kernel("fla"), *x, *meta, 128 ** -0.5, True)
+    launched = []
+    pinned = fla_module._intra
+
+    def counted(intra, k, *args):
+        launched.append(k.shape[1])
+        return pinned(intra, k, *args)
+
+    monkeypatch.setattr(fla_module, "KKT_ONE_WARP_TOKENS", 0)
+    monkeypatch.setattr(fla_module, "_intra", counted)
+    o, finals = fork(kernel("fla"), *x, *meta, 128 ** -0.5, True)
+    assert launched and torch.equal(finals, want_finals) and torch.equal(o, want_o)
+
+
 def wy_fork(x, r):
     """The `fla_wy` fork as the model layers run it: round tables, the state call that also prepares the questions'
     WY form, the chunked question call."""

@@ -85,6 +85,39 @@ def _fwd_h_unfilled(k, w, u, g=None, initial_state=None, output_final_state=True
     return h, v_new, final
 
 
+# fla's fused kkt + solve kernel (the intra step's first launch) takes one autotune pick for every stream of a head
+# shape: on the H200 2 warps a program (BK 64), the best on RACE's 512-token bucket (23.5 vs 25.1 us a layer with
+# 1 warp) but 17-25 % slower than 1 warp on every stream of 2,048 tokens and more, where many chunks fill the card
+# (sweep 1 bucket 45 vs 60 us, 16 RACE 110 vs 126, QuALITY-sized 149 vs 180; `bench_fla_configs.py`,
+# benchmarks/results/ops_fla_configs_h200.md, session 23). Streams of at least this many tokens launch it with
+# 1 warp (`_intra`); both launches use the same MMA shapes and the same order of sums (bits checked equal:
+# tests/gpu/test_gated_delta_gpu.py::test_kkt_warps_keep_the_bits). None: fla's pick everywhere. A pin of fla-core
+# 0.6.0's kernel signature, like EMPTY_FINAL_STATE.
+KKT_ONE_WARP_TOKENS: int | None = 2048
+
+
+def _intra(intra, k, v, g, beta, cu_seqlens, chunk_indices):
+    """fla-core 0.6.0's `chunk_gated_delta_rule_fwd_intra` for our calls (varlen, 64-token chunks, gates given),
+    with the fused kkt + solve kernel at 1 warp a program on long streams (KKT_ONE_WARP_TOKENS)."""
+    B, T, H, K = k.shape
+    if KKT_ONE_WARP_TOKENS is None or T < KKT_ONE_WARP_TOKENS:
+        return intra(k=k, v=v, g=g, beta=beta, cu_seqlens=cu_seqlens, chunk_size=GDN_CHUNK,
+                     chunk_indices=chunk_indices)
+    import triton
+    from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_kkt_solve_kernel as kernel
+    from fla.ops.gated_delta_rule.wy_fast import recompute_w_u_fwd
+
+    while not isinstance(kernel, triton.runtime.jit.JITFunction):  # under fla's heuristics and autotuner
+        kernel = kernel.fn
+    HV = beta.shape[2]
+    A = torch.zeros(B, T, HV, GDN_CHUNK, device=k.device, dtype=k.dtype)  # the kernel stores the lower blocks only
+    kernel[(chunk_indices.shape[0], B * HV)](
+        k=k, g=g, beta=beta, A=A, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, T=T, H=H, HV=HV, K=K,
+        BT=GDN_CHUNK, BC=16, BK=64, USE_G=True, IS_VARLEN=True, num_warps=1, num_stages=3)
+    w, u = recompute_w_u_fwd(k=k, v=v, beta=beta, A=A, g=g, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
+    return w, u, A
+
+
 def span_end(seg_start: torch.Tensor, seg_len: torch.Tensor) -> torch.Tensor:
     """[1]: where a call's contiguous segments end (see the module docstring's contract). Device ops only."""
     return seg_start[:1] + seg_len.sum(0, keepdim=True)
@@ -229,7 +262,7 @@ def run(q, k, v, g, beta, cu_seqlens, chunk_indices, h0, scale: float, use_qk_l2
     # chunk to chunk (and each sequence's final state), then the outputs
     prep_cu, prep_chunks = prep if prep is not None else (cu_seqlens, chunk_indices)
     g = cumsum(g[None].float(), chunk_size=GDN_CHUNK, scale=rcp_ln2, cu_seqlens=prep_cu, chunk_indices=prep_chunks)
-    w, u, _ = intra(k=k, v=v, g=g, beta=beta, cu_seqlens=prep_cu, chunk_size=GDN_CHUNK, chunk_indices=prep_chunks)
+    w, u, _ = _intra(intra, k, v, g, beta, prep_cu, prep_chunks)
     h, v_new, final = fwd_h(k=k, w=w, u=u, g=g, initial_state=h0, output_final_state=True, chunk_size=GDN_CHUNK,
                             cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, chunk_offsets=offsets)
     # Tried (fe56b87, reverted): the question call, which needs only `final`, on a side stream here, overlapping the

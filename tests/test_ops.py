@@ -636,3 +636,28 @@ def test_the_fla_fork_runs_our_question_kernel_and_the_reference_its_own():
     out = gated_delta._fake_branches(q, q, v, v[..., 0], v[..., 0], meta, meta, torch.empty(0, 4, 16, 8), meta, 0.5,
                                      True)
     assert out.shape == (5, 4, 8)
+
+
+def test_fla_config_pins_cut_autotune_lists_or_leave_them(monkeypatch, caplog):
+    """fla._pin_configs (the sm_90 pins): a kernel whose autotune list holds the pinned config keeps only it; one
+    without it (an fla upgrade) keeps its whole list and the log says so. Fake kernels: fla is GPU-only."""
+    import sys
+    import types
+
+    triton = pytest.importorskip("triton")
+    from flide.ops.gated_delta import fla
+
+    def kernel(configs):  # heuristics wrapping an autotuner, as fla declares its kernels
+        return types.SimpleNamespace(fn=types.SimpleNamespace(configs=list(configs), fn=None))
+
+    listed = [triton.Config({"BV": bv}, num_warps=w, num_stages=s) for bv in (32, 64) for w in (2, 4) for s in (2, 3)]
+    module = types.ModuleType("fake_fla_kernels")
+    module.has, module.lacks = kernel(listed), kernel(listed[:2])
+    monkeypatch.setitem(sys.modules, "fake_fla_kernels", module)
+    with caplog.at_level("WARNING", logger="flide"):
+        fla._pin_configs({("fake_fla_kernels", "has"): ({"BV": 32}, 4, 3),
+                          ("fake_fla_kernels", "lacks"): ({"BV": 32}, 4, 3)})
+    (kept,) = fla.autotuner(module.has).configs
+    assert (kept.kwargs, kept.num_warps, kept.num_stages) == ({"BV": 32}, 4, 3)
+    assert fla.autotuner(module.lacks).configs == listed[:2]
+    assert "lacks has no config" in caplog.text

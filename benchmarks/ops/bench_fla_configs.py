@@ -11,8 +11,8 @@ of its configs in turn (the others as the autotuner picked them), and with the a
 (`auto@stream`, its pick named). Times: medians of CUDA-graph replays (triton.testing.do_bench_cudagraph), in the
 Qwen3.5-0.8B shapes (16 key / 16 value heads of 128) on the laid-out inputs the GDN layer's fused conv writes.
 
-If the per-stream best beats the pick by more than noise on the short streams, Flide can launch these kernels with a
-config per bucket (as `fla._fwd_h_unfilled` launches the h kernel itself).
+Flide pins each kernel to one config on sm_90 (`fla.SM90_CONFIGS`, from this bench's H200 run) and launches the kkt +
+solve kernel at 1 warp on long streams (`fla.KKT_ONE_WARP_TOKENS`); here `fla.PIN_CONFIGS` is off.
 """
 
 from __future__ import annotations
@@ -42,13 +42,6 @@ KERNELS = {  # name -> (fla module, kernel attribute, the state-call step that l
     "h": ("fla.ops.common.chunk_delta_h", "chunk_gated_delta_rule_fwd_kernel_h_blockdim64", "h"),
     "o": ("fla.ops.common.chunk_o", "chunk_fwd_kernel_o", "o"),
 }
-
-
-def autotuner(kernel):
-    """The triton Autotuner inside a kernel's decorators (heuristics wrap it)."""
-    while not hasattr(kernel, "configs"):
-        kernel = kernel.fn
-    return kernel
 
 
 def label(config) -> str:
@@ -97,6 +90,8 @@ def main() -> None:
     parser.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=list(KERNELS))
     args = parser.parse_args()
     device = "cuda"  # fla's kernels do not all run under Triton's interpreter
+    fla.PIN_CONFIGS = False  # fla's own config lists and autotuner, as shipped (Flide pins one config on sm_90)
+    autotuner = fla.autotuner
     hk, hv, dim = 16, 16, 128
     tuners = {name: autotuner(getattr(importlib.import_module(module), attr))
               for name, (module, attr, _) in KERNELS.items()}

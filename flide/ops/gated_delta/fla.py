@@ -51,7 +51,50 @@ def _fla_steps():
     from fla.ops.utils.constant import RCP_LN2
 
     fwd_h = _fwd_h_unfilled if EMPTY_FINAL_STATE else chunk_gated_delta_rule_fwd_h
+    if PIN_CONFIGS and torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
+        _pin_configs(SM90_CONFIGS)
     return chunk_local_cumsum, chunk_gated_delta_rule_fwd_intra, fwd_h, chunk_fwd_o, RCP_LN2
+
+
+# fla autotunes each of its kernels once per head shape, on whichever stream reaches it first (an engine's first
+# warm-up round), and the pick varied between processes: two engines of one commit on the H200 (session 23 calls
+# 1 and 2) took the kkt + solve kernel at 2 and at 1 warp, the h kernel at a config 9 % slower on QuALITY's
+# 8,192 bucket, the gate cumsum at 8 warps in the second (QuALITY's state call 0.4 ms apart). Where the op bench
+# measured (sm_90: `bench_fla_configs.py`, benchmarks/results/ops_fla_configs_h200.md) each kernel runs one of its
+# own configs instead: the best or tied-best on every stream measured, the same on every bucket (the kkt + solve
+# kernel at 1 warp on long streams: `_intra`). Applied to fla's autotuners for the process (their config lists cut to
+# that one), so fla's other callers run them too. PIN_CONFIGS False: fla's autotuner as shipped (the op bench).
+PIN_CONFIGS = True
+SM90_CONFIGS = {  # (module, kernel) -> (the config's kwargs, num_warps, num_stages)
+    ("fla.ops.utils.cumsum", "chunk_local_cumsum_scalar_kernel"): ({}, 2, 3),
+    ("fla.ops.gated_delta_rule.chunk_fwd", "chunk_gated_delta_rule_fwd_kkt_solve_kernel"): ({"BK": 64}, 2, 3),
+    ("fla.ops.gated_delta_rule.wy_fast", "recompute_w_u_fwd_kernel"): ({}, 4, 3),
+    ("fla.ops.common.chunk_delta_h", "chunk_gated_delta_rule_fwd_kernel_h_blockdim64"): ({"BV": 32}, 4, 3),
+    ("fla.ops.common.chunk_o", "chunk_fwd_kernel_o"): ({"BK": 64, "BV": 64}, 4, 3),
+}
+
+
+def autotuner(kernel):
+    """The triton Autotuner inside an fla kernel's decorators (heuristics wrap it)."""
+    while not hasattr(kernel, "configs"):
+        kernel = kernel.fn
+    return kernel
+
+
+def _pin_configs(pins: dict) -> None:
+    """Cuts each named kernel's autotune configs to the one pinned (a kernel whose configs no longer hold it, after
+    an fla upgrade, keeps its autotuner, logged)."""
+    import importlib
+    import logging
+
+    for (module, name), (kwargs, warps, stages) in pins.items():
+        tuner = autotuner(getattr(importlib.import_module(module), name))
+        found = [c for c in tuner.configs if c.kwargs == kwargs and c.num_warps == warps and c.num_stages == stages]
+        if found:
+            tuner.configs = found[:1]
+        else:
+            logging.getLogger("flide").warning("flide: fla's %s has no config %s, %d warps, %d stages: autotuned",
+                                               name, kwargs, warps, stages)
 
 
 # fla's h step allocates the final states with `new_zeros`: [N, Hv, K, V] fp32 for every sequence of the call, i.e.
@@ -90,25 +133,29 @@ def _fwd_h_unfilled(k, w, u, g=None, initial_state=None, output_final_state=True
 # 1 warp) but 17-25 % slower than 1 warp on every stream of 2,048 tokens and more, where many chunks fill the card
 # (sweep 1 bucket 45 vs 60 us, 16 RACE 110 vs 126, QuALITY-sized 149 vs 180; `bench_fla_configs.py`,
 # benchmarks/results/ops_fla_configs_h200.md, session 23). Streams of at least this many tokens launch it with
-# 1 warp (`_intra`); both launches use the same MMA shapes and the same order of sums (bits checked equal:
-# tests/gpu/test_gated_delta_gpu.py::test_kkt_warps_keep_the_bits). None: fla's pick everywhere. A pin of fla-core
-# 0.6.0's kernel signature, like EMPTY_FINAL_STATE.
+# 1 warp (`_intra`, with the sm_90 pins below); both launches use the same MMA shapes and the same order of sums
+# (bits checked equal: tests/gpu/test_gated_delta_gpu.py::test_kkt_warps_keep_the_bits). None: the pinned 2 warps
+# everywhere. A pin of fla-core 0.6.0's kernel signature, like EMPTY_FINAL_STATE.
 KKT_ONE_WARP_TOKENS: int | None = 2048
+
+
+def _kkt_kernel():
+    from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_kkt_solve_kernel
+
+    return chunk_gated_delta_rule_fwd_kkt_solve_kernel
 
 
 def _intra(intra, k, v, g, beta, cu_seqlens, chunk_indices):
     """fla-core 0.6.0's `chunk_gated_delta_rule_fwd_intra` for our calls (varlen, 64-token chunks, gates given),
     with the fused kkt + solve kernel at 1 warp a program on long streams (KKT_ONE_WARP_TOKENS)."""
     B, T, H, K = k.shape
-    if KKT_ONE_WARP_TOKENS is None or T < KKT_ONE_WARP_TOKENS:
+    pinned = len(autotuner(_kkt_kernel()).configs) == 1  # the sm_90 pins (PIN_CONFIGS): where this was measured
+    if not pinned or KKT_ONE_WARP_TOKENS is None or T < KKT_ONE_WARP_TOKENS:
         return intra(k=k, v=v, g=g, beta=beta, cu_seqlens=cu_seqlens, chunk_size=GDN_CHUNK,
                      chunk_indices=chunk_indices)
-    import triton
-    from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_kkt_solve_kernel as kernel
     from fla.ops.gated_delta_rule.wy_fast import recompute_w_u_fwd
 
-    while not isinstance(kernel, triton.runtime.jit.JITFunction):  # under fla's heuristics and autotuner
-        kernel = kernel.fn
+    kernel = autotuner(_kkt_kernel()).fn  # the jitted kernel under fla's heuristics and autotuner
     HV = beta.shape[2]
     A = torch.zeros(B, T, HV, GDN_CHUNK, device=k.device, dtype=k.dtype)  # the kernel stores the lower blocks only
     kernel[(chunk_indices.shape[0], B * HV)](

@@ -638,9 +638,10 @@ def test_the_fla_fork_runs_our_question_kernel_and_the_reference_its_own():
     assert out.shape == (5, 4, 8)
 
 
-def test_fla_config_pins_cut_autotune_lists_or_leave_them(monkeypatch, caplog):
-    """fla._pin_configs (the sm_90 pins): a kernel whose autotune list holds the pinned config keeps only it; one
-    without it (an fla upgrade) keeps its whole list and the log says so. Fake kernels: fla is GPU-only."""
+def test_fla_config_pins_prune_16_bit_launches_to_one_config(monkeypatch, caplog):
+    """fla._pin_configs (the sm_90 pins): a kernel whose autotune list holds the pinned config prunes to it for
+    16-bit keys (or none, the gate cumsum) and keeps every config for fp32 keys; one without it (an fla upgrade) keeps
+    its autotuner and the log says so. Fake kernels: fla is GPU-only."""
     import sys
     import types
 
@@ -648,7 +649,7 @@ def test_fla_config_pins_cut_autotune_lists_or_leave_them(monkeypatch, caplog):
     from flide.ops.gated_delta import fla
 
     def kernel(configs):  # heuristics wrapping an autotuner, as fla declares its kernels
-        return types.SimpleNamespace(fn=types.SimpleNamespace(configs=list(configs), fn=None))
+        return types.SimpleNamespace(fn=types.SimpleNamespace(configs=list(configs), early_config_prune=None, fn=None))
 
     listed = [triton.Config({"BV": bv}, num_warps=w, num_stages=s) for bv in (32, 64) for w in (2, 4) for s in (2, 3)]
     module = types.ModuleType("fake_fla_kernels")
@@ -657,7 +658,10 @@ def test_fla_config_pins_cut_autotune_lists_or_leave_them(monkeypatch, caplog):
     with caplog.at_level("WARNING", logger="flide"):
         fla._pin_configs({("fake_fla_kernels", "has"): ({"BV": 32}, 4, 3),
                           ("fake_fla_kernels", "lacks"): ({"BV": 32}, 4, 3)})
-    (kept,) = fla.autotuner(module.has).configs
-    assert (kept.kwargs, kept.num_warps, kept.num_stages) == ({"BV": 32}, 4, 3)
-    assert fla.autotuner(module.lacks).configs == listed[:2]
+    tuner = fla.autotuner(module.has)
+    (kept,) = tuner.early_config_prune(listed, {}, k=torch.zeros(2, dtype=torch.bfloat16))
+    assert (kept.kwargs, kept.num_warps, kept.num_stages) == ({"BV": 32}, 4, 3) and tuner.flide_pinned is kept
+    assert tuner.early_config_prune(listed, {"s": torch.zeros(2)}) == [kept]
+    assert tuner.early_config_prune(listed, {}, k=torch.zeros(2)) == listed
+    assert fla.autotuner(module.lacks).early_config_prune is None
     assert "lacks has no config" in caplog.text

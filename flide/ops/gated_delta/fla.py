@@ -60,10 +60,11 @@ def _fla_steps():
 # warm-up round), and the pick varied between processes: two engines of one commit on the H200 (session 23 calls
 # 1 and 2) took the kkt + solve kernel at 2 and at 1 warp, the h kernel at a config 9 % slower on QuALITY's
 # 8,192 bucket, the gate cumsum at 8 warps in the second (QuALITY's state call 0.4 ms apart). Where the op bench
-# measured (sm_90: `bench_fla_configs.py`, benchmarks/results/ops_fla_configs_h200.md) each kernel runs one of its
-# own configs instead: the best or tied-best on every stream measured, the same on every bucket (the kkt + solve
-# kernel at 1 warp on long streams: `_intra`). Applied to fla's autotuners for the process (their config lists cut to
-# that one), so fla's other callers run them too. PIN_CONFIGS False: fla's autotuner as shipped (the op bench).
+# measured (sm_90, bf16: `bench_fla_configs.py`, benchmarks/results/ops_fla_configs_h200.md) each kernel runs one of
+# its own configs instead: the best or tied-best on every stream measured, the same on every bucket (the kkt + solve
+# kernel at 1 warp on long streams: `_intra`). The pin is a pruning of fla's autotuners for the process, so fla's
+# other callers get it too; fp32 inputs keep the autotuner (their tiles need more shared memory: the h kernel's
+# pinned config does not fit in fp32). PIN_CONFIGS False: fla's autotuners as shipped (the op bench).
 PIN_CONFIGS = True
 SM90_CONFIGS = {  # (module, kernel) -> (the config's kwargs, num_warps, num_stages)
     ("fla.ops.utils.cumsum", "chunk_local_cumsum_scalar_kernel"): ({}, 2, 3),
@@ -82,19 +83,34 @@ def autotuner(kernel):
 
 
 def _pin_configs(pins: dict) -> None:
-    """Cuts each named kernel's autotune configs to the one pinned (a kernel whose configs no longer hold it, after
-    an fla upgrade, keeps its autotuner, logged)."""
+    """Prunes each named kernel's autotune configs to the one pinned where its inputs are 16-bit (a kernel whose
+    configs no longer hold it, after an fla upgrade, keeps its autotuner, logged); marks the tuner `flide_pinned`."""
     import importlib
     import logging
 
     for (module, name), (kwargs, warps, stages) in pins.items():
         tuner = autotuner(getattr(importlib.import_module(module), name))
         found = [c for c in tuner.configs if c.kwargs == kwargs and c.num_warps == warps and c.num_stages == stages]
-        if found:
-            tuner.configs = found[:1]
-        else:
+        if not found:
             logging.getLogger("flide").warning("flide: fla's %s has no config %s, %d warps, %d stages: autotuned",
                                                name, kwargs, warps, stages)
+        elif getattr(tuner, "flide_pinned", None) is None:
+            tuner.early_config_prune = _pinned_prune(found[0], tuner.early_config_prune)
+            tuner.flide_pinned = found[0]
+
+
+def _pinned_prune(pinned, previous):
+    """An autotuner's early_config_prune that keeps only `pinned` unless the kernel's keys `k` are wider than 16 bits
+    (fla calls its kernels by keyword: the tensors come in `kwargs`)."""
+
+    def prune(configs, named_args, **kwargs):
+        configs = previous(configs, named_args, **kwargs) if previous is not None else configs
+        k = kwargs.get("k", named_args.get("k"))
+        if k is not None and k.element_size() > 2:
+            return configs
+        return [c for c in configs if c is pinned] or configs
+
+    return prune
 
 
 # fla's h step allocates the final states with `new_zeros`: [N, Hv, K, V] fp32 for every sequence of the call, i.e.
@@ -149,7 +165,8 @@ def _intra(intra, k, v, g, beta, cu_seqlens, chunk_indices):
     """fla-core 0.6.0's `chunk_gated_delta_rule_fwd_intra` for our calls (varlen, 64-token chunks, gates given),
     with the fused kkt + solve kernel at 1 warp a program on long streams (KKT_ONE_WARP_TOKENS)."""
     B, T, H, K = k.shape
-    pinned = len(autotuner(_kkt_kernel()).configs) == 1  # the sm_90 pins (PIN_CONFIGS): where this was measured
+    # with the sm_90 pins (PIN_CONFIGS) on 16-bit inputs: where this was measured
+    pinned = getattr(autotuner(_kkt_kernel()), "flide_pinned", None) is not None and k.element_size() == 2
     if not pinned or KKT_ONE_WARP_TOKENS is None or T < KKT_ONE_WARP_TOKENS:
         return intra(k=k, v=v, g=g, beta=beta, cu_seqlens=cu_seqlens, chunk_size=GDN_CHUNK,
                      chunk_indices=chunk_indices)

@@ -640,8 +640,9 @@ def test_the_fla_fork_runs_our_question_kernel_and_the_reference_its_own():
 
 def test_fla_config_pins_prune_16_bit_launches_to_one_config(monkeypatch, caplog):
     """fla._pin_configs (the sm_90 pins): a kernel whose autotune list holds the pinned config prunes to it for
-    16-bit keys (or none, the gate cumsum) and keeps every config for fp32 keys; one without it (an fla upgrade) keeps
-    its autotuner and the log says so. Fake kernels: fla is GPU-only."""
+    16-bit keys (or none, the gate cumsum) and the value heads measured, and keeps every config for fp32 keys or
+    other heads; one without it (an fla upgrade) keeps its autotuner and the log says so. Fake kernels: fla is
+    GPU-only."""
     import sys
     import types
 
@@ -649,7 +650,8 @@ def test_fla_config_pins_prune_16_bit_launches_to_one_config(monkeypatch, caplog
     from flide.ops.gated_delta import fla
 
     def kernel(configs):  # heuristics wrapping an autotuner, as fla declares its kernels
-        return types.SimpleNamespace(fn=types.SimpleNamespace(configs=list(configs), early_config_prune=None, fn=None))
+        return types.SimpleNamespace(fn=types.SimpleNamespace(configs=list(configs), early_config_prune=None, fn=None,
+                                                              cache={("an earlier", "pick"): configs[-1]}))
 
     listed = [triton.Config({"BV": bv}, num_warps=w, num_stages=s) for bv in (32, 64) for w in (2, 4) for s in (2, 3)]
     module = types.ModuleType("fake_fla_kernels")
@@ -659,9 +661,12 @@ def test_fla_config_pins_prune_16_bit_launches_to_one_config(monkeypatch, caplog
         fla._pin_configs({("fake_fla_kernels", "has"): ({"BV": 32}, 4, 3),
                           ("fake_fla_kernels", "lacks"): ({"BV": 32}, 4, 3)})
     tuner = fla.autotuner(module.has)
-    (kept,) = tuner.early_config_prune(listed, {}, k=torch.zeros(2, dtype=torch.bfloat16))
+    heads = fla.PINNED_VALUE_HEADS[0]
+    (kept,) = tuner.early_config_prune(listed, {}, k=torch.zeros(2, dtype=torch.bfloat16), H=16, HV=heads)
     assert (kept.kwargs, kept.num_warps, kept.num_stages) == ({"BV": 32}, 4, 3) and tuner.flide_pinned is kept
-    assert tuner.early_config_prune(listed, {"s": torch.zeros(2)}) == [kept]
-    assert tuner.early_config_prune(listed, {}, k=torch.zeros(2)) == listed
+    assert tuner.cache == {}  # an earlier autotune pick would have bypassed the pruning
+    assert tuner.early_config_prune(listed, {"s": torch.zeros(2)}, H=heads) == [kept]  # the gate cumsum
+    assert tuner.early_config_prune(listed, {}, k=torch.zeros(2), H=16, HV=heads) == listed  # fp32
+    assert tuner.early_config_prune(listed, {}, k=torch.zeros(2, dtype=torch.bfloat16), H=16, HV=heads + 1) == listed
     assert fla.autotuner(module.lacks).early_config_prune is None
     assert "lacks has no config" in caplog.text

@@ -9,10 +9,12 @@ replay throughput-bound (126 chunks), so the best config may differ by bucket. T
 call's steps (`fla.run`: gate cumsum, intra = zero fill + fused kkt/solve + w/u, h, o) with one kernel pinned to each
 of its configs in turn (the others as the autotuner picked them), and with the autotuner re-run on the stream itself
 (`auto@stream`, its pick named). Times: medians of CUDA-graph replays (triton.testing.do_bench_cudagraph), in the
-Qwen3.5-0.8B shapes (16 key / 16 value heads of 128) on the laid-out inputs the GDN layer's fused conv writes.
+Qwen3.5-0.8B shapes (16 key / 16 value heads of 128; `--value-heads 32`: 4B / 9B's, e.g. `--out
+benchmarks/results/ops_fla_configs_hv32_h200.json`) on the laid-out inputs the GDN layer's fused conv writes.
 
 Flide pins each kernel to one config on sm_90 (`fla.SM90_CONFIGS`, from this bench's H200 run) and launches the kkt +
-solve kernel at 1 warp on long streams (`fla.KKT_ONE_WARP_TOKENS`); here `fla.PIN_CONFIGS` is off.
+solve kernel at 1 warp on long streams (`fla.KKT_ONE_WARP_TOKENS`) for the value heads measured
+(`fla.PINNED_VALUE_HEADS`); here `fla.PIN_CONFIGS` is off.
 """
 
 from __future__ import annotations
@@ -88,11 +90,13 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     parser.add_argument("--streams", nargs="+", default=list(STREAMS), choices=list(STREAMS))
     parser.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=list(KERNELS))
+    parser.add_argument("--value-heads", type=int, default=16,
+                        help="GDN value heads (16 key heads of 128): 16 is Qwen3.5-0.8B's, 32 4B / 9B's")
     args = parser.parse_args()
     device = "cuda"  # fla's kernels do not all run under Triton's interpreter
     fla.PIN_CONFIGS = False  # fla's own config lists and autotuner, as shipped (Flide pins one config on sm_90)
     autotuner = fla.autotuner
-    hk, hv, dim = 16, 16, 128
+    hk, hv, dim = 16, args.value_heads, 128
     tuners = {name: autotuner(getattr(importlib.import_module(module), attr))
               for name, (module, attr, _) in KERNELS.items()}
     every = {name: list(t.configs) for name, t in tuners.items()}
@@ -118,7 +122,7 @@ def main() -> None:
                 torch.cuda.synchronize()
                 ms = do_bench_cudagraph(fn, return_mode="median")
                 picked = label(next(iter(tuner.cache.values()))) if tag == "auto@stream" and tuner.cache else ""
-                rows.append({"stream": stream_name, "tokens": T, "kernel": name, "step": step, "config": tag,
+                rows.append({"stream": stream_name, "tokens": T, "value_heads": hv, "kernel": name, "step": step, "config": tag,
                              "picked": picked, "ms": round(ms, 4)})
                 print(json.dumps(rows[-1]), flush=True)
             tuner.configs = every[name]

@@ -325,7 +325,7 @@ def test_kkt_warps_keep_the_bits(tokens, monkeypatch):
 
     from flide.ops.gated_delta import fla as fla_module
 
-    x, r = inputs(tokens, torch.bfloat16, seed=29)
+    x, r = inputs(tokens, torch.bfloat16, seed=29, hk=16, hv=fla_module.PINNED_VALUE_HEADS[0])
     meta = (r.state_start, r.state_len, r.branch_start, r.branch_len, r.branch_state)
     monkeypatch.setattr(fla_module, "KKT_ONE_WARP_TOKENS", None)
     want_o, want_finals = fork(kernel("fla"), *x, *meta, 128 ** -0.5, True)

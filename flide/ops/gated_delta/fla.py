@@ -64,8 +64,11 @@ def _fla_steps():
 # its own configs instead: the best or tied-best on every stream measured, the same on every bucket (the kkt + solve
 # kernel at 1 warp on long streams: `_intra`). The pin is a pruning of fla's autotuners for the process, so fla's
 # other callers get it too; fp32 inputs keep the autotuner (their tiles need more shared memory: the h kernel's
-# pinned config does not fit in fp32). PIN_CONFIGS False: fla's autotuners as shipped (the op bench).
+# pinned config does not fit in fp32), and so do other head counts than the bench's (PINNED_VALUE_HEADS: Qwen3.5-0.8B's
+# 16 value heads of 128; 4B / 9B's 32 until `bench_fla_configs.py --value-heads 32` has measured them).
+# PIN_CONFIGS False: fla's autotuners as shipped (the op bench).
 PIN_CONFIGS = True
+PINNED_VALUE_HEADS = (16,)
 SM90_CONFIGS = {  # (module, kernel) -> (the config's kwargs, num_warps, num_stages)
     ("fla.ops.utils.cumsum", "chunk_local_cumsum_scalar_kernel"): ({}, 2, 3),
     ("fla.ops.gated_delta_rule.chunk_fwd", "chunk_gated_delta_rule_fwd_kkt_solve_kernel"): ({"BK": 64}, 2, 3),
@@ -97,16 +100,18 @@ def _pin_configs(pins: dict) -> None:
         elif getattr(tuner, "flide_pinned", None) is None:
             tuner.early_config_prune = _pinned_prune(found[0], tuner.early_config_prune)
             tuner.flide_pinned = found[0]
+            tuner.cache.clear()  # picks made before (fla run first by another caller) would bypass the pruning
 
 
 def _pinned_prune(pinned, previous):
-    """An autotuner's early_config_prune that keeps only `pinned` unless the kernel's keys `k` are wider than 16 bits
-    (fla calls its kernels by keyword: the tensors come in `kwargs`)."""
+    """An autotuner's early_config_prune that keeps only `pinned` for 16-bit keys `k` (or none: the gate cumsum) and
+    PINNED_VALUE_HEADS value heads (`HV`, the cumsum's `H`). fla calls its kernels by keyword: all in `kwargs`."""
 
     def prune(configs, named_args, **kwargs):
         configs = previous(configs, named_args, **kwargs) if previous is not None else configs
-        k = kwargs.get("k", named_args.get("k"))
-        if k is not None and k.element_size() > 2:
+        named = {**named_args, **kwargs}
+        k, heads = named.get("k"), named.get("HV", named.get("H"))
+        if (k is not None and k.element_size() > 2) or heads not in PINNED_VALUE_HEADS:
             return configs
         return [c for c in configs if c is pinned] or configs
 
@@ -165,15 +170,16 @@ def _intra(intra, k, v, g, beta, cu_seqlens, chunk_indices):
     """fla-core 0.6.0's `chunk_gated_delta_rule_fwd_intra` for our calls (varlen, 64-token chunks, gates given),
     with the fused kkt + solve kernel at 1 warp a program on long streams (KKT_ONE_WARP_TOKENS)."""
     B, T, H, K = k.shape
-    # with the sm_90 pins (PIN_CONFIGS) on 16-bit inputs: where this was measured
-    pinned = getattr(autotuner(_kkt_kernel()), "flide_pinned", None) is not None and k.element_size() == 2
+    HV = beta.shape[2]
+    # with the sm_90 pins (PIN_CONFIGS) on 16-bit inputs and the heads measured: where this was measured
+    pinned = (getattr(autotuner(_kkt_kernel()), "flide_pinned", None) is not None and k.element_size() == 2
+              and HV in PINNED_VALUE_HEADS)
     if not pinned or KKT_ONE_WARP_TOKENS is None or T < KKT_ONE_WARP_TOKENS:
         return intra(k=k, v=v, g=g, beta=beta, cu_seqlens=cu_seqlens, chunk_size=GDN_CHUNK,
                      chunk_indices=chunk_indices)
     from fla.ops.gated_delta_rule.wy_fast import recompute_w_u_fwd
 
     kernel = autotuner(_kkt_kernel()).fn  # the jitted kernel under fla's heuristics and autotuner
-    HV = beta.shape[2]
     A = torch.zeros(B, T, HV, GDN_CHUNK, device=k.device, dtype=k.dtype)  # the kernel stores the lower blocks only
     kernel[(chunk_indices.shape[0], B * HV)](
         k=k, g=g, beta=beta, A=A, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, T=T, H=H, HV=HV, K=K,

@@ -159,11 +159,11 @@ def test_swe_agent_trajectories_grow():
 
 
 def test_ascii_text_encoded_in_python_equals_the_qwen_tokenizer(qwen_tokenizer):
-    """Qwen3.5's tokenizer gets the Python path for ASCII text (flide.requests.AsciiByteLevelBPE), and it gives the
+    """Qwen3.5's tokenizer gets the Python path for ASCII text (flide.ascii_bpe.AsciiByteLevelBPE), and it gives the
     tokenizer's ids on the datasets' texts (whole, and line by line as tails are encoded) and on random ASCII."""
     import random
 
-    from flide.requests import AsciiByteLevelBPE
+    from flide.ascii_bpe import AsciiByteLevelBPE
 
     encoder = AsciiByteLevelBPE.of(qwen_tokenizer)
     assert encoder is not None

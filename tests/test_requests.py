@@ -309,7 +309,7 @@ def test_types_asked_once_share_the_state_without_probe_renders(monkeypatch):
     """An agent guard's three questions of three types: three renders of the (long) state, one shared trunk."""
     from transformers.decision import DecisionConfig
 
-    import flide.requests
+    import flide.ascii_bpe
     from flide.requests import PromptTokenizer, parse_request
     from flide.workloads import AGENT_QUESTIONS
 
@@ -474,7 +474,7 @@ def test_direct_backend_batch_encode_equals_transformers_call():
         backend.no_truncation()
 
 
-# ---- ASCII text encoded in Python (flide.requests.AsciiByteLevelBPE) ----
+# ---- ASCII text encoded in Python (flide.ascii_bpe.AsciiByteLevelBPE) ----
 # pieces of ASCII text around the split regex's edges: every kind of whitespace and its runs, contractions in both
 # cases, digit runs, punctuation, control characters, added tokens whole and cut
 ASCII_FUZZ = ["a", "B", "z", "the", "THE", "Word", " ", "  ", "   ", "\n", "\n\n", "\r\n", "\r", "\t", "\x0b", "\x0c",
@@ -515,7 +515,7 @@ def _tiny_variant(regex: str | None = None, ignore_merges: bool | None = None, n
 
 
 def assert_ascii_bpe_exact(tok, texts):
-    from flide.requests import AsciiByteLevelBPE
+    from flide.ascii_bpe import AsciiByteLevelBPE
 
     encoder = AsciiByteLevelBPE.of(tok)
     assert encoder is not None
@@ -534,7 +534,8 @@ def test_ascii_byte_level_bpe_equals_the_tokenizer(family, ignore_merges):
 
     from transformers.decision import DecisionConfig
 
-    from flide.requests import ASCII_PROBES, PromptTokenizer
+    from flide.ascii_bpe import ASCII_PROBES
+    from flide.requests import PromptTokenizer
     from flide.testing import random_request
 
     tok = _tiny_variant(SPLIT_REGEXES[family], ignore_merges)
@@ -548,8 +549,8 @@ def test_ascii_byte_level_bpe_equals_the_tokenizer(family, ignore_merges):
 
 
 def test_ascii_byte_level_bpe_only_for_the_structure_it_reproduces(monkeypatch):
-    import flide.requests
-    from flide.requests import AsciiByteLevelBPE, ascii_split_pattern
+    import flide.ascii_bpe
+    from flide.ascii_bpe import AsciiByteLevelBPE, ascii_split_pattern
 
     assert AsciiByteLevelBPE.of(tiny_tokenizer()) is not None
     for kind in ("gpt2", "sentencepiece", "llama2"):  # GPT-2's own regex in ByteLevel; SentencePiece style
@@ -563,7 +564,7 @@ def test_ascii_byte_level_bpe_only_for_the_structure_it_reproduces(monkeypatch):
         assert ascii_split_pattern(regex) is None, regex
         assert AsciiByteLevelBPE.of(_tiny_variant(regex)) is None, regex
     # a translation that the tokenizer contradicts on a probe is not used
-    monkeypatch.setattr(flide.requests, "ascii_split_pattern", lambda pattern: r"\S+|\s+")
+    monkeypatch.setattr(flide.ascii_bpe, "ascii_split_pattern", lambda pattern: r"\S+|\s+")
     assert AsciiByteLevelBPE.of(tiny_tokenizer()) is None
 
 
@@ -573,7 +574,7 @@ def test_batch_encode_in_python_falls_back_to_the_tokenizer_exactly(monkeypatch)
     to tokenizers. Every way gives transformers' ids."""
     from transformers.decision import DecisionConfig
 
-    import flide.requests
+    import flide.ascii_bpe
     from flide.requests import PromptTokenizer
 
     tok = tiny_tokenizer()
@@ -674,7 +675,7 @@ def test_marking_skips_only_text_that_cannot_hold_a_control_token(monkeypatch):
     from transformers.decision import DecisionConfig
     from transformers.utils.chat_template_utils import _CONTROL_TOKEN_END, _CONTROL_TOKEN_START, mark_control_tokens
 
-    import flide.requests
+    import flide.ascii_bpe
     from flide.requests import PromptTokenizer
 
     prompts = PromptTokenizer(tiny_tokenizer(), DecisionConfig())

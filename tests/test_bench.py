@@ -216,7 +216,10 @@ def test_runner_writes_results(tmp_path):
             assert values[("race", engine, metric)] > 0, (engine, metric)
     for engine in ("flide", "flide:full-readout"):  # alone through Engine.submit too; the baselines have no scheduler
         assert values[("race", engine, "latency_submit_p50_ms")] > 0, engine
-    assert not any(m == "latency_submit_p50_ms" for w, e, m in values if e in ("prefix-cache", "delimiter"))
+        # the host's share of latency alone: Engine.prepare of the same requests
+        assert 0 < values[("race", engine, "prepare_p50_ms")] < values[("race", engine, "latency_p50_ms")], engine
+    assert not any(m in ("latency_submit_p50_ms", "prepare_p50_ms") for w, e, m in values
+                   if e in ("prefix-cache", "delimiter"))
     assert values[("race", "-", "requests")] == 2
     assert values[("race", "flide", "tokens_per_request")] == values[("race", "prefix-cache", "tokens_per_request")]
     assert values[("race", "delimiter", "tokens_per_request")] > values[("race", "flide", "tokens_per_request")]

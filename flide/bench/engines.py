@@ -86,6 +86,11 @@ class FlideEngine:
         with self.lock:
             return self.engine.prepare(request, self.prompts).stream_tokens
 
+    def prepare_alone(self, request: Any) -> None:
+        """What `decide([request])` spends before its round: validating, rendering, tokenizing (`prepare_p50_ms`)."""
+        with self.lock:
+            self.engine.prepare(request, self.prompts)
+
     def for_thread(self, tokenizer) -> FlideEngine:
         # the scheduler behind `submit` starts here, before any timed run: it copies the tokenizer for each of its
         # prepare threads at start (~1.6 s a copy for Qwen's vocabulary), which landed in the first throughput run

@@ -43,7 +43,7 @@ def _workload_key(workload: str):
     return (0, 0)
 
 
-_METRIC_ORDER = ("tokens_per_request", "latency_p50_ms", "latency_p90_ms", "latency_submit_p50_ms",
+_METRIC_ORDER = ("tokens_per_request", "latency_p50_ms", "latency_p90_ms", "prepare_p50_ms", "latency_submit_p50_ms",
                  "latency_inprocess_p50_ms", "latency_http_gap_p50_ms", "requests_per_s",
                  "latency_p50_ms@", "peak_memory_gib", "peak_reserved_gib")
 # Metrics of the http engine only: its own table ("HTTP server"), not one table each
@@ -110,6 +110,8 @@ def markdown(rows: list[dict], config: BenchConfig) -> str:
                                   and not r["metric"].startswith(_HTTP_METRICS)), key=_metric_key)
         titles = {"latency_p50_ms": "Latency of one request alone, median (ms)",
                   "latency_p90_ms": "Latency of one request alone, p90 (ms)",
+                  "prepare_p50_ms": "Of which preparing it (validating, rendering, tokenizing: Engine.prepare), "
+                                    "median (ms)",
                   "latency_submit_p50_ms": "Latency of one request alone through Engine.submit (the server's path), "
                                            "median (ms)",
                   "latency_inprocess_p50_ms": "Latency of the same requests alone in process (the HTTP engine's twin, "

@@ -6,6 +6,8 @@ and every engine (+ one `flide:<name>` per ablation), it measures:
 - `latency_p50_ms`, `latency_p90_ms` (ms): one request alone (`decide([r])`): the first `latency_requests` requests,
   each `repeats` times, after `warmup` untimed runs; once the samples took `max_latency_seconds` (and at least
   `repeats` were taken) the rest are skipped, and the unit says over how many samples (`ms (n=5)`);
+- `prepare_p50_ms` (ms, Flide engines, in process): `Engine.prepare` alone on the same requests (validating,
+  rendering, tokenizing): the host's part of latency alone before the round;
 - `latency_submit_p50_ms` (ms, Flide engines, in process): the same requests alone through `Engine.submit` (the
   scheduler's path, which `flide serve` takes), so that the HTTP engine's latency alone splits into server and
   scheduler;
@@ -280,6 +282,13 @@ def measure(engine, requests: list[dict], config: BenchConfig, timer: Timer, poo
     out = [("tokens_per_request", statistics.mean(engine.tokens(r) for r in requests), "tokens")]
     alone, rows = latency_alone(engine, requests, config, timer)
     out += rows
+    if hasattr(engine, "prepare_alone"):  # Flide in process: the host's share of latency alone, on the same requests
+        samples = []
+        for request in [r for r in requests[: config.latency_requests] for _ in range(config.repeats)]:
+            start = time.perf_counter()  # host work only: no device synchronisation around it
+            engine.prepare_alone(request)
+            samples.append((time.perf_counter() - start) * 1e3)
+        out.append(("prepare_p50_ms", statistics.median(samples), "ms"))
     if not alone_only and getattr(engine, "packs_rounds", False) and pool is not None:
         submitted, _ = latency_alone(engine.for_thread(pool.get(1)[0]), requests, config, timer)
         out.append(("latency_submit_p50_ms", submitted, "ms"))
@@ -333,6 +342,13 @@ def measure_http(engine, requests: list[dict], config: BenchConfig, timer: Timer
         out.append(("http_max_abs_diff", difference, "probability"))
     alone, rows = latency_alone(engine, requests, config, timer)
     out += rows
+    if hasattr(engine, "prepare_alone"):  # Flide in process: the host's share of latency alone, on the same requests
+        samples = []
+        for request in [r for r in requests[: config.latency_requests] for _ in range(config.repeats)]:
+            start = time.perf_counter()  # host work only: no device synchronisation around it
+            engine.prepare_alone(request)
+            samples.append((time.perf_counter() - start) * 1e3)
+        out.append(("prepare_p50_ms", statistics.median(samples), "ms"))
     local, gap = paired_latency(engine, engine.local, requests, config, timer)
     out += [("latency_inprocess_p50_ms", local, "ms"), ("latency_http_gap_p50_ms", gap, "ms")]
     if alone_only:

@@ -119,6 +119,47 @@ def test_started_rounds_answer_as_run_and_give_their_buffers_back(engines):
     assert bucket.busy == [False, False]
 
 
+def test_a_third_round_waits_for_another_threads_finish(engines):
+    """Both turns of a bucket in flight: a launch from another thread (several threads calling `decide`) waits for
+    a turn until a round is finished instead of being refused; one on the graph thread (may_wait False) is still
+    refused, as is a thread that holds both turns itself. And end to end: 6 threads running rounds of one bucket at
+    once each get their requests' own answers."""
+    import threading
+    import time
+
+    _, bucketed, requests = engines
+    runner = bucketed.runner
+    rounds = [[bucketed.prepare(r) for r in requests[:2]] for _ in range(4)]
+    shape = plan_rounds([footprint(p) for p in rounds[0]], bucketed.config.capacities, bucketed.max_options)[0].shape
+    bucket = runner.buckets[shape.tokens]
+    held = [bucketed.start(rounds[0]), bucketed.start(rounds[1])]
+    me = threading.get_ident()
+    assert bucket.owners == [me, me]
+    with pytest.raises(RuntimeError, match="in flight"):  # it would wait for itself
+        runner._take_turn(bucket, me, may_wait=True)
+    with pytest.raises(RuntimeError, match="in flight"):  # the graph thread never waits
+        runner._take_turn(bucket, -1, may_wait=False)
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(runner._take_turn(bucket, -1, may_wait=True)))
+    waiter.start()
+    time.sleep(0.2)
+    assert waiter.is_alive() and not got
+    held[0].result()  # gives its turn back: the waiter takes it
+    waiter.join(10)
+    assert got and bucket.owners[got[0]] == -1 and bucket.busy == [True, True]
+    runner._give_back(bucket, got[0])
+    held[1].result()
+    assert bucket.busy == [False, False] and bucket.owners == [None, None]
+
+    from concurrent.futures import ThreadPoolExecutor
+
+    expected = bucketed.decide(requests[:2])
+    with ThreadPoolExecutor(6) as pool:
+        answers = list(pool.map(lambda r: bucketed.run(r), rounds * 3))
+    assert all(max_difference(a, b) < 1e-6 for got in answers for a, b in zip(expected, got))
+    assert bucket.busy == [False, False]
+
+
 @pytest.mark.parametrize("launch_ahead", [False, True])
 def test_scheduler_overlapping_rounds_answers_equal_decide(engines, launch_ahead):
     """`serve.overlap_rounds`: the model thread starts the next round before reading the last one's answers; under

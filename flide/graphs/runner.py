@@ -22,8 +22,10 @@ when it is recorded.
 cudagraph trees keep their graphs per thread (thread-local tree managers), so every compiled call, the capture
 included, runs on ONE graph thread per process, shared by all runners; callers on any thread (the serve scheduler,
 benchmark submitters) hand rounds to it and wait (flide/graphs/thread.py; the serve scheduler runs its round loop
-on it, so its launches are direct calls). It also serialises the GPU work of concurrent callers, which
-share the buffers. One thread, not one per runner: cudagraph trees set up their thread-local state in the thread
+on it, so its launches are direct calls). A bucket whose recorded graph is launched without the compiled call
+(`runtime.guards: none`, graphs/direct.py) is a plain CUDA graph, which replays from any thread: its rounds are
+enqueued by the calling thread itself (`launch`). Either way one round is enqueued at a time (the runner's
+`_enqueue` lock): concurrent callers share the buffers. One thread, not one per runner: cudagraph trees set up their thread-local state in the thread
 that first imports them, and any other thread but autograd's finds it missing (an AssertionError in
 `cudagraph_trees.get_obj`, seen on the H200 when a second engine captured in the same process).
 
@@ -71,6 +73,7 @@ class Bucket:
     graph: torch.cuda.CUDAGraph | None = None
     output: torch.Tensor | None = None
     busy: list = field(default_factory=lambda: [False, False])  # per turn: launched and not yet finished
+    owners: list = field(default_factory=lambda: [None, None])  # per busy turn: the thread that will finish it
     turn: int = 0
     replays: int = 0
 
@@ -124,7 +127,10 @@ class GraphRunner:
         self._thread = graph_thread()
         self.buckets: dict[int, Bucket] = {}
         self._forward: Callable | None = None
-        self._lock = threading.Lock()  # the buckets' busy turns: launches on the graph thread, finishes anywhere
+        self._lock = threading.Lock()  # the buckets' busy turns: taken by launches, given back by finishes
+        self._turn_freed = threading.Condition(self._lock)
+        # one round enqueued at a time (from the graph thread, or from callers with recorded graphs: `launch`)
+        self._enqueue = threading.Lock()
         self.capture_seconds = 0.0
         self.graph_memory_bytes = 0
 
@@ -270,23 +276,74 @@ class GraphRunner:
         and the copy of its scores into pinned memory, without waiting for the device. `finish` waits.
 
         A bucket has two host buffers and two score buffers: a launch takes a turn whose buffers no unfinished round
-        of the bucket holds, so at most two rounds of one bucket may be in flight (a third launch raises), and neither
-        buffer is rewritten while the stream may still read or write it. The device buffer and the graph's output are
-        rewritten only by later work in the same stream, after this round's."""
-        return self._thread.call(self._launch, requests, shape)
+        of the bucket holds, so at most two rounds of one bucket may be in flight, and neither buffer is rewritten
+        while the stream may still read or write it. A third launch waits for another thread to finish one (several
+        threads calling `decide`), and raises where the thread asking holds both rounds itself or is the graph thread
+        (`_take_turn`). The device buffer and the graph's output are
+        rewritten only by later work in the same stream, after this round's.
 
-    def _launch(self, requests: list[PreparedRequest], shape: Shape) -> Launched:
+        A bucket that launches its recorded graph itself (`runtime.guards: none`) is enqueued by the calling thread:
+        a plain CUDA graph replays from any thread (only the compiled call's cudagraph trees are per thread), and an
+        in-process `decide` then skips handing the launch to the graph thread and being woken back (0.06-0.11 ms a
+        round on the H200's host, `profile_round.py`'s `handoff`). `_launch` is serialised either way: a bucket's one
+        device buffer takes each round's copy just before its replay."""
         bucket = self.buckets.get(shape.tokens)
         if bucket is None or bucket.shape != shape:
             raise ValueError(f"No captured bucket has the shape {shape}; buckets: {sorted(self.buckets)}.")
+        on_thread = self._thread.on_thread()
+        # the turn is taken by the thread asking, which will finish the round: it may wait for another thread's
+        # finish, the graph thread never does (the round it would wait for may be one only it finishes: the serve
+        # scheduler's, whose loop runs on it)
+        turn = self._take_turn(bucket, threading.get_ident(), may_wait=not on_thread)
+        if bucket.graph is not None and not on_thread:
+            with torch.cuda.device(self.device):  # the round's copies and event on the engine's device
+                return self._launch(requests, bucket, turn)
+        started = []
+
+        def launch_on_thread() -> Launched:
+            started.append(True)
+            return self._launch(requests, bucket, turn)
+
+        try:
+            return self._thread.call(launch_on_thread)
+        except BaseException:
+            if not started:  # never reached the graph thread (closed at exit): `_launch` did not give it back
+                self._give_back(bucket, turn)
+            raise
+
+    def _take_turn(self, bucket: Bucket, owner: int, may_wait: bool) -> int:
+        """Reserves one of the bucket's two turns (host and score buffers) for a round `owner` will finish. With
+        both in flight: waits for another thread's `finish` where `may_wait`, else, or when `owner` holds both
+        itself (it would wait for itself), raises."""
         with self._lock:
-            free = [turn for turn in (bucket.turn ^ 1, bucket.turn) if not bucket.busy[turn]]
-            if not free:
-                raise RuntimeError(f"GraphRunner.launch: two rounds of the {shape.tokens}-token bucket are in flight; "
-                                   "finish one first.")
-            bucket.turn = free[0]
-            bucket.busy[bucket.turn] = True
-        turn = bucket.turn
+            while True:
+                free = [turn for turn in (bucket.turn ^ 1, bucket.turn) if not bucket.busy[turn]]
+                if free:
+                    break
+                if not may_wait or all(held == owner for held in bucket.owners):
+                    raise RuntimeError(f"GraphRunner.launch: two rounds of the {bucket.shape.tokens}-token bucket "
+                                       "are in flight; finish one first.")
+                self._turn_freed.wait()
+            bucket.turn = turn = free[0]
+            bucket.busy[turn], bucket.owners[turn] = True, owner
+        return turn
+
+    def _give_back(self, bucket: Bucket, turn: int) -> None:
+        with self._lock:
+            bucket.busy[turn], bucket.owners[turn] = False, None
+            self._turn_freed.notify_all()
+
+    def _launch(self, requests: list[PreparedRequest], bucket: Bucket, turn: int) -> Launched:
+        """Enqueues a round into a reserved turn (given back if that fails), one round at a time."""
+        shape = bucket.shape
+        try:
+            with self._enqueue:
+                return self._enqueue_round(requests, shape, bucket, turn)
+        except BaseException:
+            self._give_back(bucket, turn)
+            raise
+
+    def _enqueue_round(self, requests: list[PreparedRequest], shape: Shape, bucket: Bucket, turn: int) -> Launched:
         try:
             host = bucket.hosts[turn]
             round_ = build_round(requests, shape, self.pad_id, out=host)
@@ -304,12 +361,10 @@ class GraphRunner:
                 done.record()
         except BaseException:
             if self.device.type == "cuda":
-                try:  # nothing of this turn may still run when its buffers are reused
+                try:  # nothing of this turn may still run when its buffers are reused (`_launch` gives it back)
                     torch.cuda.synchronize(self.device)
                 except Exception:  # noqa: BLE001 (a device error: the original error is the one to raise)
                     pass
-            with self._lock:
-                bucket.busy[turn] = False
             raise
         return Launched(round_, out, done, bucket, turn)
 
@@ -321,8 +376,7 @@ class GraphRunner:
                 launched.done.synchronize()  # releases the GIL while it waits
             return launched.scores.clone()
         finally:
-            with self._lock:
-                launched.bucket.busy[launched.turn] = False
+            self._give_back(launched.bucket, launched.turn)
 
     def _replay(self, bucket: Bucket) -> torch.Tensor:
         """The bucket's graph (or the eager forward) on its device buffer: the scores on the device."""

@@ -127,6 +127,37 @@ def test_guards_none_launches_the_recorded_graphs_with_the_same_bits(setup):
         assert max(max_difference(x, y) for x, y in zip(a, b)) == 0.0
 
 
+def test_rounds_from_many_threads_answer_as_alone(setup, monkeypatch):
+    """In-process `run` from 8 threads at once, more rounds of one bucket in flight than its two turns (launches
+    return before the device is done): a launch waits for a turn instead of raising, and every answer equals its
+    request's alone. With `runtime.guards: none` the calling threads enqueue their rounds themselves: no launch is
+    handed to the graph thread."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    _, _, requests, engine = setup
+    runner = engine.runner
+    prepared = [engine.prepare(r) for r in requests]
+    alone = [engine.run([p])[0] for p in prepared]
+    handed = []
+    call = runner._thread.call
+    monkeypatch.setattr(runner._thread, "call", lambda fn, *args: handed.append(fn) or call(fn, *args))
+
+    def worker(seed: int) -> float:
+        rng = random.Random(seed)
+        worst = 0.0
+        for _ in range(25):
+            picks = rng.sample(range(len(prepared)), rng.randint(1, 4))  # small rounds: mostly one bucket
+            got = engine.run([prepared[i] for i in picks])
+            worst = max([worst] + [max_difference(alone[i], answer) for i, answer in zip(picks, got)])
+        return worst
+
+    with ThreadPoolExecutor(8) as pool:
+        worst = max(pool.map(worker, range(8)))
+    assert worst < 1e-4
+    assert all(b.busy == [False, False] for b in runner.buckets.values())
+    assert (not handed) == (engine.config.runtime.guards == "none")
+
+
 def test_overlapped_rounds_equal_rounds_alone(setup):
     """`Engine.start` enqueues a replay and returns; the serve scheduler's overlap starts the next round before it
     reads the last one (the next round's build and copy then race the device unless each bucket alternates its

@@ -258,6 +258,17 @@ def latency_alone(engine, requests: list[dict], config: BenchConfig, timer: Time
     return alone, [("latency_p50_ms", alone, unit), ("latency_p90_ms", percentile(samples, 0.9), unit)]
 
 
+def prepare_alone(engine, requests: list[dict], config: BenchConfig) -> float:
+    """Median ms of preparing each latency request alone (`engine.prepare_alone`: validating, rendering,
+    tokenizing), as often as latency alone runs it: host work only, no device synchronisation around it."""
+    samples = []
+    for request in [r for r in requests[: config.latency_requests] for _ in range(config.repeats)]:
+        start = time.perf_counter()
+        engine.prepare_alone(request)
+        samples.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(samples)
+
+
 def paired_latency(engine, local, requests: list[dict], config: BenchConfig, timer: Timer) -> tuple[float, float]:
     """The same requests alone through `engine` (the server, over HTTP) and `local` (its in-process twin), each timed
     request right after the other, so that drift on the machine cancels: (median ms of `local`, median of the paired
@@ -282,13 +293,8 @@ def measure(engine, requests: list[dict], config: BenchConfig, timer: Timer, poo
     out = [("tokens_per_request", statistics.mean(engine.tokens(r) for r in requests), "tokens")]
     alone, rows = latency_alone(engine, requests, config, timer)
     out += rows
-    if hasattr(engine, "prepare_alone"):  # Flide in process: the host's share of latency alone, on the same requests
-        samples = []
-        for request in [r for r in requests[: config.latency_requests] for _ in range(config.repeats)]:
-            start = time.perf_counter()  # host work only: no device synchronisation around it
-            engine.prepare_alone(request)
-            samples.append((time.perf_counter() - start) * 1e3)
-        out.append(("prepare_p50_ms", statistics.median(samples), "ms"))
+    if hasattr(engine, "prepare_alone"):  # Flide in process: the host's share of latency alone
+        out.append(("prepare_p50_ms", prepare_alone(engine, requests, config), "ms"))
     if not alone_only and getattr(engine, "packs_rounds", False) and pool is not None:
         submitted, _ = latency_alone(engine.for_thread(pool.get(1)[0]), requests, config, timer)
         out.append(("latency_submit_p50_ms", submitted, "ms"))
@@ -342,13 +348,6 @@ def measure_http(engine, requests: list[dict], config: BenchConfig, timer: Timer
         out.append(("http_max_abs_diff", difference, "probability"))
     alone, rows = latency_alone(engine, requests, config, timer)
     out += rows
-    if hasattr(engine, "prepare_alone"):  # Flide in process: the host's share of latency alone, on the same requests
-        samples = []
-        for request in [r for r in requests[: config.latency_requests] for _ in range(config.repeats)]:
-            start = time.perf_counter()  # host work only: no device synchronisation around it
-            engine.prepare_alone(request)
-            samples.append((time.perf_counter() - start) * 1e3)
-        out.append(("prepare_p50_ms", statistics.median(samples), "ms"))
     local, gap = paired_latency(engine, engine.local, requests, config, timer)
     out += [("latency_inprocess_p50_ms", local, "ms"), ("latency_http_gap_p50_ms", gap, "ms")]
     if alone_only:

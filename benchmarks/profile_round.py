@@ -100,7 +100,8 @@ def median_ms(fn, repeats: int) -> float:
 
 def host_split(engine, prepared: list, repeats: int, cprofile: bool = False) -> dict:
     """Where `engine.run` of one request alone spends its wall time, stage by stage, medians in ms: `plan` (bucket
-    choice), `handoff` (a no-op round trip to the graph thread: what `launch` pays to reach it), `build` (the round
+    choice), `handoff` (a no-op round trip to the graph thread: what `launch` pays to reach it, where the bucket has no
+    recorded graph to launch from the calling thread), `build` (the round
     into the bucket's pinned buffer), `enqueue` (the host-to-device copy and the compiled call: dynamo's guards and
     cudagraph trees' checks before the replay is enqueued), `wait` (from the enqueue's end to the scores on the host),
     `answers` (softmax and answer dicts), and `gpu_span` (CUDA events around copy + replay + scores copy: the device's
@@ -119,7 +120,7 @@ def host_split(engine, prepared: list, repeats: int, cprofile: bool = False) -> 
 
         profiler = cProfile.Profile()
 
-    def on_graph_thread():
+    def one_round():
         t0 = time.perf_counter()
         planned = plan_rounds([engine.footprint(p) for p in prepared], engine.config.capacities,
                               engine.max_options)
@@ -154,12 +155,22 @@ def host_split(engine, prepared: list, repeats: int, cprofile: bool = False) -> 
         return {"plan": t1 - t0, "build": t2 - t1, "enqueue": t3 - t2, "wait": t4 - t3, "answers": t5 - t4,
                 "answers_again": t6 - t5, "build_again": t7 - t6, "gpu_span": begin.elapsed_time(end) / 1e3}
 
+    # a bucket with its recorded graph (runtime.guards: none) is launched by the calling thread (GraphRunner.launch):
+    # timed here on this thread, no hand-off; others are handed to the graph thread (`handoff`: a no-op round trip)
+    bucket_tokens = plan_rounds([engine.footprint(p) for p in prepared], engine.config.capacities,
+                                engine.max_options)[0].shape.tokens
+    direct = runner.buckets[bucket_tokens].graph is not None
     for _ in range(repeats):
         torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        runner._thread.submit(lambda: None).result()
-        stages["handoff"].append(time.perf_counter() - t0)
-        for key, seconds in runner._thread.submit(on_graph_thread).result().items():
+        if direct:
+            with torch.cuda.device(runner.device):
+                split = one_round()
+        else:
+            t0 = time.perf_counter()
+            runner._thread.submit(lambda: None).result()
+            stages["handoff"].append(time.perf_counter() - t0)
+            split = runner._thread.submit(one_round).result()
+        for key, seconds in split.items():
             stages[key].append(seconds)
     out = {key: round(statistics.median(values) * 1e3, 4) for key, values in stages.items()}
     if profiler is not None:

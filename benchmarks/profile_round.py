@@ -101,8 +101,7 @@ def median_ms(fn, repeats: int) -> float:
 def host_split(engine, prepared: list, repeats: int, cprofile: bool = False) -> dict:
     """Where `engine.run` of one request alone spends its wall time, stage by stage, medians in ms: `plan` (bucket
     choice), `handoff` (a no-op round trip to the graph thread: what `launch` pays to reach it, where the bucket has no
-    recorded graph to launch from the calling thread), `build` (the round
-    into the bucket's pinned buffer), `enqueue` (the host-to-device copy and the compiled call: dynamo's guards and
+    recorded graph to launch from the calling thread), `build` (the round into the bucket's pinned buffer), `enqueue` (the host-to-device copy and the compiled call: dynamo's guards and
     cudagraph trees' checks before the replay is enqueued), `wait` (from the enqueue's end to the scores on the host),
     `answers` (softmax and answer dicts), and `gpu_span` (CUDA events around copy + replay + scores copy: the device's
     time for the round, kernels and the gaps between them); `answers_again` / `build_again`: the same two right after

@@ -108,8 +108,8 @@ class QuestionCache:
             return simple
         try:
             key = (name, json.dumps(question, ensure_ascii=False))
-        except (TypeError, ValueError):
-            return parse_question(name, question, decision_config)
+        except (TypeError, ValueError):  # not JSON: parsed every time (`_parse_simple` declined it above)
+            return Question.from_request(name, question, decision_config)
         with self._lock:
             parsed = self._items.get(key)
             if parsed is not None:

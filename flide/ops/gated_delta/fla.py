@@ -110,12 +110,17 @@ def _pinned_prune(pinned, previous):
     def prune(configs, named_args, **kwargs):
         configs = previous(configs, named_args, **kwargs) if previous is not None else configs
         named = {**named_args, **kwargs}
-        k, heads = named.get("k"), named.get("HV", named.get("H"))
-        if (k is not None and k.element_size() > 2) or heads not in PINNED_VALUE_HEADS:
+        if not _pins_apply(named.get("k"), named.get("HV", named.get("H"))):
             return configs
         return [c for c in configs if c is pinned] or configs
 
     return prune
+
+
+def _pins_apply(k: torch.Tensor | None, value_heads: int | None) -> bool:
+    """Where the sm_90 pins were measured: 16-bit keys `k` (or a kernel without keys: the gate cumsum) and
+    PINNED_VALUE_HEADS value heads."""
+    return (k is None or k.element_size() == 2) and value_heads in PINNED_VALUE_HEADS
 
 
 # fla's h step allocates the final states with `new_zeros`: [N, Hv, K, V] fp32 for every sequence of the call, i.e.
@@ -171,15 +176,15 @@ def _intra(intra, k, v, g, beta, cu_seqlens, chunk_indices):
     with the fused kkt + solve kernel at 1 warp a program on long streams (KKT_ONE_WARP_TOKENS)."""
     B, T, H, K = k.shape
     HV = beta.shape[2]
-    # with the sm_90 pins (PIN_CONFIGS) on 16-bit inputs and the heads measured: where this was measured
-    pinned = (getattr(autotuner(_kkt_kernel()), "flide_pinned", None) is not None and k.element_size() == 2
-              and HV in PINNED_VALUE_HEADS)
+    tuner = autotuner(_kkt_kernel())
+    # only where the sm_90 pins (PIN_CONFIGS) apply: where this was measured
+    pinned = getattr(tuner, "flide_pinned", None) is not None and _pins_apply(k, HV)
     if not pinned or KKT_ONE_WARP_TOKENS is None or T < KKT_ONE_WARP_TOKENS:
         return intra(k=k, v=v, g=g, beta=beta, cu_seqlens=cu_seqlens, chunk_size=GDN_CHUNK,
                      chunk_indices=chunk_indices)
     from fla.ops.gated_delta_rule.wy_fast import recompute_w_u_fwd
 
-    kernel = autotuner(_kkt_kernel()).fn  # the jitted kernel under fla's heuristics and autotuner
+    kernel = tuner.fn  # the jitted kernel under fla's heuristics and autotuner
     A = torch.zeros(B, T, HV, GDN_CHUNK, device=k.device, dtype=k.dtype)  # the kernel stores the lower blocks only
     kernel[(chunk_indices.shape[0], B * HV)](
         k=k, g=g, beta=beta, A=A, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, T=T, H=H, HV=HV, K=K,

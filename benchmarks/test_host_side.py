@@ -36,6 +36,18 @@ CAPS = CapacityConfig(buckets=CapacityConfig().buckets + (32768,))
 ROUNDS = 500  # a fixed count: on a shared CPU the median needs many rounds to settle
 
 
+def real_tokenizer(data: str):
+    """The real Qwen3.5 tokenizer from the shared folder beside the data (../shared, or the repository's shared/ on
+    the GPU machine); the test skips without it or the data."""
+    from flide import workloads
+    from flide.loading import load_tokenizer
+
+    model = workloads.data_dir().parent / "models" / "qwen3_5"
+    if not workloads.data_available() or not model.is_dir():
+        pytest.skip(f"needs ../shared ({data} data and the Qwen3.5 tokenizer)")
+    return load_tokenizer(str(model))
+
+
 def plan_and_build(requests, out=None):
     needs = [footprint(r) for r in requests]
 
@@ -71,14 +83,10 @@ def test_plan_and_build_real_race_requests_into_reused_buffer(benchmark):
     from transformers.decision import DecisionConfig
 
     from flide import workloads
-    from flide.loading import load_tokenizer
     from flide.requests import PromptTokenizer, parse_request
 
-    model = workloads.data_dir().parent / "models" / "qwen3_5"
-    if not workloads.data_available() or not model.is_dir():
-        pytest.skip("needs ../shared (RACE data and the Qwen3.5 tokenizer)")
     config = DecisionConfig()
-    prompts = PromptTokenizer(load_tokenizer(str(model)), config)
+    prompts = PromptTokenizer(real_tokenizer("RACE"), config)
     requests = []
     for request in workloads.race(limit=80):
         prepared = prompts.prepare(*parse_request(request, config, 64))
@@ -141,14 +149,10 @@ def test_tokenize_real_race_requests_unseen(benchmark):
     from transformers.decision import DecisionConfig
 
     from flide import workloads
-    from flide.loading import load_tokenizer
     from flide.piece_cache import PieceCache
     from flide.requests import PromptTokenizer, tokenize_request
 
-    model = workloads.data_dir().parent / "models" / "qwen3_5"
-    if not workloads.data_available() or not model.is_dir():
-        pytest.skip("needs ../shared (RACE data and the Qwen3.5 tokenizer)")
-    prompts = PromptTokenizer(load_tokenizer(str(model)), DecisionConfig(), piece_cache=PieceCache(0),
+    prompts = PromptTokenizer(real_tokenizer("RACE"), DecisionConfig(), piece_cache=PieceCache(0),
                               question_cache_entries=0)
     requests = workloads.race(limit=16)
     prepared = benchmark.pedantic(lambda: [tokenize_request(r, prompts, 64) for r in requests], rounds=30,
@@ -165,15 +169,10 @@ def test_tokenize_long_state_many_questions_seen(benchmark):
 
     from transformers.decision import DecisionConfig
 
-    from flide import workloads
     from flide.bench.workloads import sweep
-    from flide.loading import load_tokenizer
     from flide.requests import PromptTokenizer, tokenize_request
 
-    model = workloads.data_dir().parent / "models" / "qwen3_5"
-    if not workloads.data_available() or not model.is_dir():
-        pytest.skip("needs ../shared (QuALITY data and the Qwen3.5 tokenizer)")
-    tokenizer = load_tokenizer(str(model))
+    tokenizer = real_tokenizer("QuALITY")
     prompts = PromptTokenizer(tokenizer, DecisionConfig(), question_cache_entries=0)
     request = sweep(tokenizer, counts=(64,))["sweep/q64"][0]
     tokenize_request(request, prompts, 64)  # its pieces seen once

@@ -95,9 +95,8 @@ def main() -> None:
     args = parser.parse_args()
     device = "cuda"  # fla's kernels do not all run under Triton's interpreter
     fla.PIN_CONFIGS = False  # fla's own config lists and autotuner, as shipped (Flide pins one config on sm_90)
-    autotuner = fla.autotuner
     hk, hv, dim = 16, args.value_heads, 128
-    tuners = {name: autotuner(getattr(importlib.import_module(module), attr))
+    tuners = {name: fla.autotuner(getattr(importlib.import_module(module), attr))
               for name, (module, attr, _) in KERNELS.items()}
     every = {name: list(t.configs) for name, t in tuners.items()}
     rows = []
@@ -122,8 +121,8 @@ def main() -> None:
                 torch.cuda.synchronize()
                 ms = do_bench_cudagraph(fn, return_mode="median")
                 picked = label(next(iter(tuner.cache.values()))) if tag == "auto@stream" and tuner.cache else ""
-                rows.append({"stream": stream_name, "tokens": T, "value_heads": hv, "kernel": name, "step": step, "config": tag,
-                             "picked": picked, "ms": round(ms, 4)})
+                rows.append({"stream": stream_name, "tokens": T, "value_heads": hv, "kernel": name, "step": step,
+                             "config": tag, "picked": picked, "ms": round(ms, 4)})
                 print(json.dumps(rows[-1]), flush=True)
             tuner.configs = every[name]
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}

@@ -309,7 +309,7 @@ def test_types_asked_once_share_the_state_without_probe_renders(monkeypatch):
     """An agent guard's three questions of three types: three renders of the (long) state, one shared trunk."""
     from transformers.decision import DecisionConfig
 
-    import flide.ascii_bpe
+    import flide.requests
     from flide.requests import PromptTokenizer, parse_request
     from flide.workloads import AGENT_QUESTIONS
 
@@ -574,7 +574,7 @@ def test_batch_encode_in_python_falls_back_to_the_tokenizer_exactly(monkeypatch)
     to tokenizers. Every way gives transformers' ids."""
     from transformers.decision import DecisionConfig
 
-    import flide.ascii_bpe
+    import flide.requests
     from flide.requests import PromptTokenizer
 
     tok = tiny_tokenizer()
@@ -675,7 +675,7 @@ def test_marking_skips_only_text_that_cannot_hold_a_control_token(monkeypatch):
     from transformers.decision import DecisionConfig
     from transformers.utils.chat_template_utils import _CONTROL_TOKEN_END, _CONTROL_TOKEN_START, mark_control_tokens
 
-    import flide.ascii_bpe
+    import flide.requests
     from flide.requests import PromptTokenizer
 
     prompts = PromptTokenizer(tiny_tokenizer(), DecisionConfig())

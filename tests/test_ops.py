@@ -640,8 +640,9 @@ def test_the_fla_fork_runs_our_question_kernel_and_the_reference_its_own():
 
 def test_fla_config_pins_prune_16_bit_launches_to_one_config(monkeypatch, caplog):
     """fla._pin_configs (the sm_90 pins): a kernel whose autotune list holds the pinned config prunes to it for
-    16-bit keys (or none, the gate cumsum) and the value heads measured, and keeps every config for fp32 keys or
-    other heads; one without it (an fla upgrade) keeps its autotuner and the log says so. Fake kernels: fla is
+    16-bit keys (or none, the gate cumsum) and each value-head count measured (its own pin), and keeps every config
+    for fp32 keys or other heads; a pin missing from a kernel's list (an fla upgrade) leaves those heads autotuned
+    and the log says so. Fake kernels: fla is
     GPU-only."""
     import sys
     import types
@@ -655,18 +656,24 @@ def test_fla_config_pins_prune_16_bit_launches_to_one_config(monkeypatch, caplog
 
     listed = [triton.Config({"BV": bv}, num_warps=w, num_stages=s) for bv in (32, 64) for w in (2, 4) for s in (2, 3)]
     module = types.ModuleType("fake_fla_kernels")
-    module.has, module.lacks = kernel(listed), kernel(listed[:2])
+    module.has, module.lacks = kernel(listed), kernel(listed[:4])  # lacks BV 64
     monkeypatch.setitem(sys.modules, "fake_fla_kernels", module)
     with caplog.at_level("WARNING", logger="flide"):
-        fla._pin_configs({("fake_fla_kernels", "has"): ({"BV": 32}, 4, 3),
-                          ("fake_fla_kernels", "lacks"): ({"BV": 32}, 4, 3)})
+        fla._pin_configs({16: {("fake_fla_kernels", "has"): ({"BV": 32}, 4, 3),
+                               ("fake_fla_kernels", "lacks"): ({"BV": 32}, 4, 3)},
+                          32: {("fake_fla_kernels", "has"): ({"BV": 64}, 2, 2),
+                               ("fake_fla_kernels", "lacks"): ({"BV": 64}, 2, 2)}})
     tuner = fla.autotuner(module.has)
-    heads = fla.PINNED_VALUE_HEADS[0]
-    (kept,) = tuner.early_config_prune(listed, {}, k=torch.zeros(2, dtype=torch.bfloat16), H=16, HV=heads)
-    assert (kept.kwargs, kept.num_warps, kept.num_stages) == ({"BV": 32}, 4, 3) and tuner.flide_pinned is kept
+    bf16 = torch.zeros(2, dtype=torch.bfloat16)
+    (kept,) = tuner.early_config_prune(listed, {}, k=bf16, H=16, HV=16)
+    assert (kept.kwargs, kept.num_warps, kept.num_stages) == ({"BV": 32}, 4, 3) and tuner.flide_pinned[16] is kept
+    (kept32,) = tuner.early_config_prune(listed, {}, k=bf16, H=16, HV=32)  # each head count its own pin
+    assert (kept32.kwargs, kept32.num_warps, kept32.num_stages) == ({"BV": 64}, 2, 2)
     assert tuner.cache == {}  # an earlier autotune pick would have bypassed the pruning
-    assert tuner.early_config_prune(listed, {"s": torch.zeros(2)}, H=heads) == [kept]  # the gate cumsum
-    assert tuner.early_config_prune(listed, {}, k=torch.zeros(2), H=16, HV=heads) == listed  # fp32
-    assert tuner.early_config_prune(listed, {}, k=torch.zeros(2, dtype=torch.bfloat16), H=16, HV=heads + 1) == listed
-    assert fla.autotuner(module.lacks).early_config_prune is None
-    assert "lacks has no config" in caplog.text
+    assert tuner.early_config_prune(listed, {"s": torch.zeros(2)}, H=16) == [kept]  # the gate cumsum
+    assert tuner.early_config_prune(listed, {}, k=torch.zeros(2), H=16, HV=16) == listed  # fp32
+    assert tuner.early_config_prune(listed, {}, k=bf16, H=16, HV=24) == listed  # heads not measured
+    lacks = fla.autotuner(module.lacks)  # holds the 16-head pin only
+    assert lacks.early_config_prune(listed[:4], {}, k=bf16, H=16, HV=16) == [listed[3]]
+    assert lacks.early_config_prune(listed[:4], {}, k=bf16, H=16, HV=32) == listed[:4]
+    assert "lacks has no config {'BV': 64}, 2 warps, 2 stages: autotuned at 32 value heads" in caplog.text

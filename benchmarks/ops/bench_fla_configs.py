@@ -12,9 +12,9 @@ of its configs in turn (the others as the autotuner picked them), and with the a
 Qwen3.5-0.8B shapes (16 key / 16 value heads of 128; `--value-heads 32`: 4B / 9B's, e.g. `--out
 benchmarks/results/ops_fla_configs_hv32_h200.json`) on the laid-out inputs the GDN layer's fused conv writes.
 
-Flide pins each kernel to one config on sm_90 (`fla.SM90_CONFIGS`, from this bench's H200 run) and launches the kkt +
-solve kernel at 1 warp on long streams (`fla.KKT_ONE_WARP_TOKENS`) for the value heads measured
-(`fla.PINNED_VALUE_HEADS`); here `fla.PIN_CONFIGS` is off.
+Flide pins each kernel to one config on sm_90 per value-head count measured (`fla.SM90_CONFIGS`, from this bench's
+H200 runs) and, at 16 value heads, launches the kkt + solve kernel at 1 warp on long streams
+(`fla.KKT_ONE_WARP_TOKENS`); here `fla.PIN_CONFIGS` is off.
 """
 
 from __future__ import annotations

@@ -65,6 +65,23 @@ def test_fla_fork_matches_reference(tokens, dtype, seed, variant):
     assert (o[pad] == 0).all()
 
 
+@pytest.mark.parametrize("tokens", [500, 3600])
+@pytest.mark.parametrize("heads", [(16, 16), (16, 32)], ids=["Hk16-Hv16", "Hk16-Hv32"])
+def test_fla_fork_at_pinned_heads_matches_reference(tokens, heads):
+    """bf16 at Qwen3.5's head counts, where fla's kernels run the configs pinned on sm_90 (`fla.SM90_CONFIGS`, one
+    table per value-head count; the kkt + solve kernel's 1-warp launch on the 3,600-token stream at 16 heads)."""
+    from flide.ops.gated_delta import fla as fla_module
+
+    x, r = inputs(tokens, torch.bfloat16, seed=tokens + heads[1], hk=heads[0], hv=heads[1])
+    ref_o, ref_final = run_fork("reference", tuple(t.float() for t in x), r)
+    o, final = run_fork("fla", x, r)
+    if torch.cuda.get_device_capability() == (9, 0):
+        assert fla_module.autotuner(fla_module._kkt_kernel()).flide_pinned[heads[1]] is not None
+    assert rel_err(o, ref_o) < TOL[torch.bfloat16]
+    used = r.state_len > 0
+    assert rel_err(final[used], ref_final[used]) < TOL[torch.bfloat16]
+
+
 def test_fla_fork_replays_in_a_cuda_graph_with_other_rounds():
     tokens = 2048
     x, r = inputs(tokens, torch.bfloat16, seed=11)
@@ -325,11 +342,11 @@ def test_kkt_warps_keep_the_bits(tokens, monkeypatch):
 
     from flide.ops.gated_delta import fla as fla_module
 
-    x, r = inputs(tokens, torch.bfloat16, seed=29, hk=16, hv=fla_module.PINNED_VALUE_HEADS[0])
+    x, r = inputs(tokens, torch.bfloat16, seed=29, hk=16, hv=16)  # pinned at 2 warps
     meta = (r.state_start, r.state_len, r.branch_start, r.branch_len, r.branch_state)
     monkeypatch.setattr(fla_module, "KKT_ONE_WARP_TOKENS", None)
     want_o, want_finals = fork(kernel("fla"), *x, *meta, 128 ** -0.5, True)
-    assert fla_module.autotuner(fla_module._kkt_kernel()).flide_pinned.num_warps == 2
+    assert fla_module.autotuner(fla_module._kkt_kernel()).flide_pinned[16].num_warps == 2
     ours = []  # the one-warp launch calls w / u's step from its module (fla's intra step has its own binding)
     step = wy_fast.recompute_w_u_fwd
     monkeypatch.setattr(wy_fast, "recompute_w_u_fwd", lambda *a, **kw: ours.append(1) or step(*a, **kw))

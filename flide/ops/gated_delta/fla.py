@@ -60,21 +60,29 @@ def _fla_steps():
 # warm-up round), and the pick varied between processes: two engines of one commit on the H200 (session 23 calls
 # 1 and 2) took the kkt + solve kernel at 2 and at 1 warp, the h kernel at a config 9 % slower on QuALITY's
 # 8,192 bucket, the gate cumsum at 8 warps in the second (QuALITY's state call 0.4 ms apart). Where the op bench
-# measured (sm_90, bf16: `bench_fla_configs.py`, benchmarks/results/ops_fla_configs_h200.md) each kernel runs one of
-# its own configs instead: the best or tied-best on every stream measured, the same on every bucket (the kkt + solve
-# kernel at 1 warp on long streams: `_intra`). The pin is a pruning of fla's autotuners for the process, so fla's
-# other callers get it too; fp32 inputs keep the autotuner (their tiles need more shared memory: the h kernel's
-# pinned config does not fit in fp32), and so do other head counts than the bench's (PINNED_VALUE_HEADS: Qwen3.5-0.8B's
-# 16 value heads of 128; 4B / 9B's 32 until `bench_fla_configs.py --value-heads 32` has measured them).
+# measured (sm_90, bf16, per value-head count: `bench_fla_configs.py [--value-heads 32]`,
+# benchmarks/results/ops_fla_configs{,_hv32}_h200.md) each kernel runs one of its own configs instead: the best or
+# tied-best on every stream measured, the same on every bucket (at 16 value heads the kkt + solve kernel at 1 warp
+# on long streams: `_intra`). The pin is a pruning of fla's autotuners for the process, so fla's other callers get
+# it too; fp32 inputs keep the autotuner (their tiles need more shared memory: the h kernel's pinned config does not
+# fit in fp32), and so do head counts the bench has not measured.
 # PIN_CONFIGS False: fla's autotuners as shipped (the op bench).
 PIN_CONFIGS = True
-PINNED_VALUE_HEADS = (16,)
-SM90_CONFIGS = {  # (module, kernel) -> (the config's kwargs, num_warps, num_stages)
-    ("fla.ops.utils.cumsum", "chunk_local_cumsum_scalar_kernel"): ({}, 2, 3),
-    ("fla.ops.gated_delta_rule.chunk_fwd", "chunk_gated_delta_rule_fwd_kkt_solve_kernel"): ({"BK": 64}, 2, 3),
-    ("fla.ops.gated_delta_rule.wy_fast", "recompute_w_u_fwd_kernel"): ({}, 4, 3),
-    ("fla.ops.common.chunk_delta_h", "chunk_gated_delta_rule_fwd_kernel_h_blockdim64"): ({"BV": 32}, 4, 3),
-    ("fla.ops.common.chunk_o", "chunk_fwd_kernel_o"): ({"BK": 64, "BV": 64}, 4, 3),
+_CUMSUM = ("fla.ops.utils.cumsum", "chunk_local_cumsum_scalar_kernel")
+_KKT = ("fla.ops.gated_delta_rule.chunk_fwd", "chunk_gated_delta_rule_fwd_kkt_solve_kernel")
+_W_U = ("fla.ops.gated_delta_rule.wy_fast", "recompute_w_u_fwd_kernel")
+_H = ("fla.ops.common.chunk_delta_h", "chunk_gated_delta_rule_fwd_kernel_h_blockdim64")
+_O = ("fla.ops.common.chunk_o", "chunk_fwd_kernel_o")
+# value heads (of 128 key / value dims) -> (module, kernel) -> (the config's kwargs, num_warps, num_stages)
+SM90_CONFIGS = {
+    # Qwen3.5-0.8B (session 23, ops_fla_configs_h200.md): kkt + solve at 2 warps is best only on RACE's 512 bucket
+    16: {_CUMSUM: ({}, 2, 3), _KKT: ({"BK": 64}, 2, 3), _W_U: ({}, 4, 3), _H: ({"BV": 32}, 4, 3),
+         _O: ({"BK": 64, "BV": 64}, 4, 3)},
+    # Qwen3.5-4B / 9B (session 24, ops_fla_configs_hv32_h200.md): kkt + solve at 1 warp best on every stream (RACE's
+    # bucket too: 28.0 vs 29.2 us), w / u at 2 stages (2-4 % under 3 on every stream), h at BV 64 (QuALITY-sized
+    # 222 vs 320 us at BV 32); the cumsum's 1 and 2 warps tie
+    32: {_CUMSUM: ({}, 2, 3), _KKT: ({"BK": 64}, 1, 3), _W_U: ({}, 4, 2), _H: ({"BV": 64}, 4, 3),
+         _O: ({"BK": 64, "BV": 64}, 4, 3)},
 }
 
 
@@ -86,41 +94,54 @@ def autotuner(kernel):
 
 
 def _pin_configs(pins: dict) -> None:
-    """Prunes each named kernel's autotune configs to the one pinned where its inputs are 16-bit (a kernel whose
-    configs no longer hold it, after an fla upgrade, keeps its autotuner, logged); marks the tuner `flide_pinned`."""
+    """`pins` ({value heads: {(module, kernel): (kwargs, warps, stages)}}): prunes each named kernel's autotune configs
+    to the one pinned for the call's value heads where its inputs are 16-bit (a config no longer among the kernel's,
+    after an fla upgrade, leaves those heads autotuned, logged); marks the tuner `flide_pinned` ({heads: config})."""
     import importlib
     import logging
 
-    for (module, name), (kwargs, warps, stages) in pins.items():
+    per_kernel: dict[tuple[str, str], dict[int, tuple]] = {}
+    for heads, kernels in pins.items():
+        for kernel, config in kernels.items():
+            per_kernel.setdefault(kernel, {})[heads] = config
+    for (module, name), by_heads in per_kernel.items():
         tuner = autotuner(getattr(importlib.import_module(module), name))
-        found = [c for c in tuner.configs if c.kwargs == kwargs and c.num_warps == warps and c.num_stages == stages]
-        if not found:
-            logging.getLogger("flide").warning("flide: fla's %s has no config %s, %d warps, %d stages: autotuned",
-                                               name, kwargs, warps, stages)
-        elif getattr(tuner, "flide_pinned", None) is None:
-            tuner.early_config_prune = _pinned_prune(found[0], tuner.early_config_prune)
-            tuner.flide_pinned = found[0]
+        if getattr(tuner, "flide_pinned", None) is not None:
+            continue
+        pinned = {}
+        for heads, (kwargs, warps, stages) in by_heads.items():
+            found = [c for c in tuner.configs
+                     if c.kwargs == kwargs and c.num_warps == warps and c.num_stages == stages]
+            if found:
+                pinned[heads] = found[0]
+            else:
+                logging.getLogger("flide").warning("flide: fla's %s has no config %s, %d warps, %d stages: "
+                                                   "autotuned at %d value heads", name, kwargs, warps, stages, heads)
+        if pinned:
+            tuner.early_config_prune = _pinned_prune(pinned, tuner.early_config_prune)
+            tuner.flide_pinned = pinned
             tuner.cache.clear()  # picks made before (fla run first by another caller) would bypass the pruning
 
 
-def _pinned_prune(pinned, previous):
-    """An autotuner's early_config_prune that keeps only `pinned` for 16-bit keys `k` (or none: the gate cumsum) and
-    PINNED_VALUE_HEADS value heads (`HV`, the cumsum's `H`). fla calls its kernels by keyword: all in `kwargs`."""
+def _pinned_prune(pinned: dict, previous):
+    """An autotuner's early_config_prune that keeps only `pinned[value heads]` for 16-bit keys `k` (or none: the gate
+    cumsum); value heads: the call's `HV` (the cumsum's `H`). fla calls its kernels by keyword: all in `kwargs`."""
 
     def prune(configs, named_args, **kwargs):
         configs = previous(configs, named_args, **kwargs) if previous is not None else configs
         named = {**named_args, **kwargs}
-        if not _pins_apply(named.get("k"), named.get("HV", named.get("H"))):
-            return configs
-        return [c for c in configs if c is pinned] or configs
+        config = _pinned_for(pinned, named.get("k"), named.get("HV", named.get("H")))
+        return [c for c in configs if c is config] or configs
 
     return prune
 
 
-def _pins_apply(k: torch.Tensor | None, value_heads: int | None) -> bool:
-    """Where the sm_90 pins were measured: 16-bit keys `k` (or a kernel without keys: the gate cumsum) and
-    PINNED_VALUE_HEADS value heads."""
-    return (k is None or k.element_size() == 2) and value_heads in PINNED_VALUE_HEADS
+def _pinned_for(pinned: dict | None, k: torch.Tensor | None, value_heads: int | None):
+    """The config pinned for a call (None: autotuned): where the sm_90 pins were measured, 16-bit keys `k` (or a
+    kernel without keys: the gate cumsum) and a value-head count the bench measured."""
+    if not pinned or (k is not None and k.element_size() != 2):
+        return None
+    return pinned.get(value_heads)
 
 
 # fla's h step allocates the final states with `new_zeros`: [N, Hv, K, V] fp32 for every sequence of the call, i.e.
@@ -155,13 +176,14 @@ def _fwd_h_unfilled(k, w, u, g=None, initial_state=None, output_final_state=True
 
 
 # fla's fused kkt + solve kernel (the intra step's first launch) takes one autotune pick for every stream of a head
-# shape: on the H200 2 warps a program (BK 64), the best on RACE's 512-token bucket (23.5 vs 25.1 us a layer with
-# 1 warp) but 17-25 % slower than 1 warp on every stream of 2,048 tokens and more, where many chunks fill the card
-# (sweep 1 bucket 45 vs 60 us, 16 RACE 110 vs 126, QuALITY-sized 149 vs 180; `bench_fla_configs.py`,
-# benchmarks/results/ops_fla_configs_h200.md, session 23). Streams of at least this many tokens launch it with
-# 1 warp (`_intra`, with the sm_90 pins below); both launches use the same MMA shapes and the same order of sums
-# (bits checked equal: tests/gpu/test_gated_delta_gpu.py::test_kkt_warps_keep_the_bits). None: the pinned 2 warps
-# everywhere. A pin of fla-core 0.6.0's kernel signature, like EMPTY_FINAL_STATE.
+# shape: on the H200 at 16 value heads 2 warps a program (BK 64), the best on RACE's 512-token bucket (23.5 vs
+# 25.1 us a layer with 1 warp) but 17-25 % slower than 1 warp on every stream of 2,048 tokens and more, where many
+# chunks fill the card (sweep 1 bucket 45 vs 60 us, 16 RACE 110 vs 126, QuALITY-sized 149 vs 180;
+# `bench_fla_configs.py`, benchmarks/results/ops_fla_configs_h200.md, session 23). Streams of at least this many
+# tokens launch it with 1 warp (`_intra`, where a pin above holds more warps; at 32 value heads 1 warp is the pin
+# itself); both launches use the same MMA shapes and the same order of sums (bits checked equal:
+# tests/gpu/test_gated_delta_gpu.py::test_kkt_warps_keep_the_bits). None: the pinned 2 warps everywhere. A pin of
+# fla-core 0.6.0's kernel signature, like EMPTY_FINAL_STATE.
 KKT_ONE_WARP_TOKENS: int | None = 2048
 
 
@@ -177,9 +199,9 @@ def _intra(intra, k, v, g, beta, cu_seqlens, chunk_indices):
     B, T, H, K = k.shape
     HV = beta.shape[2]
     tuner = autotuner(_kkt_kernel())
-    # only where the sm_90 pins (PIN_CONFIGS) apply: where this was measured
-    pinned = getattr(tuner, "flide_pinned", None) is not None and _pins_apply(k, HV)
-    if not pinned or KKT_ONE_WARP_TOKENS is None or T < KKT_ONE_WARP_TOKENS:
+    # only where the sm_90 pins (PIN_CONFIGS) apply with more warps: where this was measured
+    pinned = _pinned_for(getattr(tuner, "flide_pinned", None), k, HV)
+    if pinned is None or pinned.num_warps == 1 or KKT_ONE_WARP_TOKENS is None or T < KKT_ONE_WARP_TOKENS:
         return intra(k=k, v=v, g=g, beta=beta, cu_seqlens=cu_seqlens, chunk_size=GDN_CHUNK,
                      chunk_indices=chunk_indices)
     from fla.ops.gated_delta_rule.wy_fast import recompute_w_u_fwd

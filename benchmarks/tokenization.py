@@ -6,7 +6,8 @@ MultiRC. Flide's piece and question caches are off: every request costs what it 
 
 `--piece-chars 2048 1024 512` adds a `flide-split@<n>` row per size: a long state cut into pieces of about n
 characters (`PromptTokenizer.PIECE_CHARS`), which the Rust tokenizer encodes in parallel, one CPU a piece;
-`--engines flide-split` leaves out the others (transformers' prepare_inputs reads the vocabulary per request).
+`--engines flide-split` leaves out the others (transformers' prepare_inputs reads the vocabulary per request);
+`flide-split-rust` (not run by default) encodes every piece with the Rust tokenizer, none with `ascii_bpe`.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ def main() -> None:
     parser.add_argument("--out", default=str(here / "benchmarks" / "results" / "tokenization.json"))
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--workloads", nargs="+", default=["quality", "race", "multirc"])
-    parser.add_argument("--engines", nargs="+", default=["flide-split", "flide-full", "transformers-prepare_inputs"])
+    parser.add_argument("--engines", nargs="+", default=["flide-split", "flide-full", "transformers-prepare_inputs"],
+                        choices=["flide-split", "flide-split-rust", "flide-full", "transformers-prepare_inputs"])
     parser.add_argument("--piece-chars", nargs="+", type=int, default=[],
                         help="also flide-split with a long state cut into pieces of about this many characters")
     args = parser.parse_args()
@@ -59,6 +61,8 @@ def main() -> None:
     config = DecisionConfig()
     split, full = (PromptTokenizer(tok, config, mode, piece_cache=PieceCache(0), question_cache_entries=0)
                    for mode in ("split", "full"))
+    rust = PromptTokenizer(tok, config, "split", piece_cache=PieceCache(0), question_cache_entries=0)
+    rust.ascii_bpe = None  # every piece through the Rust tokenizer's parallel batch, none through ascii_bpe
     tok.get_vocab()  # the sentinels are added by now; warm the vocabulary cache transformers reads per request
     sets = {"quality": lambda: workloads.quality(), "race": lambda: workloads.race(limit=64),
             "multirc": lambda: workloads.multirc(limit=16)}
@@ -70,6 +74,7 @@ def main() -> None:
         questions = statistics.mean(len(q) for _, q in parsed)
         state_tokens = statistics.mean(len(split.prepare(s, q).trunks[0]) for s, q in parsed)
         engines = [("flide-split", lambda p: split.prepare(*p), parsed),
+                   ("flide-split-rust", lambda p: rust.prepare(*p), parsed),
                    ("flide-full", lambda p: full.prepare(*p), parsed),
                    ("transformers-prepare_inputs", lambda r: prepare_inputs(config, r, tok), requests)]
         engines = [e for e in engines if e[0] in args.engines]

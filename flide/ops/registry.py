@@ -22,6 +22,12 @@ _BATCH_INVARIANT: set[tuple[str, str]] = set()
 _RESUMABLE: dict[tuple[str, str], Callable] = {}
 # ops whose work checkpoints change (readout runs after the mixers and needs nothing)
 RESUMABLE_OPS = ("fork_attention", "gated_delta", "fork_conv")
+# (op, variant) -> its nested-fork companion (`runtime.nested_forks`): fork_attention's takes each token's sub-trunk
+# key range too, (q, k, v, seg_lo, trunk_lo, trunk_hi, sub_lo, sub_hi, scale); gated_delta's is the question call
+# that first runs each question's sub-trunk rows from its state's final state (`gated_delta.fork_parts(sub=...)`)
+_NESTED: dict[tuple[str, str], Callable] = {}
+# ops whose work a sub-trunk changes (the conv reads a leaf's window from its sub-trunk through its trunk range)
+NESTED_OPS = ("fork_attention", "gated_delta")
 
 
 def needs_cuda() -> str | None:
@@ -208,3 +214,27 @@ def resumable(kernels, device: str = "cpu") -> dict[str, Callable]:
         raise ValueError(f"checkpoints need kernel variants that can resume and snapshot; these cannot: "
                          f"{', '.join(missing)} (use `reference`).")
     return {op: _RESUMABLE[(op, getattr(kernels, op))] for op in RESUMABLE_OPS}
+
+
+def register_nested(op: str, variant: str):
+    """Decorator: registers `fn` as the nested-fork companion of `variant` of `op` (see `_NESTED`)."""
+    if op not in NESTED_OPS:
+        raise ValueError(f"Op {op!r} has no nested-fork companion; ops that do: {', '.join(NESTED_OPS)}.")
+
+    def wrap(fn: Callable) -> Callable:
+        _NESTED[(op, variant)] = fn
+        return fn
+
+    return wrap
+
+
+def nested(kernels, device: str = "cpu") -> tuple[dict[str, Callable] | None, list[str]]:
+    """({op: nested-fork companion} of the variants a `KernelConfig` picks on `device`, or None, and the
+    `kernels.<op>: <variant>` choices that have none (why nested forks cannot run with these kernels))."""
+    _load_all()
+    kernels = concrete(kernels, device)
+    missing = [f"kernels.{op}: {getattr(kernels, op)}" for op in NESTED_OPS
+               if (op, getattr(kernels, op)) not in _NESTED]
+    if missing:
+        return None, missing
+    return {op: _NESTED[(op, getattr(kernels, op))] for op in NESTED_OPS}, []

@@ -65,7 +65,7 @@ class RequestError(ValueError):
 
 @dataclass
 class Branch:
-    """One prompt's tokens after its trunk, and where its questions are read."""
+    """One prompt's tokens after its trunk (and its sub-trunk, if any), and where its questions are read."""
 
     trunk: int  # index into PreparedRequest.trunks
     tokens: np.ndarray  # [n] int64
@@ -73,6 +73,17 @@ class Branch:
     questions: list[Question]
     tail: np.ndarray  # the prompt's tokens after its last mark (what transformers' logits processors receive)
     options: list[list[int]] = field(default_factory=list)  # head rows of each question's options (set by the engine)
+    sub: int = -1  # index into PreparedRequest.subs: the shared lines between its trunk and `tokens` (-1: none)
+
+
+@dataclass
+class SubTrunk:
+    """Lines that several prompts of one trunk continue with before they differ (nested forks: a judge's question
+    line before each candidate answer): computed once in the stream, forked from its trunk like a question, and
+    forked from by each of its branches (`Branch.sub`)."""
+
+    trunk: int
+    tokens: np.ndarray  # [n] int64, no sentinels
 
 
 @dataclass
@@ -84,10 +95,16 @@ class PreparedRequest:
     questions: list[Question] = field(default_factory=list)  # in request order
     prompt_tokens: int = 0  # sum over prompts of their whole length: what one sequence per question would compute
     cached_tokens: int = 0  # state tokens its last round resumed from checkpoints instead of computing
+    subs: list[SubTrunk] = field(default_factory=list)  # nested forks: lines several branches share after a trunk
 
     @property
     def stream_tokens(self) -> int:
-        return sum(len(t) for t in self.trunks) + sum(len(b.tokens) for b in self.branches)
+        return (sum(len(t) for t in self.trunks) + sum(len(b.tokens) for b in self.branches)
+                + sum(len(s.tokens) for s in self.subs))
+
+    def prefix_length(self, branch: Branch) -> int:
+        """Tokens of `branch`'s prompt before its own tokens: its trunk's, and its sub-trunk's if it has one."""
+        return len(self.trunks[branch.trunk]) + (len(self.subs[branch.sub].tokens) if branch.sub >= 0 else 0)
 
     @property
     def input_tokens(self) -> int:
@@ -302,9 +319,11 @@ class PromptTokenizer:
 
     def __init__(self, tokenizer, decision_config, mode: str = "auto", resolved: bool = False,
                  piece_cache: PieceCache | None = None,
-                 question_cache_entries: int = RuntimeConfig.question_cache_entries):
+                 question_cache_entries: int = RuntimeConfig.question_cache_entries, nested: bool = False):
         """`mode`: `runtime.tokenization` (auto, split or full); `auto` and `split` are checked against this tokenizer
         (flide/split_check.py) unless `resolved` says the mode comes from a PromptTokenizer that checked it.
+        `nested`: in split mode, lines that several prompts of a trunk share after it become sub-trunks
+        (`PreparedRequest.subs`; the engine's `runtime.nested_forks`).
         `piece_cache`: the tokens of prompt pieces seen before (flide/piece_cache.py), shared by a tokenizer's
         thread copies; by default a new one of `runtime.piece_cache_chars`' default bound."""
         self.tokenizer = getattr(tokenizer, "tokenizer", tokenizer)
@@ -313,6 +332,7 @@ class PromptTokenizer:
         self._affixes: ChatAffixes | bool | None = None  # chat_affixes(): None until looked for, False if none
         # shared by thread copies (copy_for_thread hands them this one); None: off
         self.question_cache = QuestionCache(question_cache_entries) if question_cache_entries > 0 else None
+        self.nested = nested
         self.mode = "split" if mode == "auto" else mode  # until resolved below: the probes tokenize in two parts
         tok = self.tokenizer
         # as prepare_inputs does: sentinels are special, requests can't write them. (Looked up among the added tokens:
@@ -368,6 +388,7 @@ class PromptTokenizer:
                                  question_cache_entries=0)
         copied.question_cache = self.question_cache
         copied._affixes = self._affixes
+        copied.nested = self.nested
         return copied
 
     # ---- rendering (transformers' prepare_inputs, text only) ----
@@ -649,27 +670,84 @@ class PromptTokenizer:
         trunk_ids: dict[str, int] = {}
         trunks: list[_Trunk] = []
         branches: list[Branch] = []
-        prompt_tokens = 0
         trunk_texts = self._trunk_texts(texts, prefixes) if self.mode != "full" else [""] * len(texts)
         # every trunk and tail of the request in one batch (the tokenizer runs a batch in parallel); full: whole
         # prompts
         distinct = list(dict.fromkeys(t for t in trunk_texts if t))
+        tail_texts = [text[len(trunk):] for text, trunk in zip(texts, trunk_texts)]
+        cuts = self._sub_cuts(trunk_texts, tail_texts) if self.nested and self.mode == "split" else None
+        sub_of = [""] * len(texts)  # each prompt's sub-trunk text ("": none)
+        if cuts is not None:  # leaves encode the text after their sub-trunk; each sub-trunk's lines are encoded once
+            sub_of = [tail[:cut] for tail, cut in zip(tail_texts, cuts)]
+            tail_texts = [tail[cut:] for tail, cut in zip(tail_texts, cuts)]
+        sub_texts = list(dict.fromkeys(text for text in sub_of if text))
+        tail_texts += sub_texts
         if self.mode == "full":
             encoded, tails = [], self._encode_many([(text, False) for text in texts])
         else:
-            encoded, tails = self.encode_parts(distinct, [text[len(trunk):] for text, trunk in zip(texts, trunk_texts)])
+            encoded, tails = self.encode_parts(distinct, tail_texts)
         by_text = dict(zip(distinct, encoded))
-        for group, trunk_text, tail in zip(groups, trunk_texts, tails):
+        sub_ids = dict(zip(sub_texts, tails[len(texts):]))
+        subs: list[SubTrunk] = []
+        sub_index: dict[tuple[int, str], int] = {}
+        for i, (group, trunk_text, tail) in enumerate(zip(groups, trunk_texts, tails)):
             if trunk_text not in trunk_ids:
                 trunk_ids[trunk_text] = len(trunks)
                 trunks.append(_Trunk(by_text.get(trunk_text, _EMPTY), self.mark_id, self.split_id))
             trunk_index = trunk_ids[trunk_text]
-            branch = self._branch(trunk_index, trunks[trunk_index], tail, group)
-            prompt_tokens += len(branch.tokens) + len(trunks[trunk_index].ids)
+            sub_text = sub_of[i]
+            if sub_text:  # marks are counted over sub-trunk + leaf, as over the whole tail
+                shared = sub_ids[sub_text]
+                branch = self._branch(trunk_index, trunks[trunk_index], np.concatenate([shared, tail]), group)
+                key = (trunk_index, sub_text)
+                if key not in sub_index:
+                    sub_index[key] = len(subs)
+                    subs.append(SubTrunk(trunk_index, shared))
+                branch.sub = sub_index[key]
+                branch.tokens = branch.tokens[len(shared):]
+            else:
+                branch = self._branch(trunk_index, trunks[trunk_index], tail, group)
             branches.append(branch)
+        if subs:
+            subs = _keep_useful_subs(subs, branches, trunks)
         # trunks without their sentinels (each branch has counted its marks)
+        prompt_tokens = sum(trunks[b.trunk].kept_count + len(b.tokens) for b in branches)
+        prompt_tokens += sum(len(subs[b.sub].tokens) for b in branches if b.sub >= 0)
         trunks = [t.kept for t in trunks]
-        return PreparedRequest(trunks, branches, list(questions), prompt_tokens)
+        return PreparedRequest(trunks, branches, list(questions), prompt_tokens, subs=subs)
+
+    # nested forks: a sub-trunk holds at least this many tokens (and at least the conv's window - 1: a leaf's first
+    # conv window lies inside it) and has two or more branches
+    MIN_SUB_TOKENS = 8
+
+    def _sub_cuts(self, trunk_texts: list[str], tails: list[str]) -> list[int]:
+        """Per prompt, where its sub-trunk ends in its tail (0: none): the longest run of whole lines (cut at a safe
+        boundary, so `tokens(tail) == tokens(tail[:cut]) + tokens(tail[cut:])`, as for the trunk) that it shares
+        with a neighbour in sorted order, kept where two or more prompts of the trunk share that same run. A cut
+        leaves at least one character to the leaf, and a run holding a sentinel (a mark) is not shared."""
+        cuts = [0] * len(tails)
+        by_trunk: dict[str, list[int]] = {}
+        for i, trunk in enumerate(trunk_texts):
+            by_trunk.setdefault(trunk, []).append(i)
+        for members in by_trunk.values():
+            if len(members) < 2:
+                continue
+            order = sorted(members, key=tails.__getitem__)
+            best = dict.fromkeys(order, 0)
+            for a, b in pairwise(order):
+                shared = common_prefix_length(tails[a], tails[b])
+                for i in (a, b):
+                    best[i] = max(best[i], safe_cut(tails[i], min(shared, len(tails[i]) - 1)))
+            runs: dict[str, list[int]] = {}
+            for i, cut in best.items():
+                run = tails[i][:cut]
+                if cut and MARK not in run and SPLIT not in run:
+                    runs.setdefault(run, []).append(i)
+            for run, sharing in runs.items():
+                if len(sharing) >= 2:
+                    for i in sharing:
+                        cuts[i] = len(run)
+        return cuts
 
     @staticmethod
     def _trunk_texts(texts: list[str], prefixes: list[str]) -> list[str]:
@@ -710,6 +788,29 @@ class PromptTokenizer:
         after_last_mark = (branch_tokens[last - head.kept_count:] if last >= head.kept_count
                            else np.concatenate([head.kept[last:], branch_tokens]))
         return Branch(trunk_index, branch_tokens, (marks - 1).astype(np.int64), list(group), after_last_mark)
+
+
+def _keep_useful_subs(subs: list[SubTrunk], branches: list[Branch], trunks: list[_Trunk]) -> list[SubTrunk]:
+    """Undoes the sub-trunks that would not pay or not be exact: fewer than `PromptTokenizer.MIN_SUB_TOKENS` tokens,
+    fewer than two branches, or a branch that reads inside it (a template marking before the leaf); such a sub-trunk's
+    tokens go back to the front of its branches (the same tokens: the cut is safe). Renumbers the rest."""
+    leaves: dict[int, list[Branch]] = {}
+    for branch in branches:
+        if branch.sub >= 0:
+            leaves.setdefault(branch.sub, []).append(branch)
+    kept: list[SubTrunk] = []
+    for index, sub in enumerate(subs):
+        members = leaves.get(index, [])
+        first_own = trunks[sub.trunk].kept_count + len(sub.tokens)
+        if (len(sub.tokens) >= PromptTokenizer.MIN_SUB_TOKENS and len(members) >= 2
+                and all(int(np.min(b.reads)) >= first_own for b in members)):
+            for branch in members:
+                branch.sub = len(kept)
+            kept.append(sub)
+        else:
+            for branch in members:
+                branch.tokens, branch.sub = np.concatenate([sub.tokens, branch.tokens]), -1
+    return kept
 
 
 def _check_marks(count: int, questions: int, first: int) -> None:

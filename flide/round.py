@@ -7,11 +7,14 @@ Layout, level-major with no padding between segments (padding only at the tail, 
 All states come first so that the two calls of the forked Gated DeltaNet each cover one contiguous region (the
 states, then the questions): a varlen kernel then runs over exactly the tokens of its call.
 
-Metadata (capacities T tokens, NS states, NB branches, O readout rows, L options per row); the five per-token fields
-are int32, the rest int64:
-    input_ids [T], positions [T]          a question's positions continue from the end of its state
+Metadata (capacities T tokens, NS states, NB branches, O readout rows, L options per row); the seven per-token
+fields are int32, the rest int64:
+    input_ids [T], positions [T]          a question's positions continue from the end of its state (and sub-trunk)
     seg_lo [T]                            start of each token's own segment (a pad token: itself)
     trunk_lo [T], trunk_hi [T]            the state a question token forks from (empty for state tokens and pads)
+    sub_lo [T], sub_hi [T]                nested forks: the sub-trunk a leaf question's token forks from after its
+                                          state (lines several questions share, laid out once as a question segment
+                                          of its own; `PreparedRequest.subs`); empty for every other token
     state_start [NS], state_len [NS]      the state segments (unused rows: length 0)
     branch_start [NB], branch_len [NB]    the question segments, and `branch_state` [NB], the state each forks from
     state_chunks [Cs, 2], branch_chunks [Cb, 2]
@@ -49,7 +52,7 @@ import numpy as np
 import torch
 
 from .config import GDN_CHUNK, CapacityConfig
-from .requests import PreparedRequest
+from .requests import PreparedRequest, SubTrunk
 
 
 @dataclass
@@ -59,6 +62,8 @@ class RoundTensors:
     seg_lo: torch.Tensor
     trunk_lo: torch.Tensor
     trunk_hi: torch.Tensor
+    sub_lo: torch.Tensor
+    sub_hi: torch.Tensor
     state_start: torch.Tensor
     state_len: torch.Tensor
     branch_start: torch.Tensor
@@ -128,7 +133,7 @@ class Footprint:
 
 
 def footprint(request: PreparedRequest) -> Footprint:
-    return Footprint(request.stream_tokens, len(request.trunks), len(request.branches),
+    return Footprint(request.stream_tokens, len(request.trunks), len(request.branches) + len(request.subs),
                      sum(len(b.reads) for b in request.branches), 1)
 
 
@@ -153,7 +158,7 @@ class _Packing(NamedTuple):
 # The per-token fields, int32: a stream is far below 2**31 tokens and token ids are checked to fit (RequestLayout).
 # Every consumer takes int32 or int64 tables; where int64 is needed they convert there (ops/resume.py's scatter_, the
 # positions handed to the model's own rotary module in models/flat.py).
-INT32_FIELDS = frozenset(("input_ids", "positions", "seg_lo", "trunk_lo", "trunk_hi"))
+INT32_FIELDS = frozenset(("input_ids", "positions", "seg_lo", "trunk_lo", "trunk_hi", "sub_lo", "sub_hi"))
 
 # Fields start at a multiple of 16 bytes (4 int32 words): Inductor's compiled code copies an input tensor that is not
 # 16-byte aligned into an aligned one before each call (`copy_misaligned_inputs`), and CUDA-graph replays then cannot
@@ -166,7 +171,8 @@ _ALIGN = 4
 @lru_cache(maxsize=256)
 def _packing(shape: Shape) -> _Packing:
     T = shape.tokens
-    dims = {"input_ids": (T,), "positions": (T,), "seg_lo": (T,), "trunk_lo": (T,), "trunk_hi": (T,),
+    dims = {"input_ids": (T,), "positions": (T,), "seg_lo": (T,), "trunk_lo": (T,), "trunk_hi": (T,), "sub_lo": (T,),
+            "sub_hi": (T,),
             "state_start": (shape.states,), "state_len": (shape.states,), "branch_start": (shape.branches,),
             "branch_len": (shape.branches,), "branch_state": (shape.branches,),
             "state_chunks": (shape.state_chunks, 2), "branch_chunks": (shape.branch_chunks, 2),
@@ -232,7 +238,7 @@ class Round:
 _COUNTS = 8
 # The parts of a request a round concatenates: _SMALL metadata parts (int64 bytes, the counts first), then tokens
 # (int32 bytes)
-_SMALL = 8
+_SMALL = 9
 _TOKEN_PARTS = 4
 
 
@@ -245,7 +251,7 @@ class RequestLayout:
     trunk are left out); a branch's reads pair with its questions and options (zip: the shortest wins).
 
     `parts[width]` is the tuple a round joins, field by field, across its requests (option rows `width` wide):
-    counts, trunk lengths, branch lengths, branch -> trunk, read rows (from S when the read is inside a trunk, else
+    counts, trunk lengths, branch lengths, branch -> trunk, branch -> its sub-trunk's branch row (-1: none), read rows (from S when the read is inside a trunk, else
     from Q), state chunk rows, branch chunk rows (segment, chunk), option rows; then state token ids, question token
     ids, state positions, question positions. `trunk_reads` flags the reads inside a trunk (rare: joined only when a
     round has one).
@@ -261,22 +267,34 @@ class RequestLayout:
         skip = skip or [0] * len(full_lens)
         trunks = [t[m:] if m else t for t, m in zip(request.trunks, skip)]
         trunk_lens = [len(t) for t in trunks]
+        # branch rows: per trunk, its sub-trunks (nested forks), then its branches in request order
         by_trunk: dict[int, list] = {}
+        for sub in request.subs:
+            by_trunk.setdefault(sub.trunk, []).append(sub)
         for branch in request.branches:
             by_trunk.setdefault(branch.trunk, []).append(branch)
         branches, branch_state = [], []
         for t in range(len(trunks)):
             for branch in by_trunk.get(t, ()):
                 branches.append(branch), branch_state.append(t)
+        sub_rows = {id(row): k for k, row in enumerate(branches) if isinstance(row, SubTrunk)}
+        # each row's sub-trunk row (-1: none; a sub-trunk itself has none)
+        branch_sub = [sub_rows[id(request.subs[row.sub])] if getattr(row, "sub", -1) >= 0 else -1 for row in branches]
         branch_lens = [len(b.tokens) for b in branches]
         state_start = [0, *accumulate(trunk_lens)]
+        # where each row's own tokens start in its prompt: after its trunk, and its sub-trunk's tokens if any
+        starts = [full_lens[t] + (branch_lens[k] if k >= 0 else 0) for t, k in zip(branch_state, branch_sub)]
         read_rel, read_flag, self.reads, self._options = [], [], [], []
         q_cursor = 0
-        for branch, t, n in zip(branches, branch_state, branch_lens):
-            pos0 = full_lens[t]
+        for branch, t, n, pos0 in zip(branches, branch_state, branch_lens, starts):
+            if isinstance(branch, SubTrunk):  # no reads: its tokens are read through its leaves
+                q_cursor += n
+                continue
             reads = branch.reads.tolist() if isinstance(branch.reads, np.ndarray) else branch.reads
             for pos, question, options in zip(reads, branch.questions, branch.options):
                 pos = int(pos)
+                if pos < pos0 and branch.sub >= 0:  # `prepare` keeps no sub-trunk its leaves read inside
+                    raise ValueError(f"a read at token {pos} falls before its leaf's first token {pos0}")
                 if pos < pos0:  # a read inside the trunk (a template that marks before the question): the state row
                     if pos < skip[t]:
                         raise ValueError(f"a read at token {pos} falls in the {skip[t]} tokens resumed from a "
@@ -296,7 +314,7 @@ class RequestLayout:
         self.counts = (ns, nq, len(trunks), len(branches), len(read_rel), len(s_chunks) // 2, len(b_chunks) // 2,
                        sum(read_flag))
         self._small = tuple(array("q", part).tobytes() for part in (self.counts, trunk_lens, branch_lens, branch_state,
-                                                                     read_rel, s_chunks, b_chunks))
+                                                                     branch_sub, read_rel, s_chunks, b_chunks))
         self.trunk_reads = array("q", read_flag).tobytes()
         # Token ids and positions as int32, the round's dtype for them (its one copy moves the bytes as they are):
         # every segment's positions count from its own start, a question's continuing from its state's length
@@ -313,8 +331,8 @@ class RequestLayout:
         shift = [0, *accumulate(lens)][:-1]  # each segment's start, less its first position
         for k, m in enumerate(skip):
             shift[k] -= m
-        for k, t in enumerate(branch_state):
-            shift[len(trunks) + k] -= full_lens[t]
+        for k, start in enumerate(starts):
+            shift[len(trunks) + k] -= start
         positions = np.arange(ns + nq, dtype=np.int32)
         if len(lens) > 1 or any(skip):
             positions -= np.repeat(np.asarray(shift, dtype=np.int32), lens)
@@ -396,6 +414,8 @@ def build_round(requests: list[PreparedRequest], shape: Shape, pad_id: int, out:
     i += NS + NB
     branch_state = small[i: i + NB]
     i += NB
+    branch_sub = small[i: i + NB]
+    i += NB
     read_rel = small[i: i + NR]
     i += NR
     state_chunks = small[i: i + 2 * NSC].reshape(NSC, 2)
@@ -433,6 +453,14 @@ def build_round(requests: list[PreparedRequest], shape: Shape, pad_id: int, out:
         v[:ns_tok] = 0
         v[ns_tok:n] = np.repeat(bound[branch_state], branch_lens)
         v[n:] = 0
+    # nested forks: a leaf's tokens also see its sub-trunk's segment (a branch row of the same request)
+    leaves = branch_sub >= 0
+    for name, bound in (("sub_lo", seg_start32), ("sub_hi", seg_end32)):
+        v = view[name]
+        v[:] = 0
+        if leaves.any():
+            rows = branch_sub + np.repeat(first[:, 3], counts[:, 3])  # the sub-trunk's branch row in the round
+            v[ns_tok:n] = np.repeat(np.where(leaves, bound[NS + rows * leaves], 0), branch_lens)
 
     # GDN chunk tables: unused rows name the empty segment one past the last row
     for name, rows, used, index, per_request, empty in (

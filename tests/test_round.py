@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from flide.config import GDN_CHUNK
-from flide.requests import Branch, PreparedRequest
+from flide.requests import Branch, PreparedRequest, SubTrunk
 from flide.round import INT32_FIELDS, RoundTensors, Shape, build_round, layout, packed_size
 from flide.testing import synthetic_request
 
 FIELDS = [f for f in RoundTensors.__dataclass_fields__]
-TOKEN_FIELDS = ["input_ids", "positions", "seg_lo", "trunk_lo", "trunk_hi"]  # int32; the rest int64
+TOKEN_FIELDS = ["input_ids", "positions", "seg_lo", "trunk_lo", "trunk_hi", "sub_lo", "sub_hi"]  # int32
 
 
 def field_dtype(name: str) -> torch.dtype:
@@ -23,13 +23,14 @@ def field_dtype(name: str) -> torch.dtype:
 def reference_build_round(requests: list[PreparedRequest], shape: Shape, pad_id: int):
     """The original `build_round` (a Python loop over segments and reads), verbatim but for returning numpy arrays
     and (request, question, options, tail) tuples: the oracle of the vectorised one."""
-    seg_tokens, seg_is_state, seg_state, seg_pos0 = [], [], [], []
+    seg_tokens, seg_is_state, seg_state, seg_pos0, seg_sub = [], [], [], [], []
     read_request, read_prompt_pos, read_seg, read_questions, read_options, read_tails = [], [], [], [], [], []
     first_state = []
     for req in requests:
         first_state.append(len(seg_tokens))
         for trunk in req.trunks:
             seg_state.append(len(seg_tokens)), seg_tokens.append(trunk), seg_is_state.append(True), seg_pos0.append(0)
+            seg_sub.append(-1)
     n_states = len(seg_tokens)
     for r, req in enumerate(requests):
         by_trunk: dict[int, list] = {}
@@ -37,10 +38,17 @@ def reference_build_round(requests: list[PreparedRequest], shape: Shape, pad_id:
             by_trunk.setdefault(branch.trunk, []).append(branch)
         for t, trunk in enumerate(req.trunks):
             state_index = trunk_seg = first_state[r] + t
+            sub_seg = {}  # the request's sub-trunk index -> its segment: each trunk's sub-trunks before its branches
+            for k, sub in enumerate(req.subs):
+                if sub.trunk == t:
+                    sub_seg[k] = len(seg_tokens)
+                    seg_tokens.append(sub.tokens), seg_is_state.append(False), seg_state.append(state_index)
+                    seg_pos0.append(len(trunk)), seg_sub.append(-1)
             for branch in by_trunk.get(t, []):
                 seg = len(seg_tokens)
                 seg_tokens.append(branch.tokens), seg_is_state.append(False), seg_state.append(state_index)
-                seg_pos0.append(len(trunk))
+                seg_pos0.append(len(trunk) + (len(req.subs[branch.sub].tokens) if branch.sub >= 0 else 0))
+                seg_sub.append(sub_seg[branch.sub] if branch.sub >= 0 else -1)
                 for pos, question, options in zip(branch.reads, branch.questions, branch.options):
                     in_trunk = pos < len(trunk)
                     read_request.append(r), read_questions.append(question), read_options.append(options)
@@ -75,6 +83,12 @@ def reference_build_round(requests: list[PreparedRequest], shape: Shape, pad_id:
                     else np.zeros(0, dtype=np.int64))
     trunk_lo, trunk_hi = np.zeros(T, dtype=np.int64), np.zeros(T, dtype=np.int64)
     trunk_lo[:n], trunk_hi[:n] = seg_trunk_lo[token_seg], seg_trunk_hi[token_seg]
+    sub_of = np.asarray(seg_sub, dtype=np.int64)
+    sub_lo, sub_hi = np.zeros(T, dtype=np.int64), np.zeros(T, dtype=np.int64)
+    if len(lens):
+        has = sub_of >= 0
+        sub_lo[:n] = np.where(has, starts[sub_of], 0)[token_seg]
+        sub_hi[:n] = np.where(has, starts[sub_of] + lens[sub_of], 0)[token_seg]
 
     def padded(values, size, fill=0):
         out = np.full(size, fill, dtype=np.int64)
@@ -103,7 +117,7 @@ def reference_build_round(requests: list[PreparedRequest], shape: Shape, pad_id:
 
     tensors = {
         "input_ids": input_ids, "positions": positions, "seg_lo": seg_lo, "trunk_lo": trunk_lo, "trunk_hi": trunk_hi,
-        "state_start": padded(state_lo, shape.states), "state_len": padded(state_len, shape.states),
+        "sub_lo": sub_lo, "sub_hi": sub_hi, "state_start": padded(state_lo, shape.states), "state_len": padded(state_len, shape.states),
         "branch_start": padded(starts[branch_seg], shape.branches),
         "branch_len": padded(lens[branch_seg], shape.branches),
         "branch_state": padded(state_of[branch_seg], shape.branches),
@@ -115,28 +129,36 @@ def reference_build_round(requests: list[PreparedRequest], shape: Shape, pad_id:
 
 def random_request(rng: np.random.Generator, max_state: int = 150, max_branch: int = 90) -> PreparedRequest:
     """Up to three trunks (some empty), branches in any trunk order (one sometimes naming no trunk), 1-3 reads per
-    branch, some inside the trunk, 1-4 options per read, sometimes fewer options than reads (zip drops the rest)."""
+    branch, some inside the trunk, 1-4 options per read, sometimes fewer options than reads (zip drops the rest); some
+    branches are leaves of a sub-trunk of their trunk (nested forks), reading only in their own tokens."""
     n_trunks = int(rng.choice([1, 1, 1, 2, 3]))
     trunks = [rng.integers(5, 1000, size=int(rng.choice([0, 1, int(rng.integers(0, max_state + 1))])))
               for _ in range(n_trunks)]
     branches = []
+    subs = [SubTrunk(int(rng.integers(0, n_trunks)), rng.integers(5, 1000, size=int(rng.integers(1, 30))))
+            for _ in range(int(rng.choice([0, 0, 1, 2])))]
     for _ in range(int(rng.integers(1, 7))):
         t = int(rng.integers(0, n_trunks + (1 if rng.random() < 0.1 else 0)))  # t == n_trunks: no such trunk
         tokens = rng.integers(5, 1000, size=int(rng.integers(1, max_branch + 1)))
         trunk_len = len(trunks[t]) if t < n_trunks else 0
+        mine = [k for k, sub in enumerate(subs) if sub.trunk == t]
+        sub = int(rng.choice(mine)) if mine and rng.random() < 0.7 else -1
+        own = trunk_len + (len(subs[sub].tokens) if sub >= 0 else 0)  # where its own tokens start in its prompt
         k = int(rng.integers(1, 4))
-        reads = np.sort(rng.integers(0 if rng.random() < 0.2 else trunk_len, trunk_len + len(tokens), size=k))
+        low = own if sub >= 0 or rng.random() >= 0.2 else 0
+        reads = np.sort(rng.integers(low, own + len(tokens), size=k))
         options = [[int(x) for x in rng.integers(1, 500, size=int(rng.integers(1, 5)))] for _ in range(k)]
         if rng.random() < 0.1:
             options = options[:-1]
-        branches.append(Branch(t, tokens, reads, [object() for _ in range(k)], rng.integers(0, 9, size=2), options))
-    return PreparedRequest(trunks, branches)
+        branches.append(Branch(t, tokens, reads, [object() for _ in range(k)], rng.integers(0, 9, size=2), options,
+                               sub))
+    return PreparedRequest(trunks, branches, subs=subs)
 
 
 def exact_fit(requests, spare: int = 0, options: int = 4) -> Shape:
     tokens = sum(r.stream_tokens for r in requests)
     states = sum(len(r.trunks) for r in requests)
-    branches = sum(len(r.branches) for r in requests)
+    branches = sum(len(r.branches) + len(r.subs) for r in requests)
     reads = sum(len(b.reads) for r in requests for b in r.branches)
     return Shape(tokens + spare, states + spare, branches + spare, reads + spare, options)
 
@@ -217,7 +239,8 @@ def test_token_fields_are_int32_views_holding_the_int64_values():
             "positions": [0, 1, 2, 3, 4, 0, 1, 2, 3, 5, 6, 7, 5, 6, 4, 0, 0, 0, 0],
             "seg_lo": [0] * 5 + [5] * 4 + [9] * 3 + [12] * 2 + [14] + [15, 16, 17, 18],
             "trunk_lo": [0] * 9 + [0] * 5 + [5] + [0] * 4,
-            "trunk_hi": [0] * 9 + [5] * 5 + [9] + [0] * 4}
+            "trunk_hi": [0] * 9 + [5] * 5 + [9] + [0] * 4,
+            "sub_lo": [0] * 19, "sub_hi": [0] * 19}  # no sub-trunks
     built = build_round([a, b], shape, pad_id=9)
     words = built.flat.view(torch.int32)
     for name in TOKEN_FIELDS:
@@ -285,8 +308,10 @@ def test_bad_out_and_over_capacity():
 
 def test_invariants():
     """The layout's invariants on random rounds: level-major, contiguous, every token inside its segment, question
-    tokens' trunks are their states, positions continue from the state, chunk tables cover each segment once."""
+    tokens' trunks are their states, positions continue from the state (and a leaf's from its sub-trunk, whose segment
+    its tokens' sub range names), chunk tables cover each segment once."""
     rng = np.random.default_rng(3)
+    leaves = 0
     for _ in range(20):
         requests = [random_request(rng) for _ in range(int(rng.integers(1, 6)))]
         shape = exact_fit(requests, spare=5)
@@ -294,7 +319,7 @@ def test_invariants():
         t = {name: getattr(built.tensors, name).numpy() for name in FIELDS}
         n, T = built.used_tokens, shape.tokens
         NS = sum(len(r.trunks) for r in requests)
-        NB = sum(sum(1 for b in r.branches if b.trunk < len(r.trunks)) for r in requests)
+        NB = sum(sum(1 for b in r.branches if b.trunk < len(r.trunks)) + len(r.subs) for r in requests)
         ss, sl, bs, bl = t["state_start"][:NS], t["state_len"][:NS], t["branch_start"][:NB], t["branch_len"][:NB]
         # contiguous: states from 0, then branches, then the tail
         bounds = np.concatenate([ss, bs, [n]])
@@ -303,6 +328,7 @@ def test_invariants():
         assert np.all(t["input_ids"][n:] == 1) and not t["positions"][n:].any()
         assert np.array_equal(t["seg_lo"][n:], np.arange(n, T))
         assert not t["trunk_lo"][n:].any() and not t["trunk_hi"][n:].any()
+        assert not t["sub_lo"][:int(ss[-1] + sl[-1]) if NS else 0].any() and not t["sub_hi"][n:].any()
         for k in range(NS):
             rows = slice(ss[k], ss[k] + sl[k])
             assert np.all(t["seg_lo"][rows] == ss[k]) and np.array_equal(t["positions"][rows], np.arange(sl[k]))
@@ -311,7 +337,13 @@ def test_invariants():
             k, rows = t["branch_state"][j], slice(bs[j], bs[j] + bl[j])
             assert np.all(t["seg_lo"][rows] == bs[j])
             assert np.all(t["trunk_lo"][rows] == ss[k]) and np.all(t["trunk_hi"][rows] == ss[k] + sl[k])
-            assert np.array_equal(t["positions"][rows], sl[k] + np.arange(bl[j]))
+            lo, hi = t["sub_lo"][bs[j]] if bl[j] else 0, t["sub_hi"][bs[j]] if bl[j] else 0
+            assert np.all(t["sub_lo"][rows] == lo) and np.all(t["sub_hi"][rows] == hi)
+            if hi > lo:  # a leaf: its sub-trunk is a whole branch segment of the same state, before its own tokens
+                leaves += 1
+                sub = int(np.flatnonzero(bs[:NB] == lo)[0])
+                assert bs[sub] + bl[sub] == hi and t["branch_state"][sub] == k and t["sub_hi"][lo] == 0
+            assert np.array_equal(t["positions"][rows], sl[k] + (hi - lo) + np.arange(bl[j]))
         for name, lens, empty in (("state_chunks", sl, shape.states), ("branch_chunks", bl, shape.branches)):
             table = t[name]
             used = int((-(-lens // GDN_CHUNK)).sum())
@@ -324,6 +356,7 @@ def test_invariants():
         assert len(reads) <= shape.readout_rows and not t["readout_rows"][len(reads):].any()
         assert not t["option_index"][len(reads):].any()
         assert np.all(t["readout_rows"][: len(reads)] < n)
+    assert leaves  # the random rounds held nested forks
 
 
 def test_layout_is_cached_per_request():

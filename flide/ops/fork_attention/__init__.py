@@ -1,12 +1,15 @@
 """flide::fork_attention_* custom ops. Variants: `reference` (pure torch, any device: the oracle), `segments` (pure
 torch, one segment at a time: batch-invariant, the CPU path of that mode), `flex` (FlexAttention with block tables
-built on the GPU; CUDA), `triton` (our kernel; CUDA), `triton_invariant` (our batch-invariant kernel; CUDA)."""
+built on the GPU; CUDA), `triton` (our kernel; CUDA), `triton_invariant` (our batch-invariant kernel; CUDA).
+
+Companions: `*_prefix_*` (checkpoints: cached prefix keys) and `*_nested_*` (nested forks: each leaf token's sub-trunk
+key range too), for the variants that have them."""
 
 from __future__ import annotations
 
 import torch
 
-from ..registry import needs_cuda, needs_cuda_triton, register, register_resumable
+from ..registry import needs_cuda, needs_cuda_triton, register, register_nested, register_resumable
 from . import flex, reference
 from ..resume import attention_with_prefix
 
@@ -121,3 +124,47 @@ register_resumable("fork_attention", "triton_invariant")(fork_attention_prefix_t
 for _variant, _op in (("segments", fork_attention_segments), ("flex", fork_attention_triton),
                       ("triton", fork_attention_triton)):
     register_resumable("fork_attention", _variant)(attention_with_prefix(_op))
+
+
+# Nested forks (`runtime.nested_forks`): a leaf question also sees its sub-trunk's keys [sub_lo, sub_hi) (between its
+# state's and its own). Companions of reference, segments and triton_invariant only: flex and triton have none yet,
+# so with them the engine keeps nested forks off.
+@torch.library.custom_op("flide::fork_attention_nested_reference", mutates_args=())
+def fork_attention_nested_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_lo: torch.Tensor,
+                                    trunk_lo: torch.Tensor, trunk_hi: torch.Tensor, sub_lo: torch.Tensor,
+                                    sub_hi: torch.Tensor, scale: float) -> torch.Tensor:
+    return reference.fork_attention(q, k, v, seg_lo, trunk_lo, trunk_hi, scale, sub_lo, sub_hi)
+
+
+def _fake_nested(q, k, v, seg_lo, trunk_lo, trunk_hi, sub_lo, sub_hi, scale):
+    return q.new_empty(q.shape[0], q.shape[1], v.shape[2])
+
+
+fork_attention_nested_reference.register_fake(_fake_nested)
+register_nested("fork_attention", "reference")(fork_attention_nested_reference)
+
+
+@torch.library.custom_op("flide::fork_attention_nested_segments", mutates_args=())
+def fork_attention_nested_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_lo: torch.Tensor,
+                                   trunk_lo: torch.Tensor, trunk_hi: torch.Tensor, sub_lo: torch.Tensor,
+                                   sub_hi: torch.Tensor, scale: float) -> torch.Tensor:
+    return reference.fork_attention_segments(q, k, v, seg_lo, trunk_lo, trunk_hi, scale, sub_lo, sub_hi)
+
+
+fork_attention_nested_segments.register_fake(_fake_nested)
+register_nested("fork_attention", "segments")(fork_attention_nested_segments)
+
+
+@torch.library.custom_op("flide::fork_attention_nested_triton_invariant", mutates_args=(), device_types="cuda")
+def fork_attention_nested_triton_invariant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_lo: torch.Tensor,
+                                           trunk_lo: torch.Tensor, trunk_hi: torch.Tensor, sub_lo: torch.Tensor,
+                                           sub_hi: torch.Tensor, scale: float) -> torch.Tensor:
+    # the invariant kernel's sub-trunk phase: a leaf's sub-trunk tiles start at its sub_lo, so its bits stay
+    # independent of the rest of the round
+    from . import triton_invariant as kernel
+
+    return kernel.fork_attention(q, k, v, seg_lo, trunk_lo, trunk_hi, scale, sub=(sub_lo, sub_hi))
+
+
+fork_attention_nested_triton_invariant.register_fake(_fake_nested)
+register_nested("fork_attention", "triton_invariant")(fork_attention_nested_triton_invariant)

@@ -10,29 +10,34 @@ change the order of a row's floating-point sums.
 The order of a row's sums here (online softmax, FlashAttention-2 style, fp32 accumulation):
 
 - a question row: FIRST its state's keys in tiles of BLOCK_N that start at its `trunk_lo` (`trunk_lo`,
-  `trunk_lo + BLOCK_N`, ...; the last tile masked at `trunk_hi`), THEN its own segment's keys in tiles that start at
-  its `seg_lo` (causal mask: keys <= the row's token);
+  `trunk_lo + BLOCK_N`, ...; the last tile masked at `trunk_hi`), THEN, for a leaf of a nested fork
+  (`fork_attention(..., sub=)`), its sub-trunk's keys in tiles that start at its `sub_lo` (the last masked at
+  `sub_hi`), THEN its own segment's keys in tiles that start at its `seg_lo` (causal mask: keys <= the row's token);
+  a sub-trunk's own rows are question rows (state, then own);
 - a state row: only its own segment's tiles from `seg_lo`;
 - a row of a state resumed from a checkpoint (and its questions' rows), before all of the above: the checkpoint's
   keys, rows [pre_lo, pre_hi) of pk / pv, in tiles from `pre_lo` (`fork_attention(..., prefix=)`); with m a multiple
   of BLOCK_N these are the tiles a fresh state's first m keys fall in;
-- a row that sees only itself (a pad, a state's first token, a one-token state: `seg_lo == t`, no state): one key,
+- a row that sees only itself (a pad, a state's first token, a one-token state: `seg_lo == t`, no state nor
+  sub-trunk): one key,
   scored in whichever column of a tile it falls; with a single unmasked score per row the column changes nothing
   (m = s, p = exp2(0), l = p, acc = p * v_t: each a single rounding, zeros added exactly), so its output
   p * v_t / p is the same wherever it lies (v_t itself where exp2(0) is exactly 1).
 
 So for every row that sees more than itself, the sequence of key tiles it takes part in, and each key's column inside
-its tile, depend only on the row's own segment and state, never on absolute positions nor on the other rows of its
-query block.
+its tile, depend only on the row's own segment, state and sub-trunk, never on absolute positions nor on the other
+rows of its query block.
 
 How a program shares tiles anyway: a program owns an absolute block of query rows (BLOCK_M // GROUP tokens x the
-GROUP query heads of one KV head: GQA packed into rows, as in triton.py) and walks *ranges*: first each distinct state
-(`trunk_lo`) among its rows, in increasing order, then each distinct own segment (`seg_lo`), in increasing order,
-then one range holding all its rows that see only themselves (from the first of them). The next range is the
+GROUP query heads of one KV head: GQA packed into rows, as in triton.py) and walks *ranges*: first each distinct
+checkpoint prefix (`pre_lo`), then each distinct state (`trunk_lo`) among its rows, in increasing order, then each
+distinct sub-trunk (`sub_lo`, leaf rows only), then each distinct own segment (`seg_lo`), in increasing order, then
+one range holding all its rows that see only themselves (from the first of them). The next range is the
 smallest start above the current one among the block's rows (a reduction of metadata, never of data), so rows of one
 state need not be contiguous (Jev's template interleaves questions of two states). Each range is visited in tiles
 from its start; the rows of the range are *active*, every other row is masked out of every tile. All rows of the
-block that fork from one state share its tiles: a block of many short questions of one state scans the state once.
+block that fork from one state share its tiles: a block of many short questions of one state scans the state once,
+and a block of leaves of one sub-trunk scans the sub-trunk once.
 
 A row masked out of a tile keeps its accumulators bit for bit, without relying on exp2(0) == 1: its rescale factor
 is *selected* to be 1.0 (rows active in the range whose keys in the tile are all in the future, or rows of other
@@ -55,7 +60,10 @@ CUDA graph with any round of the same shape.
 Assumed of the metadata (true of every round `build_round` lays out): `seg_lo[t] <= t` and the tokens with one
 `seg_lo` are one segment (a segment is named by its start); a state is named by its `trunk_lo` and lies outside the
 own segment (`trunk_hi <= seg_lo` where non-empty: its keys are not counted twice); `trunk_hi <= trunk_lo` means no
-state. The k / v rows a tile loads for other rows (other states of the block, later tokens of the same segment) must
+state. With `sub=`: a leaf's sub-trunk `[sub_lo, sub_hi)` is another segment of the stream (before or after the
+leaf's own), disjoint from its state and its own segment, and named by its `sub_lo`; `sub_hi <= sub_lo` means none.
+Without `sub=` (HAS_SUB false) the sub-trunk phase is compiled out: the kernel is the one without nested forks.
+The k / v rows a tile loads for other rows (other states of the block, later tokens of the same segment) must
 be finite (0 * inf would be NaN): true of a model's keys and values.
 
 The invariance covers: the same request (its q / k / v rows identical) laid out at any offset, with any other requests
@@ -161,16 +169,23 @@ def _tile(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d
 
 @triton.jit(do_not_specialize=["T"])
 def _fork_attention_invariant_kernel(q_ptr, k_ptr, v_ptr, o_ptr, seg_lo_ptr, trunk_lo_ptr, trunk_hi_ptr, stats_ptr,
-                                     pk_ptr, pv_ptr, pre_lo_ptr, pre_hi_ptr,
+                                     pk_ptr, pv_ptr, pre_lo_ptr, pre_hi_ptr, sub_lo_ptr, sub_hi_ptr,
                                      T, qk_scale, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                                      stride_ot, stride_oh, stride_pkt, stride_pkh, stride_pvt, stride_pvh,
                                      GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                                      HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                      BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr,
-                                     STATS: tl.constexpr, HAS_PREFIX: tl.constexpr):
+                                     STATS: tl.constexpr, HAS_PREFIX: tl.constexpr, HAS_SUB: tl.constexpr):
     TOKENS: tl.constexpr = BLOCK_M // GROUP  # tokens per query block; rows past TOKENS * GROUP idle
     EVEN_D: tl.constexpr = (BLOCK_D == HEAD_DIM) and (BLOCK_DV == HEAD_DIM_V)
     BIG: tl.constexpr = (1 << 31) - 1  # past any stream index: "no range"
+    # The phases in the order they are walked; the sub-trunk phase exists only with HAS_SUB, so that without it the
+    # phases keep the numbers (and the kernel the code) it had before nested forks
+    PRE: tl.constexpr = 0
+    TRUNK: tl.constexpr = 1
+    SUB: tl.constexpr = 2
+    OWN: tl.constexpr = 3 if HAS_SUB else 2
+    SELF: tl.constexpr = 4 if HAS_SUB else 3
     # Heaviest blocks first (the questions at the end of the stream see whole states), as in triton.py
     n_blocks = tl.num_programs(0)
     pid_m = n_blocks - 1 - tl.program_id(0)
@@ -193,11 +208,20 @@ def _fork_attention_invariant_kernel(q_ptr, k_ptr, v_ptr, o_ptr, seg_lo_ptr, tru
     has_prefix = pre_hi > pre_lo
     single = valid & (seg_lo == tok) & (trunk_hi <= trunk_lo) & (pre_hi <= pre_lo)  # sees only itself (a pad...)
     walk = valid & ((seg_lo != tok) | has_trunk | has_prefix)  # every other real row
+    if HAS_SUB:  # a leaf's sub-trunk [sub_lo, sub_hi): another segment of the stream, seen between state and own
+        sub_lo = tl.load(sub_lo_ptr + tok, mask=valid, other=0).to(tl.int32)
+        sub_hi = tl.load(sub_hi_ptr + tok, mask=valid, other=0).to(tl.int32)
+        has_sub = sub_hi > sub_lo
+        single = single & (sub_hi <= sub_lo)
+        walk = walk | (valid & has_sub)
+        id_s = tl.where(walk & has_sub, sub_lo, BIG)
+        first_s = tl.min(id_s, 0)
     # Each row's range id in each phase (BIG: no part in that phase); a range's tiles start at its id.
-    # phase 0: the row's checkpoint prefix [pre_lo, pre_hi) in pk / pv (resumed states and their questions only);
-    # phase 1: the row's state [trunk_lo, trunk_hi); phase 2: its own keys [seg_lo, t]; phase 3: the rows that see
-    # only themselves, all in one range from the first of them (one key a row: its column in the tile changes
-    # nothing, p * v_t / p whatever the column), so a block of pads costs one tile, not one per pad
+    # PRE: the row's checkpoint prefix [pre_lo, pre_hi) in pk / pv (resumed states and their questions only);
+    # TRUNK: the row's state [trunk_lo, trunk_hi); SUB (HAS_SUB only): its sub-trunk [sub_lo, sub_hi) (id_s above);
+    # OWN: its own keys [seg_lo, t]; SELF: the rows that see only themselves, all in one range from the first of them
+    # (one key a row: its column in the tile changes nothing, p * v_t / p whatever the column), so a block of pads
+    # costs one tile, not one per pad
     id_p = tl.where(walk & has_prefix, pre_lo, BIG)
     id_a = tl.where(walk & has_trunk, trunk_lo, BIG)
     id_b = tl.where(walk, seg_lo, BIG)
@@ -226,20 +250,28 @@ def _fork_attention_invariant_kernel(q_ptr, k_ptr, v_ptr, o_ptr, seg_lo_ptr, tru
     first_p = tl.min(id_p, 0)
     first_a = tl.min(id_a, 0)
     first_b = tl.min(id_b, 0)
-    phase = tl.where(first_p < BIG, 0, tl.where(first_a < BIG, 1, tl.where(first_b < BIG, 2, 3)))
+    phase = tl.where(first_p < BIG, PRE, tl.where(first_a < BIG, TRUNK, tl.where(first_b < BIG, OWN, SELF)))
     cur = tl.where(first_p < BIG, first_p, tl.where(first_a < BIG, first_a, tl.where(first_b < BIG, first_b,
                                                                                       first_c)))
+    if HAS_SUB:  # no prefix and no state in the block: its first range is a sub-trunk
+        sub_first = (first_p == BIG) & (first_a == BIG) & (first_s < BIG)
+        phase = tl.where(sub_first, SUB, phase)
+        cur = tl.where(sub_first, first_s, cur)
     while cur < BIG:
-        row_id = tl.where(phase == 0, id_p, tl.where(phase == 1, id_a, tl.where(phase == 2, id_b, id_c)))
-        row_lo = tl.where(phase == 3, tok, row_id)
-        row_hi = tl.where(phase == 0, pre_hi, tl.where(phase == 1, trunk_hi, tok + 1))
+        row_id = tl.where(phase == PRE, id_p, tl.where(phase == TRUNK, id_a, tl.where(phase == OWN, id_b, id_c)))
+        if HAS_SUB:
+            row_id = tl.where(phase == SUB, id_s, row_id)
+        row_lo = tl.where(phase == SELF, tok, row_id)
+        row_hi = tl.where(phase == PRE, pre_hi, tl.where(phase == TRUNK, trunk_hi, tok + 1))
+        if HAS_SUB:
+            row_hi = tl.where(phase == SUB, sub_hi, row_hi)
         active = row_id == cur
         hi = tl.max(tl.where(active, row_hi, 0), 0)
         if HAS_PREFIX:  # the prefix phase reads pk / pv; every phase still runs the one `_tile` call below
-            kb = tl.where(phase == 0, pk_base, k_base)
-            vb = tl.where(phase == 0, pv_base, v_base)
-            skt = tl.where(phase == 0, stride_pkt, stride_kt)
-            svt = tl.where(phase == 0, stride_pvt, stride_vt)
+            kb = tl.where(phase == PRE, pk_base, k_base)
+            vb = tl.where(phase == PRE, pv_base, v_base)
+            skt = tl.where(phase == PRE, stride_pkt, stride_kt)
+            svt = tl.where(phase == PRE, stride_pvt, stride_vt)
         else:
             kb, vb, skt, svt = k_base, v_base, stride_kt, stride_vt
         for start in range(cur, hi, BLOCK_N):
@@ -249,12 +281,19 @@ def _fork_attention_invariant_kernel(q_ptr, k_ptr, v_ptr, o_ptr, seg_lo_ptr, tru
             if STATS:
                 n_tiles += 1
         nxt = tl.min(tl.where(row_id > cur, row_id, BIG), 0)
-        # the phase's last range done: on to the next phase that has one (phase 3 may have none: then cur = BIG)
-        to_a = (nxt == BIG) & (phase == 0) & (first_a < BIG)
-        to_b = (nxt == BIG) & (phase <= 1) & (first_b < BIG) & (to_a == 0)
-        to_c = (nxt == BIG) & (phase <= 2) & (to_a == 0) & (to_b == 0)
+        # the phase's last range done: on to the next phase that has one (SELF may have none: then cur = BIG)
+        to_a = (nxt == BIG) & (phase == PRE) & (first_a < BIG)
+        taken = to_a
+        if HAS_SUB:
+            to_s = (nxt == BIG) & (phase <= TRUNK) & (first_s < BIG) & (to_a == 0)
+            taken = to_a | to_s
+        to_b = (nxt == BIG) & (phase < OWN) & (first_b < BIG) & (taken == 0)
+        to_c = (nxt == BIG) & (phase < SELF) & (taken == 0) & (to_b == 0)
         cur = tl.where(to_a, first_a, tl.where(to_b, first_b, tl.where(to_c, first_c, nxt)))
-        phase = tl.where(to_a, 1, tl.where(to_b, 2, tl.where(to_c, 3, phase)))
+        phase = tl.where(to_a, TRUNK, tl.where(to_b, OWN, tl.where(to_c, SELF, phase)))
+        if HAS_SUB:
+            cur = tl.where(to_s, first_s, cur)
+            phase = tl.where(to_s, SUB, phase)
 
     l_i = tl.where(l_i > 0, l_i, 1.0)  # idle rows only: every real row sees at least itself
     out = acc / l_i[:, None]
@@ -281,7 +320,8 @@ def _tiles(config: Config | None, head_dim: int, dtype: torch.dtype, group: int)
 def fork_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_lo: torch.Tensor, trunk_lo: torch.Tensor,
                    trunk_hi: torch.Tensor, scale: float, *, config: Config | None = None,
                    out: torch.Tensor | None = None, stats: torch.Tensor | None = None,
-                   prefix: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                   prefix: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                   sub: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Same contract as `reference.fork_attention` ([T, Hq, D] / [T, Hkv, D] / [T, Hkv, Dv] in, [T, Hq, Dv] out in
     q's dtype; scores, softmax and sums in fp32), batch-invariant (module docstring). CUDA tensors, or CPU tensors
     under TRITON_INTERPRET=1.
@@ -294,6 +334,9 @@ def fork_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_lo: to
     rows [pre_lo[t], pre_hi[t]) of pk / pv (`reference.fork_attention_prefix`'s contract; pk / pv in q's dtype). They
     are walked in tiles from pre_lo: a state resumed at m (a multiple of 64, GDN chunks) then sees the tiles a fresh
     one sees, cut at the same places (BLOCK_N divides 64).
+    sub: (sub_lo [T], sub_hi [T]): nested forks, each leaf token's sub-trunk rows [sub_lo[t], sub_hi[t]) of the
+    stream (`reference.fork_attention(..., sub_lo=, sub_hi=)`'s contract), walked after the state, in tiles from
+    sub_lo. None compiles the sub-trunk phase out (the kernel without nested forks).
     """
     T, Hq, D = q.shape
     Hkv, Dv = k.shape[1], v.shape[2]
@@ -335,17 +378,23 @@ def fork_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_lo: to
         pre_lo, pre_hi = pre_lo.contiguous(), pre_hi.contiguous()
     else:
         pk, pv, pre_lo, pre_hi = k, v, seg_lo, seg_lo
+    if sub is not None:
+        sub_lo, sub_hi = sub
+        check_token_tables(T, sub_lo=sub_lo, sub_hi=sub_hi)
+        sub_lo, sub_hi = sub_lo.contiguous(), sub_hi.contiguous()
+    else:
+        sub_lo = sub_hi = seg_lo  # never read (HAS_SUB false)
     grid = (triton.cdiv(T, cfg.block_m // group), Hkv)
     if stats is not None and (stats.shape != (grid[0] * grid[1],) or stats.dtype != torch.int32):
         raise ValueError(f"stats must be int32 [{grid[0] * grid[1]}]")
     _fork_attention_invariant_kernel[grid](
         q, k, v, out, seg_lo, trunk_lo, trunk_hi, stats if stats is not None else seg_lo, pk, pv, pre_lo, pre_hi,
-        T, float(scale) * LOG2E,
+        sub_lo, sub_hi, T, float(scale) * LOG2E,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         pk.stride(0), pk.stride(1), pv.stride(0), pv.stride(1),
         GROUP=group, HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=_pow2_dim(D),
         BLOCK_DV=_pow2_dim(Dv), PRECISION="ieee" if q.dtype == torch.float32 else "tf32", STATS=stats is not None,
-        HAS_PREFIX=prefix is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        HAS_PREFIX=prefix is not None, HAS_SUB=sub is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
 

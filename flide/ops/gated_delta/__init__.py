@@ -2,7 +2,12 @@
 device), `fla` (fla-core's chunked Triton kernels with fixed-capacity chunk lists built on the GPU for the states,
 and our recurrent Triton kernel, `branches.py`, for the questions; CUDA), `fla_wy` (the same state call, whose
 chunk-local steps also prepare the questions' WY form, and our chunked question kernel, `questions_wy.py`; CUDA),
-`fla_cuda` (fla's state call, and our recurrent question kernel in CUDA C, `questions_cuda.py`, compiled by NVRTC)."""
+`fla_cuda` (fla's state call, and our recurrent question kernel in CUDA C, `questions_cuda.py`, compiled by NVRTC).
+
+Nested forks (`runtime.nested_forks`): a leaf question's prompt is state + sub-trunk + leaf, its sub-trunk a shared
+question line laid out once as a question segment of its own. Only the question call changes: each leaf re-runs its
+sub-trunk's rows before its own (`fork_parts(sub=...)`), through its variant's nested companion
+(`registry.register_nested`): `reference` and `fla` have one; `fla_wy` and `fla_cuda` do not."""
 
 from __future__ import annotations
 
@@ -10,7 +15,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..registry import register, register_resumable
+from ..registry import register, register_nested, register_resumable
 from ..resume import gated_delta_with_snapshot
 from . import fla, reference
 from ..gated_norm.reference import select_rows
@@ -57,6 +62,27 @@ def _fake_snapshot(q, k, v, g, beta, seg_start, seg_len, initial_state, initial_
 
 # The checkpointing companion of the reference variant: resumes from initial states and snapshots (flide/checkpoints)
 register_resumable("gated_delta", "reference")(gated_delta_snapshot_reference)
+
+
+@torch.library.custom_op("flide::gated_delta_nested_reference", mutates_args=())
+def gated_delta_nested_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                                 beta: torch.Tensor, seg_start: torch.Tensor, seg_len: torch.Tensor,
+                                 initial_state: torch.Tensor, initial_index: torch.Tensor, sub_lo: torch.Tensor,
+                                 sub_hi: torch.Tensor, scale: float, use_qk_l2norm: bool) -> torch.Tensor:
+    """The nested fork's question call (`reference.gated_delta` with sub_lo / sub_hi): only the outputs, as every
+    nested companion returns them (the questions' final states are never read)."""
+    return reference.gated_delta(q, k, v, g, beta, seg_start, seg_len, initial_state, initial_index, scale,
+                                 use_qk_l2norm, sub_lo, sub_hi)[0]
+
+
+@gated_delta_nested_reference.register_fake
+def _fake_nested(q, k, v, g, beta, seg_start, seg_len, initial_state, initial_index, sub_lo, sub_hi, scale,
+                 use_qk_l2norm):
+    return q.new_empty(v.shape)
+
+
+# The nested-fork companion of the reference variant: the question call `fork_parts(sub=...)` runs
+register_nested("gated_delta", "reference")(gated_delta_nested_reference)
 
 
 @torch.library.custom_op("flide::gated_delta_fla", mutates_args=(), device_types="cuda")
@@ -138,6 +164,26 @@ def gated_delta_branches_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 @gated_delta_branches_triton.register_fake
 def _fake_branches(q, k, v, g, beta, seg_start, seg_len, initial_state, initial_index, scale, use_qk_l2norm):
     return q.new_empty(v.shape)
+
+
+@torch.library.custom_op("flide::gated_delta_branches_nested_triton", mutates_args=(), device_types="cuda")
+def gated_delta_branches_nested_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                                       beta: torch.Tensor, seg_start: torch.Tensor, seg_len: torch.Tensor,
+                                       initial_state: torch.Tensor, initial_index: torch.Tensor, sub_lo: torch.Tensor,
+                                       sub_hi: torch.Tensor, scale: float, use_qk_l2norm: bool) -> torch.Tensor:
+    """The `fla` variant's nested question call: our recurrent kernel compiled with NESTED, each leaf's program
+    running its sub-trunk's rows before its own (in the same launch as the sub-trunk's own program)."""
+    from . import branches
+
+    return branches.branches(q, k, v, g, beta, seg_start, seg_len, initial_state, initial_index, scale,
+                             use_qk_l2norm, sub=(sub_lo, sub_hi))
+
+
+gated_delta_branches_nested_triton.register_fake(_fake_nested)
+# `fla`'s nested-fork companion, in place of its question kernel (BRANCH_KERNELS) when the round has sub-trunks.
+# `fla_wy` (its questions' chunked WY form comes from the state call, per question segment) and `fla_cuda` (the
+# CUDA C question kernel) have none: nested forks stay off with them.
+register_nested("gated_delta", "fla")(gated_delta_branches_nested_triton)
 
 
 @torch.library.custom_op("flide::gated_delta_fla_wy", mutates_args=(), device_types="cuda")
@@ -297,20 +343,24 @@ class ForkParts(NamedTuple):
 
 def fork(kernel, q, k, v, g, beta, state_start, state_len, branch_start, branch_len, branch_state, scale: float,
          use_qk_l2norm: bool, branch_kernel=None, state_kernel=None,
-         tables: ForkTables | None = None, wy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+         tables: ForkTables | None = None, wy: bool = False,
+         sub: tuple[torch.Tensor, torch.Tensor] | None = None,
+         nested_kernel=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Forked gated delta rule, in two calls of one varlen kernel (`fork_parts`), their rows combined.
 
     Returns: (o [T, Hv, V], state_final [NS, Hv, K, V] float32).
     """
     parts = fork_parts(kernel, q, k, v, g, beta, state_start, state_len, branch_start, branch_len, branch_state,
-                       scale, use_qk_l2norm, branch_kernel, state_kernel, tables, wy)
+                       scale, use_qk_l2norm, branch_kernel, state_kernel, tables, wy, sub=sub,
+                       nested_kernel=nested_kernel)
     o = select_rows(parts.o_states, parts.o_branches, parts.states_end, parts.branches_start, parts.branches_end)
     return o, parts.finals
 
 
 def fork_parts(kernel, q, k, v, g, beta, state_start, state_len, branch_start, branch_len, branch_state,
                scale: float, use_qk_l2norm: bool, branch_kernel=None, state_kernel=None,
-               tables: ForkTables | None = None, wy: bool = False, laid_out: bool = False) -> ForkParts:
+               tables: ForkTables | None = None, wy: bool = False, laid_out: bool = False,
+               sub: tuple[torch.Tensor, torch.Tensor] | None = None, nested_kernel=None) -> ForkParts:
     """Forked gated delta rule, in two calls of one varlen kernel.
 
     Call 1 runs every state from a zero state and keeps each one's final recurrent state (float32); call 2 runs every
@@ -325,7 +375,20 @@ def fork_parts(kernel, q, k, v, g, beta, state_start, state_len, branch_start, b
     and the question call takes it (`questions_wy.py`). `laid_out`: q, k and v come as the kernels read them
     (contiguous, q and k normalised: `fork_conv.QKV_KERNELS`), and `state_kernel` is the variant's
     `LAID_OUT_STATE_KERNELS` form, which takes them so; both calls read them as they are.
+
+    `sub` (a nested fork: the round's per-token (sub_lo, sub_hi), int32 [T]) with `nested_kernel` (the variant's
+    nested-fork companion, `registry.nested(...)["gated_delta"]`, resolved at patch time): the question call is the
+    companion, `nested_kernel(q, k, v, g, beta, branch_start, branch_len, finals, branch_state, sub_lo, sub_hi,
+    scale, use_qk_l2norm) -> o`, in place of `branch_kernel` / `kernel`; each leaf question first runs its
+    sub-trunk's rows (`reference.gated_delta`). The state call never has sub-trunks.
     """
+    if sub is not None:
+        if wy:
+            raise ValueError("nested forks (`sub`) have no WY question call: the `fla_wy` fork prepares each "
+                             "question's chunked form per question segment, without its sub-trunk (use `fla`)")
+        if nested_kernel is None:
+            raise ValueError("a nested fork (`sub`) needs the variant's nested question call, `nested_kernel` "
+                             "(registry.nested(...)['gated_delta'])")
     if wy and not laid_out and state_kernel is not None and branch_kernel is not None and tables is not None:
         o_states, finals, q, k, w, u, gamma = state_kernel(
             q, k, v, g, beta, tables.all_cu_seqlens, tables.all_chunks, tables.state_cu_seqlens, tables.state_chunks,
@@ -349,7 +412,10 @@ def fork_parts(kernel, q, k, v, g, beta, state_start, state_len, branch_start, b
         no_initial = q.new_zeros(0, v.shape[1], k.shape[2], v.shape[2], dtype=torch.float32)
         none = torch.full_like(state_start, -1)
         o_states, finals = kernel(q, k, v, g, beta, state_start, state_len, no_initial, none, scale, use_qk_l2norm)
-    if branch_kernel is not None:
+    if sub is not None:  # a leaf's sub-trunk rows are inputs of this call: no extra launch, no level order
+        o_branches = nested_kernel(q, k, v, g, beta, branch_start, branch_len, finals, branch_state, sub[0], sub[1],
+                                   scale, use_qk_l2norm)
+    elif branch_kernel is not None:
         o_branches = branch_kernel(q, k, v, g, beta, branch_start, branch_len, finals, branch_state, scale,
                                    use_qk_l2norm)
     else:

@@ -113,27 +113,30 @@ def _initial_state(h0_ptr, index_ptr, i_n, i_h, o_k, o_v, k_ok, v_ok, HV: tl.con
 
 @triton.jit
 def _branch_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, start_ptr, len_ptr, index_ptr, scale,
-                   ht_ptr, snap_at_ptr, hs_ptr, N, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-                   V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr,
-                   STORE_FINAL: tl.constexpr, SNAPSHOT: tl.constexpr, ROW_PROGRAMS: tl.constexpr):
+                   ht_ptr, snap_at_ptr, hs_ptr, sub_lo_ptr, sub_hi_ptr, N, HK: tl.constexpr, HV: tl.constexpr,
+                   K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr,
+                   STORE_FINAL: tl.constexpr, SNAPSHOT: tl.constexpr, ROW_PROGRAMS: tl.constexpr,
+                   NESTED: tl.constexpr):
     i_v = tl.program_id(0)
     if ROW_PROGRAMS == 0:  # a program per (row, value head, V tile): a row of length 0 returns at once
         _branch_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, start_ptr, len_ptr, index_ptr, scale, ht_ptr,
-                    snap_at_ptr, hs_ptr, tl.program_id(1) // HV, tl.program_id(1) % HV, i_v, HK, HV, K, V, BK, BV,
-                    L2NORM, STORE_FINAL, SNAPSHOT)
+                    snap_at_ptr, hs_ptr, sub_lo_ptr, sub_hi_ptr, tl.program_id(1) // HV, tl.program_id(1) % HV, i_v,
+                    HK, HV, K, V, BK, BV, L2NORM, STORE_FINAL, SNAPSHOT, NESTED)
     else:  # ROW_PROGRAMS programs per (value head, V tile), each over rows i, i + ROW_PROGRAMS, ...
         for i_n in range(tl.program_id(2), N, ROW_PROGRAMS):
             _branch_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, start_ptr, len_ptr, index_ptr, scale,
-                        ht_ptr, snap_at_ptr, hs_ptr, i_n, tl.program_id(1), i_v, HK, HV, K, V, BK, BV, L2NORM,
-                        STORE_FINAL, SNAPSHOT)
+                        ht_ptr, snap_at_ptr, hs_ptr, sub_lo_ptr, sub_hi_ptr, i_n, tl.program_id(1), i_v, HK, HV, K, V,
+                        BK, BV, L2NORM, STORE_FINAL, SNAPSHOT, NESTED)
 
 
 @triton.jit
 def _branch_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, start_ptr, len_ptr, index_ptr, scale, ht_ptr,
-                snap_at_ptr, hs_ptr, i_n, i_h, i_v, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-                V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, STORE_FINAL: tl.constexpr,
-                SNAPSHOT: tl.constexpr):
-    """Row i_n's question (or segment) for value head i_h, V tile i_v: the recurrent form's work for one row."""
+                snap_at_ptr, hs_ptr, sub_lo_ptr, sub_hi_ptr, i_n, i_h, i_v, HK: tl.constexpr, HV: tl.constexpr,
+                K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr,
+                STORE_FINAL: tl.constexpr, SNAPSHOT: tl.constexpr, NESTED: tl.constexpr):
+    """Row i_n's question (or segment) for value head i_h, V tile i_v: the recurrent form's work for one row.
+    NESTED (a nested fork's question call): a leaf first runs its sub-trunk's rows, [sub_lo, sub_hi) at its first
+    token, from its initial state, storing no outputs (`_sub_trunk`); without it that code is not compiled in."""
     i_hk = i_h // (HV // HK)  # grouped value heads: value head h reads key head h // (HV // HK)
     n = tl.load(len_ptr + i_n)
     o_k = tl.arange(0, BK)
@@ -159,6 +162,9 @@ def _branch_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, start_ptr, 
     if n > 0:
         bos = tl.load(start_ptr + i_n).to(tl.int64)
         h = _initial_state(h0_ptr, index_ptr, i_n, i_h, o_k, o_v, k_ok, v_ok, HV, K, V, BK, BV)
+        if NESTED:
+            h = _sub_trunk(h, k_ptr, v_ptr, g_ptr, beta_ptr, sub_lo_ptr, sub_hi_ptr, bos, i_h, i_hk, o_k, o_v, k_ok,
+                           v_ok, HK, HV, K, V, L2NORM)
         # Each step's loads are issued one step ahead (software prefetch): the chain from one token's state to the
         # next is only the decay, one sum over K and the rank-1 update, and the H200 showed ~2 us a step when each
         # step also waited for its own q/k/v loads. Same arithmetic, same bits.
@@ -191,6 +197,37 @@ def _branch_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, start_ptr, 
                     tl.store(hs_ptr + state_at, h, mask=state_ok)
         if STORE_FINAL:  # the state after the segment's last token (checkpoint rounds: a state's rest, ops/resume.py)
             tl.store(ht_ptr + state_at, h, mask=state_ok)
+
+
+@triton.jit
+def _sub_trunk(h, k_ptr, v_ptr, g_ptr, beta_ptr, sub_lo_ptr, sub_hi_ptr, bos, i_h, i_hk, o_k, o_v, k_ok, v_ok,
+               HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L2NORM: tl.constexpr):
+    """The state h after a leaf's sub-trunk rows [a, b) (the int32 range at the leaf's first token, bos; b <= a:
+    none, h as it came): the token steps of `_branch_row`'s loop on the same operands in the same order (in the
+    interpreter, the bits of the plain call over sub-trunk + leaf as one segment), without q or the output (the
+    sub-trunk's rows are its own segment's to write). A loop of its own with its own one-step-ahead loads, so the
+    question loop after it, prefetch included, is the plain kernel's."""
+    a = tl.load(sub_lo_ptr + bos).to(tl.int64)
+    b = tl.load(sub_hi_ptr + bos).to(tl.int64)
+    if b > a:  # only then are rows a.. in the stream (an empty range may hold anything)
+        nk = tl.load(k_ptr + (a * HK + i_hk) * K + o_k, mask=k_ok, other=0.0)
+        nv = tl.load(v_ptr + (a * HV + i_h) * V + o_v, mask=v_ok, other=0.0)
+        ng = tl.load(g_ptr + a * HV + i_h)
+        nbeta = tl.load(beta_ptr + a * HV + i_h)
+        for t in range(a, b):
+            b_k, b_v = nk.to(tl.float32), nv.to(tl.float32)
+            b_g, b_beta = ng.to(tl.float32), nbeta.to(tl.float32)
+            ahead = tl.minimum(t + 1, b - 1)  # the last step reloads its own row: in bounds, unused
+            nk = tl.load(k_ptr + (ahead * HK + i_hk) * K + o_k, mask=k_ok, other=0.0)
+            nv = tl.load(v_ptr + (ahead * HV + i_h) * V + o_v, mask=v_ok, other=0.0)
+            ng = tl.load(g_ptr + ahead * HV + i_h)
+            nbeta = tl.load(beta_ptr + ahead * HV + i_h)
+            if L2NORM:  # as `_branch_row` normalises k
+                b_k = (b_k * (1 / tl.sqrt(tl.sum(b_k * b_k) + 1e-6))).to(k_ptr.dtype.element_ty).to(tl.float32)
+            h *= tl.exp(b_g)
+            b_v = (b_v - tl.sum(h * b_k[:, None], 0)) * b_beta
+            h += b_k[:, None] * b_v[None, :]
+    return h
 
 
 @triton.jit
@@ -272,7 +309,8 @@ def branches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
              scale: float, use_qk_l2norm: bool, out: torch.Tensor | None = None,
              form: str = "recurrent", tiles: tuple[int, ...] | None = None,
              final: torch.Tensor | None = None,
-             snapshot: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+             snapshot: tuple[torch.Tensor, torch.Tensor] | None = None,
+             sub: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """o [T, Hv, V] (q's dtype) of every segment, each from `initial_state[initial_index[n]]` (-1: zero). Rows
     outside the segments are left unwritten, as fla's variant leaves them (`gated_delta.combine` selects).
 
@@ -286,9 +324,20 @@ def branches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     state for an empty one); the recurrent form only.
     `snapshot`: (snap_at [N] int64, states [N, Hv, K, V] float32): each segment's state after its first snap_at[n]
     tokens (0: its initial state; at most its length) goes to states[n] (a checkpoint inside a segment, in the same
-    pass); the recurrent form only."""
+    pass); the recurrent form only.
+    `sub`: (sub_lo, sub_hi) [T] int32, a nested fork's question call (`reference.gated_delta`'s semantics): a segment
+    whose first token has a non-empty range [a, b) first runs rows a..b-1 from its initial state, writing none of
+    their outputs, then its own rows (`final`: the state after its own rows); the recurrent form only, not with
+    `snapshot` (checkpoint rounds have no nested forks)."""
     if form not in FORMS:
         raise ValueError(f"`form` must be one of {FORMS}, got {form!r}")
+    if sub is not None:
+        if form != "recurrent" or snapshot is not None:
+            raise ValueError(f"`sub` (a nested fork's sub-trunk ranges) needs the recurrent form and no `snapshot`, "
+                             f"got {form} form{', a snapshot' if snapshot is not None else ''}")
+        if any(t.dtype != torch.int32 or t.shape != q.shape[:1] for t in sub):
+            raise ValueError(f"`sub` needs two int32 [T] tensors (T = {q.shape[0]}), got "
+                             f"{[(t.dtype, tuple(t.shape)) for t in sub]}")
     state_shape = (seg_start.shape[0], v.shape[1], k.shape[2], v.shape[2])
 
     def state_output_ok(t: torch.Tensor) -> bool:  # where `final` / `snapshot` states go
@@ -340,9 +389,11 @@ def branches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
         row_programs = min(row_programs, N)
         grid = (triton.cdiv(V, BV), N * HV) if row_programs == 0 else (triton.cdiv(V, BV), HV, row_programs)
         snap_at, states = snapshot if snapshot is not None else (seg_start, h0)  # unread without SNAPSHOT
-        _branch_kernel[grid](*meta, final if final is not None else h0, snap_at.contiguous(), states, N, HK=HK, HV=HV,
-                             K=K, V=V, BK=BK, BV=BV, L2NORM=use_qk_l2norm, STORE_FINAL=final is not None,
-                             SNAPSHOT=snapshot is not None, ROW_PROGRAMS=row_programs, num_warps=warps,
+        sub_lo, sub_hi = sub if sub is not None else (seg_start, seg_start)  # unread without NESTED
+        _branch_kernel[grid](*meta, final if final is not None else h0, snap_at.contiguous(), states,
+                             sub_lo.contiguous(), sub_hi.contiguous(), N, HK=HK, HV=HV, K=K, V=V, BK=BK, BV=BV,
+                             L2NORM=use_qk_l2norm, STORE_FINAL=final is not None, SNAPSHOT=snapshot is not None,
+                             ROW_PROGRAMS=row_programs, NESTED=sub is not None, num_warps=warps,
                              num_stages=NUM_STAGES)
     return o
 

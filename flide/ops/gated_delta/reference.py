@@ -7,6 +7,9 @@ all questions, each starting from the final S of its state, gathered by index.
 
 `gated_delta_snapshot` also returns each segment's state at a chosen chunk boundary: the checkpoint a later request
 resumes from (flide/checkpoints), taken inside the pass that answers the request, so saving costs no extra pass.
+
+Nested forks (`gated_delta(..., sub_lo=, sub_hi=)`, the question call only): a leaf question runs its sub-trunk's
+rows (a shared question line, laid out once as its own question segment) before its own, from its state's final S.
 """
 
 from __future__ import annotations
@@ -35,10 +38,20 @@ def _initial(initial_state: torch.Tensor, initial_index: torch.Tensor, shape) ->
 
 def gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                 seg_start: torch.Tensor, seg_len: torch.Tensor, initial_state: torch.Tensor,
-                initial_index: torch.Tensor, scale: float, use_qk_l2norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """See `_chunked` for the arguments. Returns: (o [T, Hv, V] in q's dtype, final_state [N, Hv, K, V] float32)."""
+                initial_index: torch.Tensor, scale: float, use_qk_l2norm: bool, sub_lo: torch.Tensor | None = None,
+                sub_hi: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """See `_chunked` for the arguments. Returns: (o [T, Hv, V] in q's dtype, final_state [N, Hv, K, V] float32).
+
+    `sub_lo`, `sub_hi` (both or neither; the nested fork's question call): [T] int32 per token, the stream range
+    [a, b) of the token's sub-trunk segment for a leaf question's tokens, empty (b <= a) for every other token. A
+    segment whose first token has a non-empty range runs rows a..b-1 first, from its initial state, without writing
+    their outputs (they are the sub-trunk segment's own rows), then its own rows; its final state is the one after
+    its own rows. None: the plain call, the same bits as without the arguments."""
+    if (sub_lo is None) != (sub_hi is None):
+        raise ValueError("`sub_lo` and `sub_hi` go together (a nested fork's sub-trunk ranges), or neither")
+    sub = None if sub_lo is None else (sub_lo, sub_hi)
     out, final, _ = _chunked(q, k, v, g, beta, seg_start, seg_len, initial_state, initial_index, None, scale,
-                             use_qk_l2norm)
+                             use_qk_l2norm, sub)
     return out, final
 
 
@@ -54,7 +67,7 @@ def gated_delta_snapshot(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
 
 
 def _chunked(q, k, v, g, beta, seg_start, seg_len, initial_state, initial_index, snapshot_chunk, scale: float,
-             use_qk_l2norm: bool):
+             use_qk_l2norm: bool, sub: tuple[torch.Tensor, torch.Tensor] | None = None):
     """
     Args:
         q, k: [T, Hk, K]; v: [T, Hv, V] with Hv a multiple of Hk (value head h reads key head h // (Hv // Hk)).
@@ -64,6 +77,7 @@ def _chunked(q, k, v, g, beta, seg_start, seg_len, initial_state, initial_index,
             from, -1 for a zero state.
         snapshot_chunk: [N] int64 or None: the chunk boundary whose state to keep per segment (-1: none).
         scale: query scale; use_qk_l2norm: L2-normalise q and k first (Qwen3.5 does, in float32).
+        sub: (sub_lo, sub_hi) [T] int32 or None: each leaf segment's sub-trunk rows, run first (`gated_delta`).
     Returns: (o [T, Hv, V] in q's dtype, final_state [N, Hv, K, V] float32, snapshot [N, Hv, K, V] float32 or None).
     """
     T, Hk, K = k.shape
@@ -80,11 +94,16 @@ def _chunked(q, k, v, g, beta, seg_start, seg_len, initial_state, initial_index,
     seg_start, seg_len, initial_index = seg_start[active], seg_len[active], initial_index[active]
     N = seg_start.shape[0]
     dev = q.device
-    longest = int(seg_len.max())
-    L = max(GDN_CHUNK, -(-longest // GDN_CHUNK) * GDN_CHUNK)
-    pos = torch.arange(L, device=dev)
-    valid = pos[None, :] < seg_len[:, None]
-    rows = torch.where(valid, seg_start[:, None] + pos[None, :], torch.full_like(valid, T, dtype=torch.long))
+    if sub is None:
+        longest = int(seg_len.max())
+        L = max(GDN_CHUNK, -(-longest // GDN_CHUNK) * GDN_CHUNK)
+        pos = torch.arange(L, device=dev)
+        valid = pos[None, :] < seg_len[:, None]
+        rows = torch.where(valid, seg_start[:, None] + pos[None, :], torch.full_like(valid, T, dtype=torch.long))
+        out_rows = rows
+    else:
+        rows, out_rows = _leaf_rows(sub, seg_start, seg_len, T)
+        L = rows.shape[1]
 
     qs, ks = _gather_segments(q.float(), rows), _gather_segments(k.float(), rows)  # [N, L, Hk, K]
     vs = _gather_segments(v.float(), rows)  # [N, L, Hv, V]
@@ -125,11 +144,30 @@ def _chunked(q, k, v, g, beta, seg_start, seg_len, initial_state, initial_index,
 
     out = out.reshape(N, Hv, L, V).permute(0, 2, 1, 3)  # [N, L, Hv, V]
     full = torch.zeros(T + 1, Hv, V, dtype=torch.float32, device=dev)
-    full[rows.reshape(-1)] = out.reshape(-1, Hv, V)  # padding lands on the spare row T
+    full[out_rows.reshape(-1)] = out.reshape(-1, Hv, V)  # padding (and sub-trunk rows) land on the spare row T
     final[active] = state
     if snap is not None:
         snapshot[active] = torch.where(snap_chunk == C, state, snap)
     return full[:T].to(q.dtype), final, snapshot
+
+
+def _leaf_rows(sub: tuple[torch.Tensor, torch.Tensor], seg_start: torch.Tensor, seg_len: torch.Tensor,
+               T: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, out_rows) [N, L] of the nested question call's segments (each of length > 0): a leaf gathers its
+    sub-trunk's rows, then its own; only its own rows' outputs go back to the stream (out_rows: T, the spare row,
+    elsewhere). Chunks start at the leaf's first gathered row, as they would for the sequence sub-trunk + leaf."""
+    sub_lo, sub_hi = sub
+    lo, hi = sub_lo[seg_start].long(), sub_hi[seg_start].long()  # a segment's range: its first token's
+    pre = (hi - lo).clamp(min=0)
+    longest = int((pre + seg_len).max())
+    L = max(GDN_CHUNK, -(-longest // GDN_CHUNK) * GDN_CHUNK)
+    pos = torch.arange(L, device=seg_start.device)[None, :]
+    own = pos - pre[:, None]  # position within the segment's own rows (negative: a sub-trunk row)
+    mine = (own >= 0) & (own < seg_len[:, None])
+    spare = torch.full_like(own, T)
+    out_rows = torch.where(mine, seg_start[:, None] + own, spare)
+    rows = torch.where(own < 0, lo[:, None] + pos, out_rows)
+    return rows, out_rows
 
 
 def gated_delta_naive(q, k, v, g, beta, seg_start, seg_len, initial_state, initial_index, scale: float,

@@ -92,6 +92,11 @@ class RuntimeConfig:
     # auto: split where the tokenizer's structure proves the cut exact (byte-level BPE with Qwen's regex,
     # SentencePiece without pieces across newlines) and probes confirm it, else full (flide/split_check.py)
     tokenization: str = "auto"
+    # nested forks: lines that several questions of a state share after it (a judge's question line before each
+    # candidate answer: MultiRC) are computed once as a sub-trunk that those questions fork from in turn. auto: on
+    # where the tokenization splits and the kernel variants have nested companions (`flide.ops.registry.nested`) and
+    # checkpoints are off; on: the same or an error saying why not; off: each question carries its whole tail
+    nested_forks: str = "auto"
     # auto: one CUDA graph per bucket (torch.compile reduce-overhead) when on CUDA and every kernel variant can be
     # captured, else eager rounds of their own size; on: graphs or an error saying why not; off: eager (the ablation)
     graphs: str = "auto"
@@ -234,6 +239,7 @@ GUARD_MODES = ("check", "skip_modules", "skip", "none")  # `runtime.guards` (Run
 _CHOICES = {
     ("runtime", "dtype"): ("auto", "float32", "bfloat16", "float16"),
     ("runtime", "tokenization"): ("auto", "split", "full"),
+    ("runtime", "nested_forks"): ("auto", "on", "off"),
     ("runtime", "graphs"): ("auto", "on", "off"),
     ("kernels", "fuse_attention_prep"): ("auto", "on", "off"),
     ("runtime", "compiler"): ("inductor", "cudagraphs"),

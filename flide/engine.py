@@ -77,10 +77,12 @@ class Engine:
 
         # the variants `auto` picks on the model's device: what runs, and what the graph runner checks
         self.kernels = concrete(self.config.kernels, next(model.parameters()).device)
-        self.flat = adapt(model, tokenizer, self.kernels, residual=runtime.residual)
         self.prompts = PromptTokenizer(tokenizer, decision_config, runtime.tokenization,
                                        piece_cache=PieceCache(runtime.piece_cache_chars),
                                        question_cache_entries=runtime.question_cache_entries)
+        nested_ops = self._nested_ops(next(model.parameters()).device)
+        self.prompts.nested = nested_ops is not None
+        self.flat = adapt(model, tokenizer, self.kernels, residual=runtime.residual, nested_ops=nested_ops)
         tok = self.prompts.tokenizer
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
         # Options per readout row: the most labels any question type can use
@@ -93,6 +95,26 @@ class Engine:
         self.runner = self._graph_runner() if self._use_graphs() else None
         # growing states: the checkpoint cache, and the kernels' companions that resume and snapshot
         self.checkpoints, self._resumable = self._checkpoint_cache()
+
+    def _nested_ops(self, device) -> dict | None:
+        """The kernels' nested-fork companions where `runtime.nested_forks` turns sub-trunks on, else None."""
+        from .ops.registry import nested
+
+        mode = self.config.runtime.nested_forks
+        if mode == "off":
+            return None
+        ops, missing = nested(self.kernels, device)
+        reasons = [f"these kernel variants have no nested form: {', '.join(missing)}"] if missing else []
+        if self.prompts.mode != "split":
+            reasons.append(f"the tokenization is {self.prompts.mode!r} (a sub-trunk is cut where prompts are split)")
+        if self.config.checkpoints.enabled:
+            reasons.append("checkpoints are on (their rounds' kernels take no sub-trunks)")
+        if reasons and mode == "on":
+            raise ValueError(f"`runtime.nested_forks: on` cannot run: {'; '.join(reasons)}.")
+        if reasons:
+            logger.info("nested forks are off: %s", "; ".join(reasons))
+            return None
+        return ops
 
     def _checkpoint_cache(self):
         from .checkpoints import CheckpointCache
@@ -201,7 +223,7 @@ class Engine:
         process): the prompt length limit, each question's head rows, and its part of any round."""
         limit = self.config.limits.max_prompt_tokens
         for branch in prepared.branches:
-            n = len(prepared.trunks[branch.trunk]) + len(branch.tokens)
+            n = prepared.prefix_length(branch) + len(branch.tokens)
             if n > limit:
                 raise RequestError("state", f"the prompt of question {branch.questions[0].name!r} has {n} tokens; "
                                             f"the limit is {limit} (`limits.max_prompt_tokens`).", 413)
@@ -228,6 +250,8 @@ class Engine:
         not match the model), naming the part that holds it."""
         parts = [("state", t) for t in prepared.trunks]
         parts += [(f"questions.{b.questions[0].name}", b.tokens) for b in prepared.branches]
+        parts += [(f"questions.{b.questions[0].name}", prepared.subs[b.sub].tokens) for b in prepared.branches
+                  if b.sub >= 0]
         field, top = next(((f, int(ids.max())) for f, ids in parts if len(ids) and int(ids.max()) >= self.vocab_rows),
                           ("request", prepared.round_layout.max_id))
         return RequestError(field, f"tokenizes to id {top}, outside the model's vocabulary of {self.vocab_rows} "

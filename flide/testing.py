@@ -80,6 +80,28 @@ def random_request(rng: random.Random, max_questions: int = 64, min_words: int =
             "questions": {f"q{i}": random_question(rng) for i in range(n)}}
 
 
+def candidate_request(rng: random.Random, lines: int = 3, max_candidates: int = 5, extras: int = 2) -> dict:
+    """A judge's request (MultiRC's shape): a state, then `lines` question lines each asked with 2 to
+    `max_candidates` candidate answers ("<line>\nProposed answer: <candidate>" noul questions, or choice questions
+    with the line as instructions and their own criteria), and a few unrelated random questions: prompts that share
+    their first line(s) after the state, which nested forks compute once (sub-trunks)."""
+    questions: dict[str, dict] = {}
+    for i in range(lines):
+        line = _text(rng, rng.randint(6, 24)).replace("\n", " ")
+        for j in range(rng.randint(2, max_candidates)):
+            if rng.random() < 0.7:
+                questions[f"l{i}c{j}"] = {"type": "noul",
+                                          "instructions": f"{line}\nProposed answer: {_text(rng, rng.randint(1, 8))}"}
+            else:
+                criteria = {f"opt{k}-{rng.choice(_WORDS)}": None for k in range(rng.randint(2, 4))}
+                questions[f"l{i}c{j}"] = {"type": "choice", "instructions": line, "criteria": criteria}
+    for k in range(extras):
+        questions[f"x{k}"] = random_question(rng)
+    names = list(questions)
+    rng.shuffle(names)  # candidates of one line need not be next to each other
+    return {"state": random_state(rng, 5, 200), "questions": {name: questions[name] for name in names}}
+
+
 def probabilities(answer: dict) -> list[float]:
     """The probabilities of one answer, in option order (noul: P(true))."""
     if answer["type"] == "noul":

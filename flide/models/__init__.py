@@ -34,10 +34,12 @@ def supported_model_types() -> list[str]:
 
 
 def swap_mixers(text_model: nn.Module, ops: dict, fuse_conv_layout: bool = True,
-                qk_prep: Callable | None = None) -> None:
+                qk_prep: Callable | None = None, nested_ops: dict | None = None) -> None:
     """Replaces every decoder layer's attention / Gated DeltaNet module with Flide's (idempotent); `ops` is
     `resolve_all(kernels)`, `fuse_conv_layout` `kernels.fuse_conv_layout`, `qk_prep` the attention layers' fused q / k
-    preparation (`kernels.fuse_attention_prep`), used where the layer's is the one it computes."""
+    preparation (`kernels.fuse_attention_prep`), used where the layer's is the one it computes; `nested_ops` the
+    variants' nested-fork companions (`flide.ops.registry.nested`) when rounds may hold sub-trunks, else None."""
+    nested_ops = nested_ops or {}
     for index, layer in enumerate(text_model.layers):
         for name in ("input_layernorm", "post_attention_layernorm", "mlp"):
             if not hasattr(layer, name):
@@ -46,18 +48,21 @@ def swap_mixers(text_model: nn.Module, ops: dict, fuse_conv_layout: bool = True,
         if hasattr(layer, "linear_attn"):
             original = getattr(layer.linear_attn, "original", layer.linear_attn)
             layer.linear_attn = FlideGatedDeltaNet(original, ops["fork_conv"], ops["gated_delta"],
-                                                   ops["gated_norm"], fuse_conv_layout=fuse_conv_layout)
+                                                   ops["gated_norm"], fuse_conv_layout=fuse_conv_layout,
+                                                   nested_op=nested_ops.get("gated_delta"))
         elif hasattr(layer, "self_attn"):
             original = getattr(layer.self_attn, "original", layer.self_attn)
-            layer.self_attn = FlideAttention(original, ops["fork_attention"], qk_prep)
+            layer.self_attn = FlideAttention(original, ops["fork_attention"], qk_prep,
+                                             nested_op=nested_ops.get("fork_attention"))
         else:
             raise ValueError(f"Decoder layer {index} ({type(layer).__name__}) has neither attention nor Gated "
                              "DeltaNet.")
 
 
-def adapt(model: nn.Module, tokenizer, kernels: KernelConfig, residual: str = "model") -> FlatModel:
+def adapt(model: nn.Module, tokenizer, kernels: KernelConfig, residual: str = "model",
+          nested_ops: dict | None = None) -> FlatModel:
     """The flat model of a transformers model; raises ValueError for a model type Flide does not know. `residual`:
-    the residual stream's dtype (`runtime.residual`: model | float32)."""
+    the residual stream's dtype (`runtime.residual`: model | float32); `nested_ops`: see `swap_mixers`."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type not in FAMILIES:
         raise ValueError(f"Flide does not support model type {model_type!r} ({type(model).__name__}); supported "
@@ -72,7 +77,7 @@ def adapt(model: nn.Module, tokenizer, kernels: KernelConfig, residual: str = "m
             raise ValueError(f"`kernels.fuse_attention_prep: on` runs a Triton kernel on CUDA: {reason}.")
         if reason is None:
             from ..ops.qk_prep import qk_prep_triton as qk_prep
-    swap_mixers(text_model, ops, kernels.fuse_conv_layout, qk_prep)
+    swap_mixers(text_model, ops, kernels.fuse_conv_layout, qk_prep, nested_ops)
     # the decoder's own nn.Linear layers stay unless another `linear` variant is picked (batch-invariant mode)
     if kernels.linear != "torch":
         separate(text_model)

@@ -84,12 +84,15 @@ class FlideAttention(_Swapped):
     apply_rotary_pos_emb), GQA.
     """
 
-    SHARED = ("op", "apply_rotary", "qk_prep")
+    SHARED = ("op", "apply_rotary", "qk_prep", "nested_op")
 
-    def __init__(self, original: nn.Module, attention_op: Callable, qk_prep: Callable | None = None):
+    def __init__(self, original: nn.Module, attention_op: Callable, qk_prep: Callable | None = None,
+                 nested_op: Callable | None = None):
         names = ("q_proj", "k_proj", "v_proj", "o_proj") + tuple(n for n in ("q_norm", "k_norm") if hasattr(original, n))
         super().__init__(original, names)
         self.op = attention_op
+        # nested forks (`runtime.nested_forks`): the variant's companion that also takes each token's sub-trunk range
+        self.nested_op = nested_op
         self.head_dim = original.head_dim
         self.scaling = float(original.scaling)
         self.num_kv_heads = original.k_proj.out_features // self.head_dim
@@ -133,6 +136,8 @@ class FlideAttention(_Swapped):
             pk, pv = ck.prefix()
             out = ck.work.ops["fork_attention"](q, k, v, r.seg_lo, r.trunk_lo, r.trunk_hi, pk, pv, ck.work.pre_lo,
                                                 ck.work.pre_hi, self.scaling)
+        elif self.nested_op is not None:  # a leaf question's tokens also see its sub-trunk's keys
+            out = self.nested_op(q, k, v, r.seg_lo, r.trunk_lo, r.trunk_hi, r.sub_lo, r.sub_hi, self.scaling)
         else:
             out = self.op(q, k, v, r.seg_lo, r.trunk_lo, r.trunk_hi, self.scaling)
         if ck is not None:
@@ -148,10 +153,11 @@ class FlideGatedDeltaNet(_Swapped):
     calls of `gated_delta` (states first, then every question from its state's final recurrent state)."""
 
     NAMES = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "norm", "out_proj", "A_log", "dt_bias")
-    SHARED = ("conv_op", "delta_op", "branch_op", "state_op", "norm_op", "conv_qkv_op", "laid_out_state_op")
+    SHARED = ("conv_op", "delta_op", "branch_op", "state_op", "norm_op", "conv_qkv_op", "laid_out_state_op",
+              "nested_op")
 
     def __init__(self, original: nn.Module, conv_op: Callable, delta_op: Callable, norm_op: Callable | None = None,
-                 fuse_conv_layout: bool = True):
+                 fuse_conv_layout: bool = True, nested_op: Callable | None = None):
         super().__init__(original, self.NAMES)
         if original.conv1d.bias is not None:
             raise ValueError("Gated DeltaNet with a conv bias is not supported.")
@@ -181,6 +187,8 @@ class FlideGatedDeltaNet(_Swapped):
         fusable = fuse_conv_layout and dim == self.head_v_dim and dim & (dim - 1) == 0 and dim <= 256 and not self.wy
         self.conv_qkv_op = QKV_KERNELS.get(conv_op) if fusable else None
         self.laid_out_state_op = LAID_OUT_STATE_KERNELS.get(delta_op) if fusable else None
+        # nested forks (`runtime.nested_forks`): the question call that first runs each leaf's sub-trunk rows
+        self.nested_op = nested_op
 
     def fuse_projections(self) -> None:
         """in_proj_qkv / z / b / a as one GEMM (flide/models/fused.py); the layer's weights become views of it."""
@@ -193,19 +201,25 @@ class FlideGatedDeltaNet(_Swapped):
         T, r, ck = x.shape[0], ctx.round, ctx.checkpoint
         conv_in, z, b, a = project(self, "in_proj", self.in_sizes, self._in_projections(), x)
         weight = self.conv1d.weight.squeeze(1)
+        # the stream range each token's first conv window continues: its state's, or for a leaf question its
+        # sub-trunk's (whose last width - 1 tokens precede it in its prompt: `prepare` keeps sub-trunks that long)
+        trunk_lo, trunk_hi = r.trunk_lo, r.trunk_hi
+        if self.nested_op is not None:
+            leaf = r.sub_hi > r.sub_lo
+            trunk_lo, trunk_hi = torch.where(leaf, r.sub_lo, trunk_lo), torch.where(leaf, r.sub_hi, trunk_hi)
         # laid out: the fused conv writes q, k (normalised) and v as the gated delta kernels read them (not in
         # rounds with checkpoints, whose companions take the plain conv's output)
         laid_out = ck is None and self.conv_qkv_op is not None and self.laid_out_state_op is not None \
             and ctx.tables is not None
         if laid_out:  # and the gates g / beta, from the same launch
-            q, k, v, g, beta = self.conv_qkv_op(conv_in, weight, r.seg_lo, r.trunk_lo, r.trunk_hi, a, b, self.A_log,
+            q, k, v, g, beta = self.conv_qkv_op(conv_in, weight, r.seg_lo, trunk_lo, trunk_hi, a, b, self.A_log,
                                                 self.dt_bias, self.key_dim // self.head_k_dim, self.head_k_dim, True)
         else:
             if ck is not None and ck.resumes:  # a resumed state's conv window continues the checkpoint's inputs
                 qkv = ck.work.ops["fork_conv"](conv_in, weight, r.seg_lo, r.trunk_lo, r.trunk_hi, ck.window(),
                                                ck.work.win_index, True)
             else:
-                qkv = self.conv_op(conv_in, weight, r.seg_lo, r.trunk_lo, r.trunk_hi, True)
+                qkv = self.conv_op(conv_in, weight, r.seg_lo, trunk_lo, trunk_hi, True)
             q, k, v = torch.split(qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
             q, k = q.reshape(T, -1, self.head_k_dim), k.reshape(T, -1, self.head_k_dim)
             v = v.reshape(T, -1, self.head_v_dim)
@@ -220,7 +234,9 @@ class FlideGatedDeltaNet(_Swapped):
                                            r.branch_start, r.branch_len, r.branch_state, self.head_k_dim ** -0.5,
                                            not laid_out, branch_kernel=self.branch_op,
                                            state_kernel=self.laid_out_state_op if laid_out else self.state_op,
-                                           tables=ctx.tables, wy=self.wy, laid_out=laid_out)
+                                           tables=ctx.tables, wy=self.wy, laid_out=laid_out,
+                                           **({} if self.nested_op is None else
+                                              {"sub": (r.sub_lo, r.sub_hi), "nested_kernel": self.nested_op}))
             if self.norm_op is not None:  # the select and the norm in one op
                 normed = self.norm_op(parts.o_states, parts.o_branches, gate, self.norm.weight, parts.states_end,
                                       parts.branches_start, parts.branches_end, self.norm.variance_epsilon)

@@ -32,11 +32,11 @@ _worker: tuple[PromptTokenizer, int] | None = None  # this worker process's prom
 
 
 def _start(tokenizer, decision_config, mode: str, max_questions: int, piece_cache_chars: int,
-           question_cache_entries: int) -> None:
+           question_cache_entries: int, nested: bool = False) -> None:
     global _worker
     _worker = (PromptTokenizer(tokenizer, decision_config, mode, resolved=True,
                                piece_cache=PieceCache(piece_cache_chars),
-                               question_cache_entries=question_cache_entries), max_questions)
+                               question_cache_entries=question_cache_entries, nested=nested), max_questions)
 
 
 def _tokenize(request: Any) -> PreparedRequest:
@@ -59,7 +59,7 @@ class ProcessPreparer:
         prompts = engine.prompts
         context = multiprocessing.get_context("spawn")
         args = (prompts.tokenizer, prompts.config, prompts.mode, engine.config.limits.max_questions,
-                prompts.piece_cache.max_chars, engine.config.runtime.question_cache_entries)
+                prompts.piece_cache.max_chars, engine.config.runtime.question_cache_entries, prompts.nested)
         self.pools = [ProcessPoolExecutor(1, mp_context=context, initializer=_start, initargs=args)
                       for _ in range(processes)]
         self.pending = [0] * processes

@@ -1,0 +1,90 @@
+"""Nested forks (`runtime.nested_forks`): lines that several questions of a state share after it are computed once,
+as a sub-trunk those questions fork from. Whole tiny models against transformers' `pipeline("decision")`, question by
+question (fp32, CPU), on judge-shaped requests (`flide.testing.candidate_request`), with fewer tokens in the stream
+than without nesting; and the settings that keep it off."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+from transformers import pipeline
+
+import flide
+from transformers.decision import DecisionConfig
+from transformers.models.jev.configuration_jev import JEV_TEMPLATE
+
+from flide.models.tiny import tiny_jev, tiny_model, tiny_tokenizer
+from flide.testing import candidate_request, max_difference
+
+PIPELINE_ATOL = 1e-5  # as tests/test_exactness.py
+ROUND_ATOL = 1e-6
+
+
+def jev_decision_config() -> DecisionConfig:
+    """Jev's own prompt (the question type printed before the state, read at a `<|mark|>`), as test_exactness.py."""
+    return DecisionConfig(chat_template=JEV_TEMPLATE, noul_options=["false", "true"],
+                          temperature={"noul": 0.7, "choice": 1.3, "score": 2.0})
+
+CASES = {
+    "qwen3_5": (lambda: tiny_model("qwen3_5_text"), None),
+    "llama": (lambda: tiny_model("llama"), None),
+    # the type printed before the state, reads at marks: sub-trunks must keep every read in the leaves
+    "jev_qwen3_5_template": (lambda: tiny_jev(), jev_decision_config()),
+}
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def case(request):
+    factory, decision_config = CASES[request.param]
+    model, tok = factory(), tiny_tokenizer()
+    rng = random.Random(7)
+    requests = [candidate_request(rng) for _ in range(10)]
+    decide = pipeline("decision", model=model, tokenizer=tok, decision_config=decision_config)
+    expected = [decide(r) for r in requests]  # before patching: the untouched transformers model
+    nested = flide.patch(model, tok, {"runtime": {"nested_forks": "on"}}, decision_config=decision_config)
+    flat = flide.patch(model, tok, {"runtime": {"nested_forks": "off"}}, decision_config=decision_config)
+    return request.param, nested, flat, requests, expected
+
+
+def test_sub_trunks_are_made_and_save_tokens(case):
+    name, nested, flat, requests, _ = case
+    with_subs = [nested.prepare(r) for r in requests]
+    without = [flat.prepare(r) for r in requests]
+    assert all(not p.subs for p in without)
+    assert sum(len(p.subs) for p in with_subs) >= len(requests), name  # about one per question line
+    saved = sum(a.stream_tokens - b.stream_tokens for a, b in zip(without, with_subs))
+    assert saved > 0 and all(a.prompt_tokens == b.prompt_tokens for a, b in zip(without, with_subs))
+    for a, b in zip(without, with_subs):  # every prompt holds the same tokens, cut once more
+        for x, y in zip(a.branches, b.branches):
+            whole = [b.trunks[y.trunk], *([b.subs[y.sub].tokens] if y.sub >= 0 else []), y.tokens]
+            assert np.array_equal(np.concatenate([a.trunks[x.trunk], x.tokens]), np.concatenate(whole))
+            assert np.array_equal(x.reads, y.reads)
+            if y.sub >= 0:
+                assert len(b.subs[y.sub].tokens) >= nested.prompts.MIN_SUB_TOKENS
+
+
+def test_nested_rounds_equal_pipeline(case):
+    name, nested, flat, requests, expected = case
+    together = nested.decide(requests)  # one round (or a few) with every request's sub-trunks
+    worst = max(max_difference(e, g) for e, g in zip(expected, together))
+    assert worst <= PIPELINE_ATOL, f"{name}: largest probability difference {worst:.3g} from the pipeline"
+    for request, answer in zip(requests[:4], together):
+        assert max_difference(nested.decide(request), answer) <= ROUND_ATOL  # alone as inside the round
+    plain = flat.decide(requests)
+    assert max(max_difference(a, b) for a, b in zip(plain, together)) <= ROUND_ATOL
+
+
+def test_nested_forks_on_needs_split_tokenization():
+    model, tok = tiny_model("qwen3_5_text"), tiny_tokenizer()
+    with pytest.raises(ValueError, match="nested_forks: on.*tokenization is 'full'"):
+        flide.patch(model, tok, {"runtime": {"nested_forks": "on", "tokenization": "full"}})
+    engine = flide.patch(model, tok, {"runtime": {"tokenization": "full"}})  # auto: off, with the reason logged
+    assert not engine.prompts.nested
+    assert not engine.prepare(candidate_request(random.Random(1))).subs
+
+
+def test_nested_forks_value_is_checked():
+    with pytest.raises(ValueError, match="runtime.nested_forks"):
+        flide.patch(tiny_model("llama"), tiny_tokenizer(), {"runtime": {"nested_forks": "sometimes"}})

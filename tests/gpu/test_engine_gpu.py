@@ -62,3 +62,25 @@ def test_cuda_questions_equal_pipeline_on_gpu():
     variant_equals_pipeline("fla_cuda", seed=6)
     # the CUDA kernel ran (compiled for the tiny model's heads: K = V = 16, 2 key and 4 value heads), not the fallback
     assert any(key[:4] == (16, 16, 2, 4) for key in questions_cuda.COMPILED)
+
+
+def test_nested_forks_equal_pipeline_on_gpu():
+    """`runtime.nested_forks` with the default CUDA variants (the invariant Triton attention's sub-trunk phase, the
+    Triton question kernel recomputing sub-trunks, the conv reading a leaf's window from its sub-trunk), graphs on:
+    judge-shaped requests (candidates sharing their question line) against the pipeline, and against the same engine
+    with nested forks off, alone and in one round."""
+    from flide.testing import candidate_request
+
+    rng = random.Random(11)
+    requests = [candidate_request(rng) for _ in range(10)]
+    tok = tiny_tokenizer()
+    model = tiny_model("qwen3_5_text").cuda()
+    expected = [pipeline("decision", model=model, tokenizer=tok)(r) for r in requests]
+    nested = flide.patch(model, tok, config={**FAST, "runtime": {"device": "cuda", "nested_forks": "on"}})
+    flat = flide.patch(model, tok, config={**FAST, "runtime": {"device": "cuda", "nested_forks": "off"}})
+    assert nested.runner is not None and sum(len(nested.prepare(r).subs) for r in requests) >= len(requests)
+    together, plain = nested.decide(requests), flat.decide(requests)
+    assert max(max_difference(e, g) for e, g in zip(expected, together)) < 2e-3
+    assert max(max_difference(a, b) for a, b in zip(plain, together)) < 2e-3
+    alone = [nested.decide(r) for r in requests[:4]]
+    assert max(max_difference(a, b) for a, b in zip(alone, together)) < 2e-3

@@ -95,7 +95,8 @@ class RuntimeConfig:
     # nested forks: lines that several questions of a state share after it (a judge's question line before each
     # candidate answer: MultiRC) are computed once as a sub-trunk that those questions fork from in turn. auto: on
     # where the tokenization splits and the kernel variants have nested companions (`flide.ops.registry.nested`) and
-    # checkpoints are off; on: the same or an error saying why not; off: each question carries its whole tail
+    # checkpoints are off (on CUDA not yet: engine.NESTED_AUTO_ON_CUDA); on: the same or an error saying why not;
+    # off: each question carries its whole tail
     nested_forks: str = "auto"
     # auto: one CUDA graph per bucket (torch.compile reduce-overhead) when on CUDA and every kernel variant can be
     # captured, else eager rounds of their own size; on: graphs or an error saying why not; off: eager (the ablation)

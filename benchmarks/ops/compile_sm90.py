@@ -112,13 +112,15 @@ def main() -> int:
     # the stream tables (seg_lo, trunk_lo, ...) as a round hands them in: int32 (flide/round.py)
     for dtype, triton_dtype in (("bf16", "*bf16"), ("fp32", "*fp32")):
         cfg = attn.default_config(256, {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype])
-        for prefix in (False, True):
+        for prefix, sub in ((False, False), (True, False), (False, True)):
             ok &= compile_one(
-                f"fork_attention invariant {dtype} D256 GQA4 prefix={prefix}", attn._fork_attention_invariant_kernel,
+                f"fork_attention invariant {dtype} D256 GQA4 prefix={prefix} sub={sub}",
+                attn._fork_attention_invariant_kernel,
                 {"q_ptr": triton_dtype, "k_ptr": triton_dtype, "v_ptr": triton_dtype, "o_ptr": triton_dtype,
                  "pk_ptr": triton_dtype, "pv_ptr": triton_dtype, "stats_ptr": "*i32"}, "*i32", {"qk_scale": "fp32"},
                 dict(GROUP=4, HEAD_DIM=256, HEAD_DIM_V=256, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=256,
-                     BLOCK_DV=256, PRECISION="ieee" if dtype == "fp32" else "tf32", STATS=False, HAS_PREFIX=prefix),
+                     BLOCK_DV=256, PRECISION="ieee" if dtype == "fp32" else "tf32", STATS=False, HAS_PREFIX=prefix,
+                     HAS_SUB=sub),
                 {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
         for window, split in ((False, False), (True, False), (False, True)):
             ok &= compile_one(
@@ -139,14 +141,18 @@ def main() -> int:
             {n: triton_dtype for n in ("q_ptr", "k_ptr", "cos_ptr", "sin_ptr", "wq_ptr", "wk_ptr", "oq_ptr", "ok_ptr")},
             triton_dtype, {"eps": "fp32"}, dict(D=256, BD=256, R=64, ROWS=qk_prep.ROWS),
             {"num_warps": qk_prep.NUM_WARPS, "enable_fp_fusion": False})  # as qk_prep launches it
-        for final, snapshot, hv in ((False, False, 16), (False, False, 32), (True, False, 16), (True, True, 16)):
+        for final, snapshot, hv, nested in ((False, False, 16, False), (False, False, 32, False),
+                                            (True, False, 16, False), (True, True, 16, False),
+                                            (False, False, 16, True), (False, False, 32, True)):
             block_v = branches.BLOCK_V_MANY_HEADS if hv >= 32 else branches.BLOCK_V
             ok &= compile_one(
-                f"gated_delta branches {dtype} Hv{hv} final={final} snapshot={snapshot}", branches._branch_kernel,
+                f"gated_delta branches {dtype} Hv{hv} final={final} snapshot={snapshot} nested={nested}",
+                branches._branch_kernel,
                 {n: triton_dtype for n in ("q_ptr", "k_ptr", "v_ptr", "g_ptr", "beta_ptr", "o_ptr")} |
-                {"h0_ptr": "*fp32", "ht_ptr": "*fp32", "hs_ptr": "*fp32"}, "*i64", {"scale": "fp32"},
+                {"h0_ptr": "*fp32", "ht_ptr": "*fp32", "hs_ptr": "*fp32", "sub_lo_ptr": "*i32", "sub_hi_ptr": "*i32"},
+                "*i64", {"scale": "fp32"},
                 dict(HK=16, HV=hv, K=128, V=128, BK=128, BV=block_v, L2NORM=not (final or hv == 32),
-                     STORE_FINAL=final, SNAPSHOT=snapshot, ROW_PROGRAMS=0),
+                     STORE_FINAL=final, SNAPSHOT=snapshot, ROW_PROGRAMS=0, NESTED=nested),
                 {"num_warps": branches.NUM_WARPS, "num_stages": branches.NUM_STAGES})
         for hv in (16, 32):  # 0.8B / 2B, and 4B / 9B (two value heads per key head)
             ok &= compile_one(

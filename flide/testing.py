@@ -4,7 +4,11 @@ largest difference between two answer sets."""
 from __future__ import annotations
 
 import random
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 _WORDS = ("the a of to and in is was for on that with as it by at be this are from or have not but they his her "
           "which one all were we there their what so about when can said if out would who them up do will some time "
@@ -285,6 +289,20 @@ def assert_mostly_same_bits(got, want, atol: float, rtol: float, min_equal: floa
     assert equal >= min_equal, f"only {equal:.4f} of the elements have the oracle's bits (want >= {min_equal})"
 
 
+def interpreter_dot_by_k(self, a, b, d, input_precision, max_num_imprecise_acc):
+    """Triton's interpreter `InterpreterBuilder.create_dot` (np.matmul(a, b) + d, in d's dtype) with each element
+    summed over k in order, the same for every row: the batch-invariance tests patch it in so that a row's sums do not
+    depend on where the row sits in its tile (numpy's matmul may block rows differently)."""
+    from triton.runtime.interpreter import TensorHandle
+
+    acc_dtype = d.data.dtype
+    a_data, b_data = a.data.astype(acc_dtype), b.data.astype(acc_dtype)
+    s = a_data[:, :1] * b_data[:1, :]
+    for kk in range(1, a_data.shape[1]):
+        s = s + a_data[:, kk: kk + 1] * b_data[kk: kk + 1, :]
+    return TensorHandle(s + d.data, d.dtype.scalar)
+
+
 def engine_against_pipeline(kernels: dict, baseline: dict, seed: int, device: str = "cuda",
                             buckets: tuple[int, ...] = (512, 2048, 8192)) -> tuple[float, float]:
     """A tiny Qwen3.5 (fp32) answering 12 random requests with `kernels` (the config's `kernels` section), against
@@ -305,3 +323,77 @@ def engine_against_pipeline(kernels: dict, baseline: dict, seed: int, device: st
     base = flide.patch(model, tok, config={**config, "kernels": baseline}).decide(requests)
     return (max(max_difference(e, g) for e, g in zip(expected, got)),
             max(max_difference(b, g) for b, g in zip(base, got)))
+
+
+@dataclass(frozen=True)
+class NestedRequest:
+    """A request with nested forks, in tokens: a state, sub-trunks (length, their leaves' lengths), plain questions
+    (the ops' nested-fork tests lay streams of them out by hand, `lay_out_nested`, in orders `build_round` never uses:
+    leaves before their sub-trunk too)."""
+
+    state: int
+    subs: tuple[tuple[int, tuple[int, ...]], ...]
+    plain: tuple[int, ...] = ()
+
+    def segments(self) -> list[tuple[str, int, str | None, str | None]]:
+        """(name, length, state's name or None, sub-trunk's name or None) in the request's row order."""
+        out = [("state", self.state, None, None)]
+        for i, (n, leaves) in enumerate(self.subs):
+            out.append((f"sub{i}", n, "state", None))
+            out += [(f"leaf{i}.{j}", m, "state", f"sub{i}") for j, m in enumerate(leaves)]
+        return out + [(f"q{j}", m, "state", None) for j, m in enumerate(self.plain)]
+
+
+@dataclass
+class NestedStream:
+    """A hand-laid stream of `NestedRequest`s (`lay_out_nested`): its token tables, and where each request lies."""
+
+    seg_lo: torch.Tensor  # [T] int64, as the other tables
+    trunk_lo: torch.Tensor
+    trunk_hi: torch.Tensor
+    sub_lo: torch.Tensor
+    sub_hi: torch.Tensor
+    rows: list[torch.Tensor]  # each request's stream rows, in its `segments()` order
+    spans: list[dict[str, range]]  # each request's segments by name
+
+    @property
+    def tokens(self) -> int:
+        return self.seg_lo.shape[0]
+
+    def tables(self, dtype=None, device=None) -> tuple[torch.Tensor, ...]:
+        """(seg_lo, trunk_lo, trunk_hi, sub_lo, sub_hi) in `dtype` (default int64) on `device`."""
+        import torch
+
+        dtype = torch.int64 if dtype is None else dtype
+        return tuple(x.to(device=device, dtype=dtype)
+                     for x in (self.seg_lo, self.trunk_lo, self.trunk_hi, self.sub_lo, self.sub_hi))
+
+
+def lay_out_nested(requests: list[NestedRequest], pad: int = 0,
+                   rng: random.Random | None = None) -> NestedStream:
+    """The stream of `requests` + `pad` tail pads: every state (request by request), then the other segments, level
+    by level (rng None: sub-trunks and plain questions, then leaves) or in rng's random order."""
+    import torch
+
+    segs = [(r, *seg) for r, p in enumerate(requests) for seg in p.segments()]
+    rest = [s for s in segs if s[1] != "state"]
+    if rng is None:
+        rest.sort(key=lambda s: s[1].startswith("leaf"))  # stable: request order inside each level
+    else:
+        rng.shuffle(rest)
+    spans, t = [{} for _ in requests], 0
+    for r, name, n, _, _ in [s for s in segs if s[1] == "state"] + rest:
+        spans[r][name], t = range(t, t + n), t + n
+    T = t + pad
+    seg_lo = torch.arange(T)
+    tables = [torch.zeros(T, dtype=torch.long) for _ in range(4)]  # trunk_lo, trunk_hi, sub_lo, sub_hi
+    for r, name, _, trunk, sub in segs:
+        span = spans[r][name]
+        seg_lo[span.start: span.stop] = span.start
+        for i, ref in ((0, trunk), (2, sub)):
+            if ref is not None:
+                tables[i][span.start: span.stop] = spans[r][ref].start
+                tables[i + 1][span.start: span.stop] = spans[r][ref].stop
+    rows = [torch.tensor([t for name, *_ in p.segments() for t in spans[r][name]], dtype=torch.long)
+            for r, p in enumerate(requests)]
+    return NestedStream(seg_lo, *tables, rows, spans)

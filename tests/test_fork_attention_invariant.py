@@ -45,27 +45,18 @@ if not INTERPRETED:
         run_in_triton_interpreter(__file__, "test_invariant_", 10)
 
 else:
-    from triton.runtime.interpreter import InterpretedFunction, InterpreterBuilder, TensorHandle
+    from triton.runtime.interpreter import InterpretedFunction, InterpreterBuilder
 
     from flide.ops.fork_attention import reference as attn_ref
     from flide.ops.fork_attention import triton_invariant as kernel
     from flide.requests import Branch, PreparedRequest
     from flide.round import Shape, build_round
-    from flide.testing import checkpoint_prefix, random_round_tensors, resume_states, synthetic_request
-
-    def _dot_by_k(self, a, b, d, input_precision, max_num_imprecise_acc):
-        """`InterpreterBuilder.create_dot` (np.matmul(a, b) + d, in d's dtype) with each element summed over k in
-        order, the same for every row: no dependence on where a row sits in the tile (module docstring)."""
-        acc_dtype = d.data.dtype
-        a_data, b_data = a.data.astype(acc_dtype), b.data.astype(acc_dtype)
-        s = a_data[:, :1] * b_data[:1, :]
-        for kk in range(1, a_data.shape[1]):
-            s = s + a_data[:, kk: kk + 1] * b_data[kk: kk + 1, :]
-        return TensorHandle(s + d.data, d.dtype.scalar)
+    from flide.testing import (checkpoint_prefix, interpreter_dot_by_k, random_round_tensors, resume_states,
+                               synthetic_request)
 
     @pytest.fixture(autouse=True)
     def dots_by_k(monkeypatch):
-        monkeypatch.setattr(InterpreterBuilder, "create_dot", _dot_by_k)
+        monkeypatch.setattr(InterpreterBuilder, "create_dot", interpreter_dot_by_k)
 
     Config = kernel.Config
     SMALL = Config(16, 16, 4, 1)  # 16 rows: 8 tokens a query block at GQA 2, 16 keys a tile

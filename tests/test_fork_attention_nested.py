@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import os
 import random
-from dataclasses import dataclass
 
 import pytest
 import torch
@@ -34,75 +33,14 @@ from flide.ops import registry
 from flide.ops.fork_attention import (fork_attention_nested_reference, fork_attention_nested_segments,
                                       fork_attention_nested_triton_invariant)
 from flide.ops.fork_attention import reference as attn_ref
+from flide.testing import NestedRequest, NestedStream, interpreter_dot_by_k, lay_out_nested
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Nested streams
+# NestedRequest streams
 # ---------------------------------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Nested:
-    """A request with nested forks, in tokens: a state, sub-trunks (length, their leaves' lengths), plain questions."""
-
-    state: int
-    subs: tuple[tuple[int, tuple[int, ...]], ...]
-    plain: tuple[int, ...] = ()
-
-    def segments(self) -> list[tuple[str, int, str | None, str | None]]:
-        """(name, length, state's name or None, sub-trunk's name or None) in the request's row order."""
-        out = [("state", self.state, None, None)]
-        for i, (n, leaves) in enumerate(self.subs):
-            out.append((f"sub{i}", n, "state", None))
-            out += [(f"leaf{i}.{j}", m, "state", f"sub{i}") for j, m in enumerate(leaves)]
-        return out + [(f"q{j}", m, "state", None) for j, m in enumerate(self.plain)]
-
-
-@dataclass
-class Stream:
-    seg_lo: torch.Tensor  # [T] int64, as the other tables
-    trunk_lo: torch.Tensor
-    trunk_hi: torch.Tensor
-    sub_lo: torch.Tensor
-    sub_hi: torch.Tensor
-    rows: list[torch.Tensor]  # each request's stream rows, in its `segments()` order
-    spans: list[dict[str, range]]  # each request's segments by name
-
-    @property
-    def tokens(self) -> int:
-        return self.seg_lo.shape[0]
-
-    def tables(self, dtype=torch.int64) -> tuple[torch.Tensor, ...]:
-        return tuple(x.to(dtype) for x in (self.seg_lo, self.trunk_lo, self.trunk_hi, self.sub_lo, self.sub_hi))
-
-
-def lay_out(requests: list[Nested], pad: int = 0, rng: random.Random | None = None) -> Stream:
-    """The stream of `requests` + `pad` tail pads: every state (request by request), then the other segments, level
-    by level (rng None: sub-trunks and plain questions, then leaves) or in rng's random order."""
-    segs = [(r, *seg) for r, p in enumerate(requests) for seg in p.segments()]
-    rest = [s for s in segs if s[1] != "state"]
-    if rng is None:
-        rest.sort(key=lambda s: s[1].startswith("leaf"))  # stable: request order inside each level
-    else:
-        rng.shuffle(rest)
-    spans, t = [{} for _ in requests], 0
-    for r, name, n, _, _ in [s for s in segs if s[1] == "state"] + rest:
-        spans[r][name], t = range(t, t + n), t + n
-    T = t + pad
-    seg_lo = torch.arange(T)
-    tables = [torch.zeros(T, dtype=torch.long) for _ in range(4)]  # trunk_lo, trunk_hi, sub_lo, sub_hi
-    for r, name, _, trunk, sub in segs:
-        span = spans[r][name]
-        seg_lo[span.start: span.stop] = span.start
-        for i, ref in ((0, trunk), (2, sub)):
-            if ref is not None:
-                tables[i][span.start: span.stop] = spans[r][ref].start
-                tables[i + 1][span.start: span.stop] = spans[r][ref].stop
-    rows = [torch.tensor([t for name, *_ in p.segments() for t in spans[r][name]], dtype=torch.long)
-            for r, p in enumerate(requests)]
-    return Stream(seg_lo, *tables, rows, spans)
-
 
 def randn(*shape, seed: int) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
@@ -114,7 +52,7 @@ def qkv(tokens: int, heads: tuple[int, int, int], seed: int, dv: int | None = No
             randn(tokens, hkv, dv or d, seed=seed + 2)]
 
 
-def nested_attention(q, k, v, s: Stream, scale: float, op=attn_ref.fork_attention, dtype=torch.int64):
+def nested_attention(q, k, v, s: NestedStream, scale: float, op=attn_ref.fork_attention, dtype=torch.int64):
     """`op` (a pure-torch fork attention: the reference, segments) on stream `s` with its sub ranges."""
     seg_lo, trunk_lo, trunk_hi, sub_lo, sub_hi = s.tables(dtype)
     return op(q, k, v, seg_lo, trunk_lo, trunk_hi, scale, sub_lo, sub_hi)
@@ -136,19 +74,19 @@ def sequence(spans: dict[str, range], name: str, trunk: str | None, sub: str | N
     return torch.tensor([t for part in (trunk, sub, name) if part is not None for t in spans[part]], dtype=torch.long)
 
 
-def random_nested(rng: random.Random, max_state: int = 30) -> Nested:
+def random_nested(rng: random.Random, max_state: int = 30) -> NestedRequest:
     """A state of 0..max_state tokens, 1-2 sub-trunks of 1-12 tokens with 1-4 leaves of 1-6, 0-2 plain questions."""
     subs = tuple((rng.randint(1, 12), tuple(rng.randint(1, 6) for _ in range(rng.randint(1, 4))))
                  for _ in range(rng.randint(1, 2)))
-    return Nested(rng.randint(0, max_state), subs, tuple(rng.randint(1, 6) for _ in range(rng.randint(0, 2))))
+    return NestedRequest(rng.randint(0, max_state), subs, tuple(rng.randint(1, 6) for _ in range(rng.randint(0, 2))))
 
 
-def plain_request(rng: random.Random) -> Nested:
+def plain_request(rng: random.Random) -> NestedRequest:
     """A request without nested forks (a state and plain questions)."""
-    return Nested(rng.randint(0, 20), (), tuple(rng.randint(1, 6) for _ in range(rng.randint(1, 3))))
+    return NestedRequest(rng.randint(0, 20), (), tuple(rng.randint(1, 6) for _ in range(rng.randint(1, 3))))
 
 
-def mixed_round(rng: random.Random, target: Nested, others: int) -> tuple[list[Nested], int]:
+def mixed_round(rng: random.Random, target: NestedRequest, others: int) -> tuple[list[NestedRequest], int]:
     """`target` at a random place among `others` random requests (nested or not): (requests, target's index)."""
     rest = [random_nested(rng) if rng.random() < 0.6 else plain_request(rng) for _ in range(others)]
     i = rng.randint(0, others)
@@ -156,7 +94,7 @@ def mixed_round(rng: random.Random, target: Nested, others: int) -> tuple[list[N
 
 
 # Two requests with states, a sub-trunk with 3 leaves and one with 2, plain questions; tail pads
-TWO_REQUESTS = [Nested(9, ((5, (3, 1, 4)),), (2,)), Nested(6, ((4, (2, 5)), (3, (1,))), (3, 1))]
+TWO_REQUESTS = [NestedRequest(9, ((5, (3, 1, 4)),), (2,)), NestedRequest(6, ((4, (2, 5)), (3, (1,))), (3, 1))]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -165,7 +103,7 @@ TWO_REQUESTS = [Nested(9, ((5, (3, 1, 4)),), (2,)), Nested(6, ((4, (2, 5)), (3, 
 
 @pytest.mark.parametrize("shuffled", [False, True], ids=["level", "shuffled"])
 def test_reference_leaf_rows_are_causal_attention_over_state_sub_trunk_and_leaf(shuffled):
-    s = lay_out(TWO_REQUESTS, pad=5, rng=random.Random(1) if shuffled else None)
+    s = lay_out_nested(TWO_REQUESTS, pad=5, rng=random.Random(1) if shuffled else None)
     q, k, v = qkv(s.tokens, (4, 2, 16), seed=1)
     out = nested_attention(q, k, v, s, 0.25)
     leaves = 0
@@ -188,7 +126,7 @@ def test_reference_leaf_rows_are_causal_attention_over_state_sub_trunk_and_leaf(
 def test_reference_rows_without_sub_keep_their_bits(dtype):
     """One query block (the reference's key list is the block's: a sub-trunk outside it would lengthen the other rows'
     softmax by masked keys, changing a sum's order, not its value). Empty sub ranges everywhere: every row's bits."""
-    s = lay_out(TWO_REQUESTS + [Nested(12, ((6, (2, 2)),))], pad=3, rng=random.Random(2))
+    s = lay_out_nested(TWO_REQUESTS + [NestedRequest(12, ((6, (2, 2)),))], pad=3, rng=random.Random(2))
     seg_lo, trunk_lo, trunk_hi, sub_lo, sub_hi = s.tables(dtype)
     q, k, v = qkv(s.tokens, (4, 2, 16), seed=2, dv=8)
     plain = attn_ref.fork_attention(q, k, v, seg_lo, trunk_lo, trunk_hi, 0.25)
@@ -208,7 +146,7 @@ def test_reference_over_several_query_blocks(monkeypatch):
     """Query blocks of 16 rows: a block of leaves whose sub-trunk lies outside its key list gets its keys added."""
     monkeypatch.setattr(attn_ref, "QUERY_BLOCK", 16)
     rng = random.Random(3)
-    s = lay_out([random_nested(rng) for _ in range(5)], pad=4, rng=rng)
+    s = lay_out_nested([random_nested(rng) for _ in range(5)], pad=4, rng=rng)
     q, k, v = qkv(s.tokens, (6, 2, 16), seed=3)
     want = attn_ref.fork_attention_naive(q, k, v, *s.tables()[:3], 0.3, sub_lo=s.sub_lo, sub_hi=s.sub_hi)
     torch.testing.assert_close(nested_attention(q, k, v, s, 0.3), want, atol=1e-5, rtol=1e-5)
@@ -221,7 +159,7 @@ def test_reference_over_several_query_blocks(monkeypatch):
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_segments_matches_reference(seed):
     rng = random.Random(seed)
-    s = lay_out([random_nested(rng) if i % 3 else plain_request(rng) for i in range(6)], pad=rng.randint(0, 6),
+    s = lay_out_nested([random_nested(rng) if i % 3 else plain_request(rng) for i in range(6)], pad=rng.randint(0, 6),
                 rng=rng if seed else None)
     heads = [(4, 2, 16), (3, 1, 24), (2, 2, 16)][seed]
     q, k, v = qkv(s.tokens, heads, seed=seed + 10, dv=8 if seed == 2 else None)
@@ -235,10 +173,10 @@ def test_segments_is_batch_invariant(seed):
     """The target alone (level layout, no pads) and among 2-5 others at a random place (level or random order, pads):
     its rows have the same bits."""
     rng = random.Random(seed + 20)
-    target = Nested(rng.randint(3, 30), ((rng.randint(2, 10), (2, 1, 5)), (rng.randint(1, 8), (3,))), (2,))
+    target = NestedRequest(rng.randint(3, 30), ((rng.randint(2, 10), (2, 1, 5)), (rng.randint(1, 8), (3,))), (2,))
     requests, i = mixed_round(rng, target, rng.randint(2, 5))
-    inside = lay_out(requests, pad=rng.randint(0, 7), rng=rng if seed % 2 else None)
-    alone = lay_out([target])
+    inside = lay_out_nested(requests, pad=rng.randint(0, 7), rng=rng if seed % 2 else None)
+    alone = lay_out_nested([target])
     q, k, v = qkv(inside.tokens, (4, 2, 16), seed=seed)
     rows_in, rows_al = inside.rows[i], alone.rows[0]
     assert not torch.equal(rows_in, rows_al)  # laid out at other rows
@@ -256,7 +194,7 @@ def test_segments_is_batch_invariant(seed):
 # ---------------------------------------------------------------------------------------------------------------------
 
 def opcheck_args() -> tuple:
-    s = lay_out(TWO_REQUESTS, pad=2)
+    s = lay_out_nested(TWO_REQUESTS, pad=2)
     q, k, v = qkv(s.tokens, (4, 2, 8), seed=4)
     return (q, k, v, *s.tables(torch.int32), 8 ** -0.5)
 
@@ -304,27 +242,18 @@ if not INTERPRETED:
         run_in_triton_interpreter(__file__, "test_kernel_", 10)
 
 else:
-    from triton.runtime.interpreter import InterpretedFunction, InterpreterBuilder, TensorHandle
+    from triton.runtime.interpreter import InterpretedFunction, InterpreterBuilder
 
     from flide.ops.fork_attention import triton_invariant as kernel
 
     Config = kernel.Config
     SMALL = Config(16, 16, 4, 1)  # 16 rows: 8 tokens a query block at GQA 2, 16 keys a tile
 
-    def _dot_by_k(self, a, b, d, input_precision, max_num_imprecise_acc):
-        """`tl.dot` summed over k in order, the same for every row (see tests/test_fork_attention_invariant.py)."""
-        acc_dtype = d.data.dtype
-        a_data, b_data = a.data.astype(acc_dtype), b.data.astype(acc_dtype)
-        s = a_data[:, :1] * b_data[:1, :]
-        for kk in range(1, a_data.shape[1]):
-            s = s + a_data[:, kk: kk + 1] * b_data[kk: kk + 1, :]
-        return TensorHandle(s + d.data, d.dtype.scalar)
-
     @pytest.fixture(autouse=True)
     def dots_by_k(monkeypatch):
-        monkeypatch.setattr(InterpreterBuilder, "create_dot", _dot_by_k)
+        monkeypatch.setattr(InterpreterBuilder, "create_dot", interpreter_dot_by_k)
 
-    def run(q, k, v, s: Stream, scale: float, config=SMALL, nested: bool = True, dtype=torch.int64, **kwargs):
+    def run(q, k, v, s: NestedStream, scale: float, config=SMALL, nested: bool = True, dtype=torch.int64, **kwargs):
         seg_lo, trunk_lo, trunk_hi, sub_lo, sub_hi = s.tables(dtype)
         out = torch.full((s.tokens, q.shape[1], v.shape[2]), float("nan"))  # every element must be written
         sub = (sub_lo, sub_hi) if nested else None
@@ -345,7 +274,7 @@ else:
                              ids=[f"seed{c[0]}-Hq{c[2][0]}-Hkv{c[2][1]}-D{c[2][2]}" for c in CASES])
     def test_kernel_matches_reference(seed, requests, heads, dv, config, shuffled):
         rng = random.Random(seed)
-        s = lay_out([random_nested(rng, 16) if i % 2 == 0 else plain_request(rng) for i in range(requests)],
+        s = lay_out_nested([random_nested(rng, 16) if i % 2 == 0 else plain_request(rng) for i in range(requests)],
                     pad=rng.randint(1, 5), rng=rng if shuffled else None)
         assert s.tokens <= 128, s.tokens  # small: the interpreter is slow
         q, k, v = qkv(s.tokens, heads, seed=seed, dv=dv)
@@ -354,7 +283,7 @@ else:
         torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)  # NaN anywhere (an unwritten element) fails
 
     def test_kernel_leaf_rows_are_causal_attention_over_state_sub_trunk_and_leaf():
-        s = lay_out(TWO_REQUESTS, pad=5, rng=random.Random(1))
+        s = lay_out_nested(TWO_REQUESTS, pad=5, rng=random.Random(1))
         q, k, v = qkv(s.tokens, (4, 2, 16), seed=1)
         out = run(q, k, v, s, 0.25)
         for p, spans in zip(TWO_REQUESTS, s.spans):
@@ -368,10 +297,10 @@ else:
         """The target alone vs among others at a random place (level or random order, pads): the same bits. The
         target's leaves are short, so that several share a query block (and blocks hold rows of other requests)."""
         rng = random.Random(seed + 30)
-        target = Nested(rng.randint(5, 20), ((rng.randint(3, 9), (2, 1, 3)), (rng.randint(1, 5), (1, 2))), (2,))
+        target = NestedRequest(rng.randint(5, 20), ((rng.randint(3, 9), (2, 1, 3)), (rng.randint(1, 5), (1, 2))), (2,))
         requests, i = mixed_round(rng, target, rng.randint(2, 4))
-        inside = lay_out(requests, pad=rng.randint(0, 5), rng=rng if seed != 1 else None)
-        alone = lay_out([target], pad=seed)
+        inside = lay_out_nested(requests, pad=rng.randint(0, 5), rng=rng if seed != 1 else None)
+        alone = lay_out_nested([target], pad=seed)
         assert inside.tokens <= 160, inside.tokens  # small: the interpreter is slow
         heads = [(4, 2, 16), (2, 2, 16), (3, 1, 16)][seed]
         q, k, v = qkv(inside.tokens, heads, seed=seed)
@@ -388,28 +317,28 @@ else:
         """Rows without a sub range: the same bits with the sub-trunk phase (`sub=`) as without it (the kernel
         compiled without the phase); empty sub ranges everywhere: every row; `sub=None` is the call without it."""
         rng = random.Random(5)
-        s = lay_out([random_nested(rng, 20), plain_request(rng), random_nested(rng, 20)], pad=4, rng=rng)
+        s = lay_out_nested([random_nested(rng, 20), plain_request(rng), random_nested(rng, 20)], pad=4, rng=rng)
         q, k, v = qkv(s.tokens, (4, 2, 16), seed=5)
         plain = run(q, k, v, s, 0.25, nested=False)
         assert torch.equal(plain, kernel.fork_attention(q, k, v, *s.tables()[:3], 0.25, config=SMALL))
         no_sub = s.sub_hi <= s.sub_lo
         assert 0 < int(no_sub.sum()) < s.tokens
         assert torch.equal(run(q, k, v, s, 0.25)[no_sub], plain[no_sub])
-        empty = Stream(s.seg_lo, s.trunk_lo, s.trunk_hi, s.sub_lo * 0, s.sub_hi * 0, s.rows, s.spans)
+        empty = NestedStream(s.seg_lo, s.trunk_lo, s.trunk_hi, s.sub_lo * 0, s.sub_hi * 0, s.rows, s.spans)
         assert torch.equal(run(q, k, v, empty, 0.25), plain)
 
     def test_kernel_leaf_equals_one_causal_segment():
         """A state of 32 tokens and a sub-trunk of 16 (whole key tiles of 16): a leaf's rows (and the sub-trunk's)
         have the bits of its state + sub-trunk + leaf tokens laid out as one causal segment (the tiles fall at the
         same keys, and every phase runs the same tile code)."""
-        target = Nested(32, ((16, (5, 1, 9)),), (3,))
-        s = lay_out([Nested(7, ((4, (2,)),))] + [target], pad=3)
+        target = NestedRequest(32, ((16, (5, 1, 9)),), (3,))
+        s = lay_out_nested([NestedRequest(7, ((4, (2,)),))] + [target], pad=3)
         q, k, v = qkv(s.tokens, (4, 2, 16), seed=6)
         out = run(q, k, v, s, 0.25)
         spans = s.spans[1]
         for name in ("sub0", "leaf0.0", "leaf0.1", "leaf0.2"):
             rows = sequence(spans, name, "state", None if name == "sub0" else "sub0")
-            joined = lay_out([Nested(len(rows), ())])  # one state: a causal segment from key 0
+            joined = lay_out_nested([NestedRequest(len(rows), ())])  # one state: a causal segment from key 0
             x = [torch.zeros(len(rows), *t.shape[1:]) for t in (q, k, v)]
             for dst, src in zip(x, (q, k, v)):
                 dst[:] = src[rows]
@@ -422,7 +351,7 @@ else:
         the 4 leaves), 1 own tile per leaf = 8. Tokens 48..55 (the sub-trunk's last 4 rows, 2 leaves): the state's 2
         tiles (shared), the sub-trunk's 2 for the leaves, its own segment's run from 32 to 52 for its rows (2), 1 own
         tile per leaf = 8."""
-        s = lay_out([Nested(32, ((20, (2,) * 6),))])
+        s = lay_out_nested([NestedRequest(32, ((20, (2,) * 6),))])
         q, k, v = qkv(s.tokens, (4, 2, 16), seed=7)
         blocks = kernel.query_blocks(s.tokens, 4, 2, 16, torch.float32, SMALL)
         stats = torch.full((2 * blocks,), -1, dtype=torch.int32)
@@ -433,7 +362,7 @@ else:
         assert stats[0, 7].item() == 2 + 2 + 4 and stats[0, 6].item() == 2 + 2 + 2 + 2
 
     def test_kernel_takes_int32_and_int64_tables_and_rejects_bad_ones():
-        s = lay_out(TWO_REQUESTS, pad=2)
+        s = lay_out_nested(TWO_REQUESTS, pad=2)
         q, k, v = qkv(s.tokens, (4, 2, 16), seed=8)
         assert torch.equal(run(q, k, v, s, 0.25, dtype=torch.int32), run(q, k, v, s, 0.25))
         seg_lo, trunk_lo, trunk_hi, sub_lo, sub_hi = s.tables()

@@ -25,6 +25,7 @@ import torch
 
 from flide.ops.fork_attention import fork_attention_nested_triton_invariant
 from flide.ops.fork_attention import reference as attn_ref
+from flide.testing import NestedRequest, lay_out_nested
 
 from .test_fork_attention_gpu import TOL, rel_err
 
@@ -44,40 +45,12 @@ def kernel():
 # Nested streams: a request is (state length, [(sub-trunk length, [leaf lengths])], [plain question lengths])
 # ---------------------------------------------------------------------------------------------------------------------
 
-def segments(request) -> list[tuple[str, int, str | None, str | None]]:
-    """(name, length, state's name or None, sub-trunk's name or None) of a request, in its row order."""
-    state, subs, plain = request
-    out = [("state", state, None, None)]
-    for i, (n, leaves) in enumerate(subs):
-        out.append((f"sub{i}", n, "state", None))
-        out += [(f"leaf{i}.{j}", m, "state", f"sub{i}") for j, m in enumerate(leaves)]
-    return out + [(f"q{j}", m, "state", None) for j, m in enumerate(plain)]
-
-
 def lay_out(requests: list, pad: int = 0, rng: random.Random | None = None):
-    """The stream's tables (seg_lo, trunk_lo, trunk_hi, sub_lo, sub_hi: int32 [T] on the GPU, as a round's), each
-    request's rows (in its `segments` order) and spans by name: every state first, then the other segments level by
-    level (sub-trunks and plain questions, then leaves) or, with rng, in a random order."""
-    segs = [(r, *seg) for r, p in enumerate(requests) for seg in segments(p)]
-    rest = [s for s in segs if s[1] != "state"]
-    if rng is None:
-        rest.sort(key=lambda s: s[1].startswith("leaf"))
-    else:
-        rng.shuffle(rest)
-    spans, t = [{} for _ in requests], 0
-    for r, name, n, _, _ in [s for s in segs if s[1] == "state"] + rest:
-        spans[r][name], t = range(t, t + n), t + n
-    T = t + pad
-    tables = [torch.arange(T)] + [torch.zeros(T, dtype=torch.long) for _ in range(4)]
-    for r, name, _, trunk, sub in segs:
-        a, b = spans[r][name].start, spans[r][name].stop
-        tables[0][a:b] = a
-        for i, ref in ((1, trunk), (3, sub)):
-            if ref is not None:
-                tables[i][a:b], tables[i + 1][a:b] = spans[r][ref].start, spans[r][ref].stop
-    rows = [torch.tensor([t for name, *_ in segments(p) for t in spans[r][name]], dtype=torch.long, device="cuda")
-            for r, p in enumerate(requests)]
-    return [x.to(device="cuda", dtype=torch.int32) for x in tables], rows, spans
+    """`flide.testing.lay_out_nested` of (state, subs, plain) tuples: the stream's tables (seg_lo, trunk_lo, trunk_hi,
+    sub_lo, sub_hi: int32 on the GPU, as a round's), each request's rows and its spans by name."""
+    stream = lay_out_nested([NestedRequest(state, tuple((n, tuple(leaves)) for n, leaves in subs), tuple(plain))
+                             for state, subs, plain in requests], pad, rng)
+    return list(stream.tables(torch.int32, "cuda")), [rows.cuda() for rows in stream.rows], stream.spans
 
 
 def random_request(rng: random.Random, long_states: bool = True):

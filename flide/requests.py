@@ -736,6 +736,8 @@ class PromptTokenizer:
             best = dict.fromkeys(order, 0)
             for a, b in pairwise(order):
                 shared = common_prefix_length(tails[a], tails[b])
+                if shared < self.MIN_SUB_TOKENS:  # fewer characters than the tokens a sub-trunk needs (RACE's tails)
+                    continue
                 for i in (a, b):
                     best[i] = max(best[i], safe_cut(tails[i], min(shared, len(tails[i]) - 1)))
             runs: dict[str, list[int]] = {}

@@ -17,7 +17,7 @@ from torch._dynamo.utils import counters
 import flide
 from flide.graphs.runner import GraphRunner
 from flide.models.tiny import tiny_model, tiny_tokenizer
-from flide.testing import ScoreRecorder, max_difference, random_request
+from flide.testing import ScoreRecorder, candidate_request, max_difference, random_request
 
 BUCKETS = [256, 512, 1024]
 MODES = {"default": {}, "batch-invariant": {"kernels": {"batch_invariant": True}},
@@ -41,7 +41,9 @@ def compiled(request):
     runner.capture()
     engine.runner = runner
     rng = random.Random(21)
-    requests = [random_request(rng, max_questions=8, max_words=70) for _ in range(14)]
+    requests = [random_request(rng, max_questions=8, max_words=70) for _ in range(12)]
+    # judge-shaped requests: their candidates' shared question lines become sub-trunks (nested forks, `auto` on CPU)
+    requests += [candidate_request(rng, lines=2, max_candidates=3, extras=1) for _ in range(2)]
     yield request.param, exact, engine, requests
     runner.close()
 
@@ -50,6 +52,7 @@ def test_one_graph_serves_every_bucket_without_breaks(compiled):
     _, _, engine, requests = compiled
     rng = random.Random(3)
     prepared = [engine.prepare(r) for r in requests]
+    assert any(p.subs for p in prepared)  # the compiled graph also runs rounds with sub-trunks
     for _ in range(5):
         engine.run([prepared[i] for i in rng.sample(range(len(prepared)), rng.randint(1, 8))])
     used = [tokens for tokens, bucket in engine.runner.buckets.items() if bucket.replays > 3]  # 3 at capture

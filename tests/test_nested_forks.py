@@ -88,3 +88,21 @@ def test_nested_forks_on_needs_split_tokenization():
 def test_nested_forks_value_is_checked():
     with pytest.raises(ValueError, match="runtime.nested_forks"):
         flide.patch(tiny_model("llama"), tiny_tokenizer(), {"runtime": {"nested_forks": "sometimes"}})
+
+
+def test_conv_ranges_are_derived_once_per_forward(monkeypatch):
+    """The GDN layers read the conv's ranges (a leaf's sub-trunk in place of its state) from the forward's context,
+    derived once (`flat.conv_range`), not each layer from the round (two pointwise kernels a layer on a GPU)."""
+    import flide.models.flat as flat
+    import flide.models.layers as layers
+
+    engine = flide.patch(tiny_model("qwen3_5_text"), tiny_tokenizer(), {"runtime": {"nested_forks": "on"}})
+    assert engine.flat.nested
+    request = candidate_request(random.Random(5))
+    want = engine.decide(request)
+    calls = []
+    derive = flat.conv_range
+    monkeypatch.setattr(flat, "conv_range", lambda r: calls.append(1) or derive(r))
+    monkeypatch.setattr(layers, "conv_range", lambda r: pytest.fail("a GDN layer derived the conv ranges itself"))
+    assert max_difference(engine.decide(request), want) == 0.0
+    assert calls == [1]

@@ -20,7 +20,9 @@ from ..ops.gated_delta import ForkTables, fork_tables
 from ..ops.resume import per_round_tables
 from ..round import RoundTensors
 from .fused import fuse, project
-from .layers import FlatContext
+from .layers import FlatContext, conv_range
+
+ROUND_FIELDS = len(RoundTensors.__dataclass_fields__)  # a block's trailing inputs: the round's fields, then extras
 
 # transformers MLPs whose forward is down_proj(act_fn(gate_proj(x)) * up_proj(x)): their gate and up can share a GEMM
 GATED_MLPS = frozenset(("Qwen3_5MLP", "Qwen3MLP", "Qwen2MLP", "LlamaMLP", "MistralMLP"))
@@ -90,10 +92,12 @@ class FlatBlock(nn.Module):
                 cu_seqlens: torch.Tensor, chunk_offsets: torch.Tensor, states_end: torch.Tensor,
                 branches_end: torch.Tensor, all_cu_seqlens: torch.Tensor, all_chunks: torch.Tensor,
                 *fields: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        r = RoundTensors(*fields)
+        # the round's fields, then (nested forks) the conv ranges derived once per forward (`layers.conv_range`)
+        r = RoundTensors(*fields[:ROUND_FIELDS])
         tables = ForkTables(cu_seqlens, r.state_chunks, chunk_offsets, states_end, branches_end, all_cu_seqlens,
                             all_chunks)
-        return self.run_deferred(h, pending, FlatContext(r, cos, sin, tables=tables))
+        conv = tuple(fields[ROUND_FIELDS:]) or None
+        return self.run_deferred(h, pending, FlatContext(r, cos, sin, tables=tables, conv_range=conv))
 
     def run_deferred(self, h: torch.Tensor, pending: torch.Tensor,
                      ctx: FlatContext) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,6 +137,9 @@ class FlatModel(nn.Module):
         # a layer runs its questions' gated delta in WY form (`kernels.gated_delta: fla_wy`): the round tables then
         # include the states' and questions' combined chunk tables (derived only then: they cost kernels per replay)
         self.wy = any(getattr(block.mixer, "wy", False) for block in self.blocks)
+        # a GDN layer runs nested forks (`runtime.nested_forks`): the conv's ranges are derived once per forward
+        self.nested = any(getattr(block.mixer, "nested_op", None) is not None and hasattr(block.mixer, "conv_op")
+                          for block in self.blocks)
 
     def mixer(self, layer: nn.Module) -> nn.Module:
         return layer.linear_attn if hasattr(layer, "linear_attn") else layer.self_attn
@@ -170,7 +177,9 @@ class FlatModel(nn.Module):
             # the GDN forks' round tables, once for all layers (not derived again in each)
             tables = fork_tables(r.state_start, r.state_len, r.branch_start, r.branch_len, r.state_chunks,
                                  r.branch_chunks if self.wy else None)
-            ctx = FlatContext(r, cos[0], sin[0], tables=tables)
+            # nested forks: the conv's ranges once for all GDN layers (two pointwise kernels a layer otherwise)
+            conv = conv_range(r) if self.nested else ()
+            ctx = FlatContext(r, cos[0], sin[0], tables=tables, conv_range=conv or None)
             # each block returns its MLP output un-added, for the next block's input-norm kernel to add
             # (`run_deferred`); the first adds zeros (h + 0 has h's bits), so every block has one signature and
             # compiles as one region per layer kind
@@ -178,7 +187,7 @@ class FlatModel(nn.Module):
             for block in self.blocks[:-1]:
                 h, pending = block(h, pending, ctx.cos, ctx.sin, tables.state_cu_seqlens, tables.state_chunk_offsets,
                                    tables.states_end, tables.branches_end, tables.all_cu_seqlens, tables.all_chunks,
-                                   *fields)
+                                   *fields, *conv)
             h = residual(h, pending)
         h = residual(h, last.mixer(last.normed(last.input_layernorm, h), flide=ctx))
         if self.selective:

@@ -37,6 +37,17 @@ class FlatContext:
     # what every GDN layer's fork derives from the round alone (flide.ops.gated_delta.ForkTables), derived once per
     # forward; None: each layer derives its own
     tables: object = None
+    # nested forks: (lo, hi) [T], the range each token's first conv window continues (its state's; a leaf's
+    # sub-trunk's), derived once per forward; None: each GDN layer derives it from the round
+    conv_range: tuple | None = None
+
+
+def conv_range(r: RoundTensors) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token, the stream range its first conv window continues: its state's, or for a leaf question (nested
+    forks) its sub-trunk's, whose last width - 1 tokens precede it in its prompt (`prepare` keeps sub-trunks that
+    long)."""
+    leaf = r.sub_hi > r.sub_lo
+    return torch.where(leaf, r.sub_lo, r.trunk_lo), torch.where(leaf, r.sub_hi, r.trunk_hi)
 
 
 class _Swapped(nn.Module):
@@ -205,8 +216,7 @@ class FlideGatedDeltaNet(_Swapped):
         # sub-trunk's (whose last width - 1 tokens precede it in its prompt: `prepare` keeps sub-trunks that long)
         trunk_lo, trunk_hi = r.trunk_lo, r.trunk_hi
         if self.nested_op is not None:
-            leaf = r.sub_hi > r.sub_lo
-            trunk_lo, trunk_hi = torch.where(leaf, r.sub_lo, trunk_lo), torch.where(leaf, r.sub_hi, trunk_hi)
+            trunk_lo, trunk_hi = ctx.conv_range if ctx.conv_range is not None else conv_range(r)
         # laid out: the fused conv writes q, k (normalised) and v as the gated delta kernels read them (not in
         # rounds with checkpoints, whose companions take the plain conv's output)
         laid_out = ck is None and self.conv_qkv_op is not None and self.laid_out_state_op is not None \

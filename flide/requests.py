@@ -79,8 +79,8 @@ class Branch:
 @dataclass
 class SubTrunk:
     """Lines that several prompts of one trunk continue with before they differ (nested forks: a judge's question
-    line before each candidate answer): computed once in the stream, forked from its trunk like a question, and
-    forked from by each of its branches (`Branch.sub`)."""
+    line before each candidate answer; flide/sub_trunks.py finds them): computed once in the stream, forked from its
+    trunk like a question, and forked from by each of its branches (`Branch.sub`)."""
 
     trunk: int
     tokens: np.ndarray  # [n] int64, no sentinels
@@ -662,8 +662,10 @@ class PromptTokenizer:
 
     # ---- the request ----
     def prepare(self, state: Any, questions: list[Question]) -> PreparedRequest:
-        """Renders and tokenizes one request. Keeps no state between calls, but transformers' fast tokenizers flip
+        """Renders and tokenizes one request (and finds its sub-trunks, `nested`: flide/sub_trunks.py). Keeps no state between calls, but transformers' fast tokenizers flip
         a flag while encoding control tokens as text: give each thread its own tokenizer (see `copy_for_thread`)."""
+        from . import sub_trunks  # it imports this module's cut helpers
+
         groups = [questions] if self.groups_all else [[q] for q in questions]
         texts, head = self._render_sharing_state(state, groups)
         prefixes = self._trunk_prefixes(state, groups, texts, head) if self.mode != "full" else [""] * len(groups)
@@ -675,7 +677,7 @@ class PromptTokenizer:
         # prompts
         distinct = list(dict.fromkeys(t for t in trunk_texts if t))
         tail_texts = [text[len(trunk):] for text, trunk in zip(texts, trunk_texts)]
-        cuts = self._sub_cuts(trunk_texts, tail_texts) if self.nested and self.mode == "split" else None
+        cuts = sub_trunks.cuts(trunk_texts, tail_texts) if self.nested and self.mode == "split" else None
         sub_of = [""] * len(texts)  # each prompt's sub-trunk text ("": none)
         if cuts is not None:  # leaves encode the text after their sub-trunk; each sub-trunk's lines are encoded once
             sub_of = [tail[:cut] for tail, cut in zip(tail_texts, cuts)]
@@ -709,47 +711,12 @@ class PromptTokenizer:
                 branch = self._branch(trunk_index, trunks[trunk_index], tail, group)
             branches.append(branch)
         if subs:
-            subs = _keep_useful_subs(subs, branches, trunks)
+            subs = sub_trunks.keep_useful(subs, branches, trunks)
         # trunks without their sentinels (each branch has counted its marks)
         prompt_tokens = sum(trunks[b.trunk].kept_count + len(b.tokens) for b in branches)
         prompt_tokens += sum(len(subs[b.sub].tokens) for b in branches if b.sub >= 0)
         trunks = [t.kept for t in trunks]
         return PreparedRequest(trunks, branches, list(questions), prompt_tokens, subs=subs)
-
-    # nested forks: a sub-trunk holds at least this many tokens (and at least the conv's window - 1: a leaf's first
-    # conv window lies inside it) and has two or more branches
-    MIN_SUB_TOKENS = 8
-
-    def _sub_cuts(self, trunk_texts: list[str], tails: list[str]) -> list[int]:
-        """Per prompt, where its sub-trunk ends in its tail (0: none): the longest run of whole lines (cut at a safe
-        boundary, so `tokens(tail) == tokens(tail[:cut]) + tokens(tail[cut:])`, as for the trunk) that it shares
-        with a neighbour in sorted order, kept where two or more prompts of the trunk share that same run. A cut
-        leaves at least one character to the leaf, and a run holding a sentinel (a mark) is not shared."""
-        cuts = [0] * len(tails)
-        by_trunk: dict[str, list[int]] = {}
-        for i, trunk in enumerate(trunk_texts):
-            by_trunk.setdefault(trunk, []).append(i)
-        for members in by_trunk.values():
-            if len(members) < 2:
-                continue
-            order = sorted(members, key=tails.__getitem__)
-            best = dict.fromkeys(order, 0)
-            for a, b in pairwise(order):
-                shared = common_prefix_length(tails[a], tails[b])
-                if shared < self.MIN_SUB_TOKENS:  # fewer characters than the tokens a sub-trunk needs (RACE's tails)
-                    continue
-                for i in (a, b):
-                    best[i] = max(best[i], safe_cut(tails[i], min(shared, len(tails[i]) - 1)))
-            runs: dict[str, list[int]] = {}
-            for i, cut in best.items():
-                run = tails[i][:cut]
-                if cut and MARK not in run and SPLIT not in run:
-                    runs.setdefault(run, []).append(i)
-            for run, sharing in runs.items():
-                if len(sharing) >= 2:
-                    for i in sharing:
-                        cuts[i] = len(run)
-        return cuts
 
     @staticmethod
     def _trunk_texts(texts: list[str], prefixes: list[str]) -> list[str]:
@@ -790,29 +757,6 @@ class PromptTokenizer:
         after_last_mark = (branch_tokens[last - head.kept_count:] if last >= head.kept_count
                            else np.concatenate([head.kept[last:], branch_tokens]))
         return Branch(trunk_index, branch_tokens, (marks - 1).astype(np.int64), list(group), after_last_mark)
-
-
-def _keep_useful_subs(subs: list[SubTrunk], branches: list[Branch], trunks: list[_Trunk]) -> list[SubTrunk]:
-    """Undoes the sub-trunks that would not pay or not be exact: fewer than `PromptTokenizer.MIN_SUB_TOKENS` tokens,
-    fewer than two branches, or a branch that reads inside it (a template marking before the leaf); such a sub-trunk's
-    tokens go back to the front of its branches (the same tokens: the cut is safe). Renumbers the rest."""
-    leaves: dict[int, list[Branch]] = {}
-    for branch in branches:
-        if branch.sub >= 0:
-            leaves.setdefault(branch.sub, []).append(branch)
-    kept: list[SubTrunk] = []
-    for index, sub in enumerate(subs):
-        members = leaves.get(index, [])
-        first_own = trunks[sub.trunk].kept_count + len(sub.tokens)
-        if (len(sub.tokens) >= PromptTokenizer.MIN_SUB_TOKENS and len(members) >= 2
-                and all(int(np.min(b.reads)) >= first_own for b in members)):
-            for branch in members:
-                branch.sub = len(kept)
-            kept.append(sub)
-        else:
-            for branch in members:
-                branch.tokens, branch.sub = np.concatenate([sub.tokens, branch.tokens]), -1
-    return kept
 
 
 def _check_marks(count: int, questions: int, first: int) -> None:

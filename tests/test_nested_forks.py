@@ -16,6 +16,7 @@ from transformers.decision import DecisionConfig
 from transformers.models.jev.configuration_jev import JEV_TEMPLATE
 
 from flide.models.tiny import tiny_jev, tiny_model, tiny_tokenizer
+from flide.sub_trunks import MIN_SUB_TOKENS
 from flide.testing import candidate_request, max_difference
 
 PIPELINE_ATOL = 1e-5  # as tests/test_exactness.py
@@ -62,7 +63,7 @@ def test_sub_trunks_are_made_and_save_tokens(case):
             assert np.array_equal(np.concatenate([a.trunks[x.trunk], x.tokens]), np.concatenate(whole))
             assert np.array_equal(x.reads, y.reads)
             if y.sub >= 0:
-                assert len(b.subs[y.sub].tokens) >= nested.prompts.MIN_SUB_TOKENS
+                assert len(b.subs[y.sub].tokens) >= MIN_SUB_TOKENS
 
 
 def test_nested_rounds_equal_pipeline(case):

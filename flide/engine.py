@@ -41,7 +41,7 @@ TEMPERATURE = _temperature()
 
 @dataclass
 class Usage:
-    input_tokens: int  # each state counted once
+    input_tokens: int  # each state (and each sub-trunk of nested forks) counted once
     stream_tokens: int  # the request's tokens in a round's stream without checkpoints (= input_tokens)
     prompt_tokens: int  # what one sequence per question would have computed
     cached_tokens: int = 0  # state tokens resumed from checkpoints in its last round (not computed)

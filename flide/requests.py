@@ -108,7 +108,7 @@ class PreparedRequest:
 
     @property
     def input_tokens(self) -> int:
-        """Tokens of the request counting each state once (System One `usage.input_tokens`)."""
+        """Tokens of the request counting each state (and each sub-trunk) once (System One `usage.input_tokens`)."""
         return self.stream_tokens
 
     @cached_property

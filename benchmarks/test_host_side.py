@@ -182,10 +182,11 @@ def test_tokenize_long_state_many_questions_seen(benchmark):
 
 
 @pytest.mark.benchmark(group="host-side tokenization")
-def test_tokenize_real_multirc_requests_unseen_nested(benchmark):
-    """Real MultiRC requests (every answer candidate a question) tokenized unseen with nested forks on: the sub-trunk
-    search (`flide.sub_trunks.cuts`, then `keep_useful`) on top of the split tokenization, per 8 requests; their
-    stream tokens drop ~22 % (1,812 -> 1,416 a request on the first 8). Skipped without ../shared."""
+@pytest.mark.parametrize("nested", [False, True], ids=["flat", "nested"])
+def test_tokenize_real_multirc_requests_unseen(benchmark, nested):
+    """Real MultiRC requests (every answer candidate a question) tokenized unseen, per 8 requests, without and with
+    nested forks: the sub-trunk search (`flide.sub_trunks.cuts`, then `keep_useful`) on top of the split
+    tokenization; their stream tokens drop ~22 % (1,812 -> 1,416 a request on these 8). Skipped without ../shared."""
 
     from transformers.decision import DecisionConfig
 
@@ -194,8 +195,8 @@ def test_tokenize_real_multirc_requests_unseen_nested(benchmark):
     from flide.requests import PromptTokenizer, tokenize_request
 
     prompts = PromptTokenizer(real_tokenizer("MultiRC"), DecisionConfig(), piece_cache=PieceCache(0),
-                              question_cache_entries=0, nested=True)
+                              question_cache_entries=0, nested=nested)
     requests = workloads.multirc(limit=8)
     prepared = benchmark.pedantic(lambda: [tokenize_request(r, prompts, 64) for r in requests], rounds=20,
                                   warmup_rounds=2)
-    assert sum(len(p.subs) for p in prepared) > len(prepared)  # 62 sub-trunks in these 8
+    assert (sum(len(p.subs) for p in prepared) > len(prepared)) == nested  # 62 sub-trunks in these 8

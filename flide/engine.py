@@ -85,11 +85,12 @@ class Engine:
         from .ops.registry import concrete
 
         # the variants `auto` picks on the model's device: what runs, and what the graph runner checks
-        self.kernels = concrete(self.config.kernels, next(model.parameters()).device)
+        device = next(model.parameters()).device
+        self.kernels = concrete(self.config.kernels, device)
         self.prompts = PromptTokenizer(tokenizer, decision_config, runtime.tokenization,
                                        piece_cache=PieceCache(runtime.piece_cache_chars),
                                        question_cache_entries=runtime.question_cache_entries)
-        nested_ops = self._nested_ops(next(model.parameters()).device)
+        nested_ops = self._nested_ops(device)
         self.prompts.nested = nested_ops is not None
         self.flat = adapt(model, tokenizer, self.kernels, residual=runtime.residual, nested_ops=nested_ops)
         tok = self.prompts.tokenizer

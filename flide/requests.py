@@ -662,8 +662,9 @@ class PromptTokenizer:
 
     # ---- the request ----
     def prepare(self, state: Any, questions: list[Question]) -> PreparedRequest:
-        """Renders and tokenizes one request (and finds its sub-trunks, `nested`: flide/sub_trunks.py). Keeps no state between calls, but transformers' fast tokenizers flip
-        a flag while encoding control tokens as text: give each thread its own tokenizer (see `copy_for_thread`)."""
+        """Renders and tokenizes one request (and finds its sub-trunks, `nested`: flide/sub_trunks.py). Keeps no
+        state between calls, but transformers' fast tokenizers flip a flag while encoding control tokens as text: give
+        each thread its own tokenizer (see `copy_for_thread`)."""
         from . import sub_trunks  # it imports this module's cut helpers
 
         groups = [questions] if self.groups_all else [[q] for q in questions]

@@ -251,10 +251,10 @@ class RequestLayout:
     trunk are left out); a branch's reads pair with its questions and options (zip: the shortest wins).
 
     `parts[width]` is the tuple a round joins, field by field, across its requests (option rows `width` wide):
-    counts, trunk lengths, branch lengths, branch -> trunk, branch -> its sub-trunk's branch row (-1: none), read rows (from S when the read is inside a trunk, else
-    from Q), state chunk rows, branch chunk rows (segment, chunk), option rows; then state token ids, question token
-    ids, state positions, question positions. `trunk_reads` flags the reads inside a trunk (rare: joined only when a
-    round has one).
+    counts, trunk lengths, branch lengths, branch -> trunk, branch -> its sub-trunk's branch row (-1: none), read
+    rows (from S when the read is inside a trunk, else from Q), state chunk rows, branch chunk rows (segment, chunk),
+    option rows; then state token ids, question token ids, state positions, question positions. `trunk_reads` flags
+    the reads inside a trunk (rare: joined only when a round has one).
     """
 
     __slots__ = ("_options", "_small", "_tokens", "counts", "max_id", "parts", "reads", "trunk_reads")

@@ -117,7 +117,8 @@ def reference_build_round(requests: list[PreparedRequest], shape: Shape, pad_id:
 
     tensors = {
         "input_ids": input_ids, "positions": positions, "seg_lo": seg_lo, "trunk_lo": trunk_lo, "trunk_hi": trunk_hi,
-        "sub_lo": sub_lo, "sub_hi": sub_hi, "state_start": padded(state_lo, shape.states), "state_len": padded(state_len, shape.states),
+        "sub_lo": sub_lo, "sub_hi": sub_hi,
+        "state_start": padded(state_lo, shape.states), "state_len": padded(state_len, shape.states),
         "branch_start": padded(starts[branch_seg], shape.branches),
         "branch_len": padded(lens[branch_seg], shape.branches),
         "branch_state": padded(state_of[branch_seg], shape.branches),

@@ -25,9 +25,10 @@ benchmark submitters) hand rounds to it and wait (flide/graphs/thread.py; the se
 on it, so its launches are direct calls). A bucket whose recorded graph is launched without the compiled call
 (`runtime.guards: none`, graphs/direct.py) is a plain CUDA graph, which replays from any thread: its rounds are
 enqueued by the calling thread itself (`launch`). Either way one round is enqueued at a time (the runner's
-`_enqueue` lock): concurrent callers share the buffers. One thread, not one per runner: cudagraph trees set up their thread-local state in the thread
-that first imports them, and any other thread but autograd's finds it missing (an AssertionError in
-`cudagraph_trees.get_obj`, seen on the H200 when a second engine captured in the same process).
+`_enqueue` lock): concurrent callers share the buffers. One thread, not one per runner: cudagraph trees set up
+their thread-local state in the thread that first imports them, and any other thread but autograd's finds it missing
+(an AssertionError in `cudagraph_trees.get_obj`, seen on the H200 when a second engine captured in the same
+process).
 
 With `compile=False` the same buckets and buffers run eagerly (the flat forward over bucket-shaped rounds): the
 ablation "no CUDA graphs", and the path the CPU tests use to check the bucketed layout. On the CPU `compile=True`

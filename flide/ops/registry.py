@@ -206,14 +206,22 @@ def register_resumable(op: str, variant: str):
 def resumable(kernels, device: str = "cpu") -> dict[str, Callable]:
     """{op: checkpointing companion} of the variants a `KernelConfig` picks on `device`; ValueError naming every
     `kernels.<op>: <variant>` that has none (every registered mixer variant has one today)."""
-    _load_all()
-    kernels = concrete(kernels, device)
-    missing = [f"kernels.{op}: {getattr(kernels, op)}" for op in RESUMABLE_OPS
-               if (op, getattr(kernels, op)) not in _RESUMABLE]
+    ops, missing = _companions(_RESUMABLE, RESUMABLE_OPS, kernels, device)
     if missing:
         raise ValueError(f"checkpoints need kernel variants that can resume and snapshot; these cannot: "
                          f"{', '.join(missing)} (use `reference`).")
-    return {op: _RESUMABLE[(op, getattr(kernels, op))] for op in RESUMABLE_OPS}
+    return ops
+
+
+def _companions(table: dict, ops: tuple[str, ...], kernels, device) -> tuple[dict[str, Callable] | None, list[str]]:
+    """({op: its companion in `table`} for the variants a `KernelConfig` picks on `device`, or None, and the
+    `kernels.<op>: <variant>` choices that have none)."""
+    _load_all()
+    kernels = concrete(kernels, device)
+    missing = [f"kernels.{op}: {getattr(kernels, op)}" for op in ops if (op, getattr(kernels, op)) not in table]
+    if missing:
+        return None, missing
+    return {op: table[(op, getattr(kernels, op))] for op in ops}, []
 
 
 def register_nested(op: str, variant: str):
@@ -231,10 +239,4 @@ def register_nested(op: str, variant: str):
 def nested(kernels, device: str = "cpu") -> tuple[dict[str, Callable] | None, list[str]]:
     """({op: nested-fork companion} of the variants a `KernelConfig` picks on `device`, or None, and the
     `kernels.<op>: <variant>` choices that have none (why nested forks cannot run with these kernels))."""
-    _load_all()
-    kernels = concrete(kernels, device)
-    missing = [f"kernels.{op}: {getattr(kernels, op)}" for op in NESTED_OPS
-               if (op, getattr(kernels, op)) not in _NESTED]
-    if missing:
-        return None, missing
-    return {op: _NESTED[(op, getattr(kernels, op))] for op in NESTED_OPS}, []
+    return _companions(_NESTED, NESTED_OPS, kernels, device)

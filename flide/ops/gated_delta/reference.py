@@ -94,16 +94,8 @@ def _chunked(q, k, v, g, beta, seg_start, seg_len, initial_state, initial_index,
     seg_start, seg_len, initial_index = seg_start[active], seg_len[active], initial_index[active]
     N = seg_start.shape[0]
     dev = q.device
-    if sub is None:
-        longest = int(seg_len.max())
-        L = max(GDN_CHUNK, -(-longest // GDN_CHUNK) * GDN_CHUNK)
-        pos = torch.arange(L, device=dev)
-        valid = pos[None, :] < seg_len[:, None]
-        rows = torch.where(valid, seg_start[:, None] + pos[None, :], torch.full_like(valid, T, dtype=torch.long))
-        out_rows = rows
-    else:
-        rows, out_rows = _leaf_rows(sub, seg_start, seg_len, T)
-        L = rows.shape[1]
+    rows, out_rows = _segment_rows(sub, seg_start, seg_len, T)
+    L = rows.shape[1]
 
     qs, ks = _gather_segments(q.float(), rows), _gather_segments(k.float(), rows)  # [N, L, Hk, K]
     vs = _gather_segments(v.float(), rows)  # [N, L, Hv, V]
@@ -151,23 +143,27 @@ def _chunked(q, k, v, g, beta, seg_start, seg_len, initial_state, initial_index,
     return full[:T].to(q.dtype), final, snapshot
 
 
-def _leaf_rows(sub: tuple[torch.Tensor, torch.Tensor], seg_start: torch.Tensor, seg_len: torch.Tensor,
-               T: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rows, out_rows) [N, L] of the nested question call's segments (each of length > 0): a leaf gathers its
-    sub-trunk's rows, then its own; only its own rows' outputs go back to the stream (out_rows: T, the spare row,
-    elsewhere). Chunks start at the leaf's first gathered row, as they would for the sequence sub-trunk + leaf."""
-    sub_lo, sub_hi = sub
-    lo, hi = sub_lo[seg_start].long(), sub_hi[seg_start].long()  # a segment's range: its first token's
-    pre = (hi - lo).clamp(min=0)
+def _segment_rows(sub: tuple[torch.Tensor, torch.Tensor] | None, seg_start: torch.Tensor, seg_len: torch.Tensor,
+                  T: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, out_rows) [N, L] of the stream rows each segment (of length > 0) runs over, L a whole number of chunks,
+    and where its outputs go (T, the spare row, for padding). With `sub` (the nested question call) a leaf gathers its
+    sub-trunk's rows, then its own, and only its own rows' outputs go back to the stream; chunks start at its first
+    gathered row, as they would for the sequence sub-trunk + leaf. Without, rows and out_rows are the same."""
+    if sub is None:
+        pre = torch.zeros_like(seg_len)
+    else:
+        sub_lo, sub_hi = sub
+        lo, hi = sub_lo[seg_start].long(), sub_hi[seg_start].long()  # a segment's range: its first token's
+        pre = (hi - lo).clamp(min=0)
     longest = int((pre + seg_len).max())
     L = max(GDN_CHUNK, -(-longest // GDN_CHUNK) * GDN_CHUNK)
     pos = torch.arange(L, device=seg_start.device)[None, :]
     own = pos - pre[:, None]  # position within the segment's own rows (negative: a sub-trunk row)
     mine = (own >= 0) & (own < seg_len[:, None])
-    spare = torch.full_like(own, T)
-    out_rows = torch.where(mine, seg_start[:, None] + own, spare)
-    rows = torch.where(own < 0, lo[:, None] + pos, out_rows)
-    return rows, out_rows
+    out_rows = torch.where(mine, seg_start[:, None] + own, torch.full_like(own, T))
+    if sub is None:
+        return out_rows, out_rows
+    return torch.where(own < 0, lo[:, None] + pos, out_rows), out_rows
 
 
 def gated_delta_naive(q, k, v, g, beta, seg_start, seg_len, initial_state, initial_index, scale: float,

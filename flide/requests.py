@@ -96,6 +96,9 @@ class PreparedRequest:
     prompt_tokens: int = 0  # sum over prompts of their whole length: what one sequence per question would compute
     cached_tokens: int = 0  # state tokens its last round resumed from checkpoints instead of computing
     subs: list[SubTrunk] = field(default_factory=list)  # nested forks: lines several branches share after a trunk
+    # a trunk with one prompt continues into it as ONE state segment (`lone_branches`; the engine sets it from
+    # `runtime.merge_lone_questions` before the request's `round_layout` is made, which it then fixes)
+    merge_lone: bool = False
 
     @property
     def stream_tokens(self) -> int:
@@ -118,6 +121,22 @@ class PreparedRequest:
         from .checkpoints.cache import prefix_hashes
 
         return [prefix_hashes(tokens) for tokens in self.trunks]
+
+    @cached_property
+    def lone_branches(self) -> dict[int, int]:
+        """trunk -> its one branch, for the trunks that have a single prompt (no sub-trunk, no other branch), where
+        `merge_lone` is set: a round lays such a trunk and its branch out as one state segment (nothing to share
+        with, so no fork: the question runs in the states' chunked gated delta call instead of token by token in the
+        question call). Empty without `merge_lone`."""
+        if not self.merge_lone:
+            return {}
+        count: dict[int, int] = {}
+        for branch in self.branches:
+            count[branch.trunk] = count.get(branch.trunk, 0) + 1
+        for sub in self.subs:
+            count[sub.trunk] = count.get(sub.trunk, 0) + 2  # a trunk with a sub-trunk is never lone
+        return dict(sorted((b.trunk, k) for k, b in enumerate(self.branches)
+                           if count[b.trunk] == 1 and 0 <= b.trunk < len(self.trunks)))
 
     @cached_property
     def round_layout(self):

@@ -133,7 +133,8 @@ class Footprint:
 
 
 def footprint(request: PreparedRequest) -> Footprint:
-    return Footprint(request.stream_tokens, len(request.trunks), len(request.branches) + len(request.subs),
+    return Footprint(request.stream_tokens, len(request.trunks),
+                     len(request.branches) + len(request.subs) - len(request.lone_branches),
                      sum(len(b.reads) for b in request.branches), 1)
 
 
@@ -266,13 +267,20 @@ class RequestLayout:
         full_lens = [len(t) for t in request.trunks]
         skip = skip or [0] * len(full_lens)
         trunks = [t[m:] if m else t for t, m in zip(request.trunks, skip)]
+        # a trunk's lone branch continues it in one state segment (`PreparedRequest.lone_branches`): no branch row
+        lone = request.lone_branches
+        if lone and any(skip):
+            raise ValueError("a request resuming from checkpoints cannot merge its lone questions into their trunks")
+        for t, b in lone.items():
+            trunks[t] = np.concatenate((trunks[t], request.branches[b].tokens))
         trunk_lens = [len(t) for t in trunks]
         # branch rows: per trunk, its sub-trunks (nested forks), then its branches in request order
         by_trunk: dict[int, list] = {}
         for sub in request.subs:
             by_trunk.setdefault(sub.trunk, []).append(sub)
         for branch in request.branches:
-            by_trunk.setdefault(branch.trunk, []).append(branch)
+            if branch.trunk not in lone:
+                by_trunk.setdefault(branch.trunk, []).append(branch)
         branches, branch_state = [], []
         for t in range(len(trunks)):
             for branch in by_trunk.get(t, ()):
@@ -285,6 +293,17 @@ class RequestLayout:
         # where each row's own tokens start in its prompt: after its trunk, and its sub-trunk's tokens if any
         starts = [full_lens[t] + (branch_lens[k] if k >= 0 else 0) for t, k in zip(branch_state, branch_sub)]
         read_rel, read_flag, self.reads, self._options = [], [], [], []
+
+        def add_read(row: int, in_trunk: int, question, options, tail) -> None:
+            read_rel.append(row), read_flag.append(in_trunk)
+            self._options.append([int(o) for o in options])
+            self.reads.append((question, len(options), tail))
+
+        for t, b in lone.items():  # reads of a merged lone branch: rows of its trunk's segment
+            branch = request.branches[b]
+            for pos, question, options in zip(branch.reads.tolist() if isinstance(branch.reads, np.ndarray)
+                                               else branch.reads, branch.questions, branch.options):
+                add_read(state_start[t] + int(pos), 1, question, options, branch.tail)
         q_cursor = 0
         for branch, t, n, pos0 in zip(branches, branch_state, branch_lens, starts):
             if isinstance(branch, SubTrunk):  # no reads: its tokens are read through its leaves
@@ -299,11 +318,9 @@ class RequestLayout:
                     if pos < skip[t]:
                         raise ValueError(f"a read at token {pos} falls in the {skip[t]} tokens resumed from a "
                                          f"checkpoint")
-                    read_rel.append(state_start[t] + pos - skip[t]), read_flag.append(1)
+                    add_read(state_start[t] + pos - skip[t], 1, question, options, branch.tail)
                 else:
-                    read_rel.append(q_cursor + pos - pos0), read_flag.append(0)
-                self._options.append([int(o) for o in options])
-                self.reads.append((question, len(options), branch.tail))
+                    add_read(q_cursor + pos - pos0, 0, question, options, branch.tail)
             q_cursor += n
 
         def chunk_rows(lens):  # (segment, chunk) of each GDN chunk, flattened

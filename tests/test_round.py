@@ -28,14 +28,22 @@ def reference_build_round(requests: list[PreparedRequest], shape: Shape, pad_id:
     first_state = []
     for req in requests:
         first_state.append(len(seg_tokens))
-        for trunk in req.trunks:
+        for t, trunk in enumerate(req.trunks):
+            if t in req.lone_branches:  # merged lone question: one state segment
+                trunk = np.concatenate([trunk, req.branches[req.lone_branches[t]].tokens])
             seg_state.append(len(seg_tokens)), seg_tokens.append(trunk), seg_is_state.append(True), seg_pos0.append(0)
             seg_sub.append(-1)
     n_states = len(seg_tokens)
     for r, req in enumerate(requests):
+        for t, b in req.lone_branches.items():  # their reads first, in trunk order, rows of the state segment
+            branch = req.branches[b]
+            for pos, question, options in zip(branch.reads, branch.questions, branch.options):
+                read_request.append(r), read_questions.append(question), read_options.append(options)
+                read_tails.append(branch.tail), read_seg.append(first_state[r] + t), read_prompt_pos.append(int(pos))
         by_trunk: dict[int, list] = {}
         for branch in req.branches:
-            by_trunk.setdefault(branch.trunk, []).append(branch)
+            if branch.trunk not in req.lone_branches:
+                by_trunk.setdefault(branch.trunk, []).append(branch)
         for t, trunk in enumerate(req.trunks):
             state_index = trunk_seg = first_state[r] + t
             sub_seg = {}  # the request's sub-trunk index -> its segment: each trunk's sub-trunks before its branches
@@ -153,13 +161,14 @@ def random_request(rng: np.random.Generator, max_state: int = 150, max_branch: i
             options = options[:-1]
         branches.append(Branch(t, tokens, reads, [object() for _ in range(k)], rng.integers(0, 9, size=2), options,
                                sub))
-    return PreparedRequest(trunks, branches, subs=subs)
+    # a trunk with one prompt continues into it as one state segment (the engine's default)
+    return PreparedRequest(trunks, branches, subs=subs, merge_lone=bool(rng.random() < 0.5))
 
 
 def exact_fit(requests, spare: int = 0, options: int = 4) -> Shape:
     tokens = sum(r.stream_tokens for r in requests)
     states = sum(len(r.trunks) for r in requests)
-    branches = sum(len(r.branches) + len(r.subs) for r in requests)
+    branches = sum(len(r.branches) + len(r.subs) - len(r.lone_branches) for r in requests)
     reads = sum(len(b.reads) for r in requests for b in r.branches)
     return Shape(tokens + spare, states + spare, branches + spare, reads + spare, options)
 
@@ -320,7 +329,8 @@ def test_invariants():
         t = {name: getattr(built.tensors, name).numpy() for name in FIELDS}
         n, T = built.used_tokens, shape.tokens
         NS = sum(len(r.trunks) for r in requests)
-        NB = sum(sum(1 for b in r.branches if b.trunk < len(r.trunks)) + len(r.subs) for r in requests)
+        NB = sum(sum(1 for b in r.branches if b.trunk < len(r.trunks)) + len(r.subs) - len(r.lone_branches)
+                 for r in requests)
         ss, sl, bs, bl = t["state_start"][:NS], t["state_len"][:NS], t["branch_start"][:NB], t["branch_len"][:NB]
         # contiguous: states from 0, then branches, then the tail
         bounds = np.concatenate([ss, bs, [n]])

@@ -101,7 +101,8 @@ class RuntimeConfig:
     # a state asked one question (its only prompt, no sub-trunk) runs as ONE sequence with it: nothing forks from it,
     # so the question's tokens join the states' chunked gated delta call instead of the token-by-token question call
     # (sweep 1 on the H200: that kernel took 2.25 of the replay's 11 ms of GPU for one ~180-token question). Off with
-    # checkpoints (their saves and resumes are cut in the state's own tokens)
+    # checkpoints (their saves and resumes are cut in the state's own tokens) and in batch-invariant mode (a question
+    # asked alone keeps the bits it has forked among others)
     merge_lone_questions: bool = True
     # auto: one CUDA graph per bucket (torch.compile reduce-overhead) when on CUDA and every kernel variant can be
     # captured, else eager rounds of their own size; on: graphs or an error saying why not; off: eager (the ablation)

@@ -235,7 +235,10 @@ class Engine:
         """What `prepare` adds to a tokenized request (`flide.requests.tokenize_request`, maybe from a worker
         process): the prompt length limit, each question's head rows, and its part of any round."""
         limit = self.config.limits.max_prompt_tokens
-        merge = self.config.runtime.merge_lone_questions and not self.config.checkpoints.enabled
+        # not with checkpoints (saves and resumes are cut in a state's own tokens), nor in batch-invariant mode (a
+        # question asked alone must have the bits it has forked inside a request of several questions)
+        merge = (self.config.runtime.merge_lone_questions and not self.config.checkpoints.enabled
+                 and not self.kernels.batch_invariant)
         if prepared.merge_lone != merge:  # before its round layout is made (dropped if made already)
             prepared.merge_lone = merge
             prepared.__dict__.pop("lone_branches", None), prepared.__dict__.pop("round_layout", None)

@@ -87,9 +87,10 @@ def test_merged_layout_reads_the_question_in_the_state_segment():
     assert t.readout_rows.tolist() == [73, 76, 66]  # two's questions' last tokens, then the lone question's
 
 
-def test_checkpoints_and_the_flag_keep_lone_questions_forked():
+def test_checkpoints_batch_invariance_and_the_flag_keep_lone_questions_forked():
     model, tok = tiny_model("qwen3_5_text"), tiny_tokenizer()
     request = {"state": "A short state.", "questions": {"q": {"type": "noul", "instructions": "Is it short?"}}}
-    with_checkpoints = flide.patch(model, tok, {"checkpoints": {"enabled": True}})
-    assert not with_checkpoints.prepare(request).lone_branches
+    for config in ({"checkpoints": {"enabled": True}}, {"kernels": {"batch_invariant": True}},
+                   {"runtime": {"merge_lone_questions": False}}):
+        assert not flide.patch(model, tok, config).prepare(request).lone_branches, config
     assert flide.patch(model, tok).prepare(request).lone_branches

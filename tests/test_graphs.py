@@ -69,20 +69,24 @@ def test_rounds_take_the_smallest_bucket_and_oversized_requests_run_alone():
 
 
 def test_many_short_segments_take_a_larger_bucket_and_the_largest_keeps_the_configured_capacities():
-    """Below the largest bucket the tables hold tokens/64 states, tokens/4 branches and tokens/4 readout rows (a
-    state's fp32 recurrent state is written per state row); a round of many short questions takes the bucket whose
-    tables hold it, and whatever fits the configured capacities fits the largest bucket."""
+    """Below the largest bucket the tables hold tokens/64 states, tokens/16 branches and tokens/16 readout rows (a
+    state's fp32 recurrent state is written per state row, every branch row launches question-kernel programs); a
+    round of many short questions takes the bucket whose tables hold it, and whatever fits the configured capacities
+    fits the largest bucket."""
     from flide.graphs.buckets import shape_for
     from flide.round import Footprint
 
     caps = load_config({"capacities": {"buckets": BUCKETS, "states": 64, "branches": 600}}).capacities
     small = bucket_shape(256, caps, 2)
-    assert (small.states, small.branches, small.readout_rows) == (4, 64, 64)
+    assert (small.states, small.branches, small.readout_rows) == (4, 16, 16)
     largest = bucket_shape(2048, caps, 2)
     assert (largest.states, largest.branches, largest.readout_rows) == (64, 600, caps.readout_rows)
-    # 100 one-token questions of 6 short states: 240 tokens, but the 256 bucket holds 64 branches and 4 states
+    # 100 one-token questions of 6 short states: 240 tokens, but the 256 bucket holds 16 branches and 4 states, the
+    # 512 one 32: the largest holds them
     shape, oversized = shape_for(Footprint(240, 6, 100, 100, 6), caps, 2)
-    assert not oversized and shape.tokens == 512 and shape.branches >= 100 and shape.states >= 6
+    assert not oversized and shape.tokens == 2048 and shape.branches >= 100 and shape.states >= 6
+    shape, oversized = shape_for(Footprint(240, 6, 30, 30, 6), caps, 2)
+    assert not oversized and shape.tokens == 512 and shape.branches >= 30
     shape, oversized = shape_for(Footprint(300, 64, 600, 600, 64), caps, 2)
     assert not oversized and shape.tokens == 2048
 

@@ -580,36 +580,6 @@ else:
         with pytest.raises(ValueError, match="tiles"):
             delta_branches.branches(*args, form="recurrent", tiles=(16, 1, 4, 2))
 
-    @pytest.mark.parametrize("grid_rows", [1, 2, 3, 64])
-    @pytest.mark.parametrize("nested", [False, True])
-    def test_gated_delta_branches_rows_used_keeps_the_bits(grid_rows, nested):
-        """With the round's `rows_used` the launch holds programs for `grid_rows` rows, each looping over rows
-        i + grid_rows, ... below rows_used: the outputs of a program per row, bit for bit (an empty row among the
-        used ones, spare rows after them that must stay unwritten, grouped heads, partial K / V tiles; with a
-        nested fork's sub-trunk ranges too)."""
-        tokens, Hk, Hv, K, V = 96, 1, 2, 24, 40
-        q, k, v = randn(tokens, Hk, K, seed=71), randn(tokens, Hk, K, seed=72), randn(tokens, Hv, V, seed=73)
-        g = -torch.rand(tokens, Hv, generator=torch.Generator().manual_seed(74)) * 0.5
-        beta = torch.rand(tokens, Hv, generator=torch.Generator().manual_seed(75))
-        init = randn(2, Hv, K, V, seed=76) * 0.1
-        start = torch.tensor([0, 20, 20, 50, 62, 80, 0, 0, 0])
-        length = torch.tensor([20, 0, 30, 12, 18, 8, 0, 0, 0])  # rows 6..8: the bucket's spare rows
-        index = torch.tensor([1, 0, -1, 0, 1, 1, -1, -1, -1])
-        sub = None
-        if nested:  # row 3 (12 tokens) is the sub-trunk of rows 4 and 5
-            sub_lo, sub_hi = torch.zeros(tokens, dtype=torch.int32), torch.zeros(tokens, dtype=torch.int32)
-            sub_lo[62:88], sub_hi[62:88] = 50, 62
-            sub = (sub_lo, sub_hi)
-        args = (q, k, v, g, beta, start, length, init, index, 0.3, True)
-        want = delta_branches.branches(*args, out=poisoned(tokens, Hv, V, dtype=torch.float32), sub=sub)
-        got = delta_branches.branches(*args, out=poisoned(tokens, Hv, V, dtype=torch.float32), sub=sub,
-                                      rows_used=torch.tensor([6], dtype=torch.int32), grid_rows=grid_rows)
-        assert torch.equal(want.nan_to_num(7.0), got.nan_to_num(7.0))  # NaN-poisoned rows unwritten alike
-        assert not got[:88].isnan().any() and got[88:].isnan().all()
-        with pytest.raises(ValueError, match="rows_used"):
-            delta_branches.branches(*args, rows_used=torch.tensor([6], dtype=torch.int32),
-                                    final=torch.empty(9, Hv, K, V))
-
     @pytest.mark.parametrize("row_programs", [1, 3, 64])
     def test_gated_delta_branches_row_programs_keep_the_bits(row_programs):
         """The recurrent form with P programs per (value head, V tile), each looping over rows i, i + P, ...: the

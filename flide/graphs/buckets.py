@@ -38,15 +38,17 @@ def exact_shape(need: Footprint, options: int) -> Shape:
 
 
 # Rows of a bucket's tables per token, below the largest bucket: states average 64 tokens or more in a round
-# (decision states are documents, conversations, trajectories: RACE's ~300, QuALITY's thousands), a question is
-# rarely shorter than 4 tokens (it is rendered inside its template), and a round of shorter ones takes a larger
-# bucket. Why cap them: fla's state call zero-fills and then writes every state row's float32 final state (1 MiB a
-# row per layer on Qwen3.5-0.8B: 0.8 ms of fills alone per replay at the 8,192 bucket with 192 rows, H200
-# 2026-11-30; states = tokens was the bulk of a replay), every branch row and readout row is a program of some
-# kernel's grid, and readout rows also run the last MLP and the head's option gather.
+# (decision states are documents, conversations, trajectories: RACE's ~300, QuALITY's thousands), and a round's
+# questions with their states average 16 tokens or more a question (a question is rendered inside its template: ~15
+# tokens at least with Qwen's chat template; RACE rounds ~88, MultiRC ~43 with its sub-trunks); a round of shorter
+# ones takes a larger bucket. Why cap them: fla's state call zero-fills and then writes every state row's float32
+# final state (1 MiB a row per layer on Qwen3.5-0.8B: 0.8 ms of fills alone per replay at the 8,192 bucket with 192
+# rows, H200 2026-11-30; states = tokens was the bulk of a replay), every branch row is 16 x 8 one-warp programs of
+# the question kernel whether it holds a question or not (H200, 2026-12-02: 0.9 of the 9.4 ms replay of a 2,560
+# bucket holding no question, at tokens / 4 rows), and readout rows also run the last MLP and the head's gather.
 TOKENS_PER_STATE = 64
-TOKENS_PER_BRANCH = 4
-TOKENS_PER_READ = 4
+TOKENS_PER_BRANCH = 16
+TOKENS_PER_READ = 16
 
 
 def bucket_shape(tokens: int, caps: CapacityConfig, options: int) -> Shape:

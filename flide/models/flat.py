@@ -91,11 +91,11 @@ class FlatBlock(nn.Module):
     def forward(self, h: torch.Tensor, pending: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cu_seqlens: torch.Tensor, chunk_offsets: torch.Tensor, states_end: torch.Tensor,
                 branches_end: torch.Tensor, all_cu_seqlens: torch.Tensor, all_chunks: torch.Tensor,
-                rows_used: torch.Tensor, *fields: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                *fields: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # the round's fields, then (nested forks) the conv ranges derived once per forward (`layers.conv_range`)
         r = RoundTensors(*fields[:ROUND_FIELDS])
         tables = ForkTables(cu_seqlens, r.state_chunks, chunk_offsets, states_end, branches_end, all_cu_seqlens,
-                            all_chunks, rows_used)
+                            all_chunks)
         conv = tuple(fields[ROUND_FIELDS:]) or None
         return self.run_deferred(h, pending, FlatContext(r, cos, sin, tables=tables, conv_range=conv))
 
@@ -187,7 +187,7 @@ class FlatModel(nn.Module):
             for block in self.blocks[:-1]:
                 h, pending = block(h, pending, ctx.cos, ctx.sin, tables.state_cu_seqlens, tables.state_chunk_offsets,
                                    tables.states_end, tables.branches_end, tables.all_cu_seqlens, tables.all_chunks,
-                                   tables.rows_used, *fields, *conv)
+                                   *fields, *conv)
             h = residual(h, pending)
         h = residual(h, last.mixer(last.normed(last.input_layernorm, h), flide=ctx))
         if self.selective:

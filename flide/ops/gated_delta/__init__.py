@@ -154,18 +154,15 @@ def _fake_states_laid_out(q, k, v, g, beta, cu_seqlens, chunk_indices, chunk_off
 def gated_delta_branches_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                 beta: torch.Tensor, seg_start: torch.Tensor, seg_len: torch.Tensor,
                                 initial_state: torch.Tensor, initial_index: torch.Tensor, scale: float,
-                                use_qk_l2norm: bool, rows_used: torch.Tensor | None = None) -> torch.Tensor:
-    """`rows_used` ([1], the round's `ForkTables.rows_used`): rows past it are empty, and the kernel launches programs
-    for `branches.GRID_ROWS` rows only, which loop over the rest (a bucket's spare rows cost no programs)."""
+                                use_qk_l2norm: bool) -> torch.Tensor:
     from . import branches  # imported on first use: `import flide` must not need triton
 
     return branches.branches(q, k, v, g, beta, seg_start, seg_len, initial_state, initial_index, scale,
-                             use_qk_l2norm, rows_used=rows_used)
+                             use_qk_l2norm)
 
 
 @gated_delta_branches_triton.register_fake
-def _fake_branches(q, k, v, g, beta, seg_start, seg_len, initial_state, initial_index, scale, use_qk_l2norm,
-                   rows_used=None):
+def _fake_branches(q, k, v, g, beta, seg_start, seg_len, initial_state, initial_index, scale, use_qk_l2norm):
     return q.new_empty(v.shape)
 
 
@@ -173,27 +170,16 @@ def _fake_branches(q, k, v, g, beta, seg_start, seg_len, initial_state, initial_
 def gated_delta_branches_nested_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                        beta: torch.Tensor, seg_start: torch.Tensor, seg_len: torch.Tensor,
                                        initial_state: torch.Tensor, initial_index: torch.Tensor, sub_lo: torch.Tensor,
-                                       sub_hi: torch.Tensor, scale: float, use_qk_l2norm: bool,
-                                       rows_used: torch.Tensor | None = None) -> torch.Tensor:
+                                       sub_hi: torch.Tensor, scale: float, use_qk_l2norm: bool) -> torch.Tensor:
     """The `fla` variant's nested question call: our recurrent kernel compiled with NESTED, each leaf's program
-    running its sub-trunk's rows before its own (in the same launch as the sub-trunk's own program). `rows_used`: as
-    `gated_delta_branches_triton`'s."""
+    running its sub-trunk's rows before its own (in the same launch as the sub-trunk's own program)."""
     from . import branches
 
     return branches.branches(q, k, v, g, beta, seg_start, seg_len, initial_state, initial_index, scale,
-                             use_qk_l2norm, sub=(sub_lo, sub_hi), rows_used=rows_used)
+                             use_qk_l2norm, sub=(sub_lo, sub_hi))
 
 
-@gated_delta_branches_nested_triton.register_fake
-def _fake_nested_triton(q, k, v, g, beta, seg_start, seg_len, initial_state, initial_index, sub_lo, sub_hi, scale,
-                        use_qk_l2norm, rows_used=None):
-    return q.new_empty(v.shape)
-
-
-# The question kernels that take the round's `rows_used` (launching programs for GRID_ROWS rows, not every row of
-# the bucket's capacity): H200, Qwen3.5-0.8B, one ~180-token question in the 2,560 bucket (640 rows: 82k one-warp
-# programs a layer, all but 128 returning at once) spent 0.9 of the replay's 9.4 ms there with no question at all
-ROWS_USED_KERNELS = (gated_delta_branches_triton, gated_delta_branches_nested_triton)
+gated_delta_branches_nested_triton.register_fake(_fake_nested)
 # `fla`'s nested-fork companion, in place of its question kernel (BRANCH_KERNELS) when the round has sub-trunks.
 # `fla_wy` (its questions' chunked WY form comes from the state call, per question segment) and `fla_cuda` (the
 # CUDA C question kernel) have none: nested forks stay off with them.
@@ -322,7 +308,6 @@ class ForkTables(NamedTuple):
     branches_end: torch.Tensor  # [1]: the end of the questions' span
     all_cu_seqlens: torch.Tensor  # [NS + NB + 2]: the states, then the questions, as one varlen call (`fla_wy`)
     all_chunks: torch.Tensor  # [Cs + Cb, 2]: their chunk rows (fla.combined_tables); both empty without fla_wy
-    rows_used: torch.Tensor  # [1] int32: one past the last branch row holding tokens (the question kernels' loop)
 
 
 def fork_tables(state_start: torch.Tensor, state_len: torch.Tensor, branch_start: torch.Tensor,
@@ -338,11 +323,8 @@ def fork_tables(state_start: torch.Tensor, state_len: torch.Tensor, branch_start
         all_cu_seqlens, all_chunks = cu_seqlens.new_empty(0), state_chunks.new_empty(0, 2)
     # the ends are tensors of their own, not views of cu_seqlens: compile regions take them as separate inputs,
     # which must not alias
-    rows = torch.arange(1, branch_len.shape[0] + 1, device=branch_len.device, dtype=torch.int32)
-    rows_used = torch.where(branch_len > 0, rows, 0).amax(0, keepdim=True) if branch_len.shape[0] \
-        else rows.new_zeros(1)
     return ForkTables(cu_seqlens, state_chunks, fla.chunk_offsets(cu_seqlens), fla.span_end(state_start, state_len),
-                      fla.span_end(branch_start, branch_len), all_cu_seqlens, all_chunks, rows_used)
+                      fla.span_end(branch_start, branch_len), all_cu_seqlens, all_chunks)
 
 
 class ForkParts(NamedTuple):
@@ -430,14 +412,12 @@ def fork_parts(kernel, q, k, v, g, beta, state_start, state_len, branch_start, b
         no_initial = q.new_zeros(0, v.shape[1], k.shape[2], v.shape[2], dtype=torch.float32)
         none = torch.full_like(state_start, -1)
         o_states, finals = kernel(q, k, v, g, beta, state_start, state_len, no_initial, none, scale, use_qk_l2norm)
-    question_kernel = nested_kernel if sub is not None else branch_kernel
-    rows_used = (tables.rows_used,) if tables is not None and question_kernel in ROWS_USED_KERNELS else ()
     if sub is not None:  # a leaf's sub-trunk rows are inputs of this call: no extra launch, no level order
         o_branches = nested_kernel(q, k, v, g, beta, branch_start, branch_len, finals, branch_state, sub[0], sub[1],
-                                   scale, use_qk_l2norm, *rows_used)
+                                   scale, use_qk_l2norm)
     elif branch_kernel is not None:
         o_branches = branch_kernel(q, k, v, g, beta, branch_start, branch_len, finals, branch_state, scale,
-                                   use_qk_l2norm, *rows_used)
+                                   use_qk_l2norm)
     else:
         o_branches, _ = kernel(q, k, v, g, beta, branch_start, branch_len, finals, branch_state, scale,
                                use_qk_l2norm)

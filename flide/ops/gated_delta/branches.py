@@ -87,14 +87,13 @@ NUM_STAGES = 3  # the next tokens' q/k/v loads in flight while this one's update
 # 0.8B): P = 128 took 16 RACE requests in the 8,192 bucket from 0.287 to 0.253 ms (without spare rows: 0.243), but
 # 64 x RACE 0.969 vs 0.922 and one long question (sweep 1) 0.079 vs 0.067: no default gain, kept at 0.
 ROW_PROGRAMS = 0
-# With the round's `rows_used` (one past the last row holding tokens, on the device: `ForkTables.rows_used`) the grid
-# holds programs for GRID_ROWS rows only: program row i runs row i as above (the same straight code, the same bits),
-# then rows i + GRID_ROWS, i + 2 GRID_ROWS, ... below rows_used in a loop, so a bucket's spare rows launch nothing.
-# Why: the spare rows' programs were most of this kernel's time on long streams with few questions (H200, 0.8B, one
-# ~180-token question in the 2,560 bucket: 82k one-warp programs a layer, 0.9 of the replay's 9.4 ms with the question
-# merged into its state, i.e. no question at all). 64 rows x 16 value heads x 8 value tiles (0.8B) are 8k programs,
-# ~2 waves of one-warp programs on 132 SMs: a round of more questions keeps the GPU as full as before.
-GRID_ROWS = 64
+# Tried (1c7ea47, reverted): programs for 64 rows only, each also looping over rows i + 64, ... below the round's
+# rows_used (one past its last row with tokens, derived once per forward), so a bucket's spare rows launch nothing.
+# H200, 0.8B replay (2026-12-02, `h200_profile_0_8b_rows_used.json` vs `..._lone_merged.json`): the kernel with no
+# question at all (sweep 1 merged into its state, 2,560 bucket) 0.906 -> 0.113 ms, quality1 1.44 -> 0.11, but with
+# questions SLOWER: RACE 0.75 -> 0.85 ms, MultiRC 1.40 -> 1.48, sweep 64 9.69 -> 10.75 (the row loop around the token
+# loop costs the straight path ~10 %). Instead buckets below the largest hold tokens / 16 branch rows
+# (graphs/buckets.py TOKENS_PER_BRANCH), a quarter of the spare programs.
 
 # The chunked form (not the default: see the module docstring): 16 tokens a chunk (the smallest tl.dot tile;
 # questions are tens of tokens, so a larger chunk would mostly compute masked rows). 64 value columns a program and 4
@@ -124,19 +123,12 @@ def _branch_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, start_pt
                    ht_ptr, snap_at_ptr, hs_ptr, sub_lo_ptr, sub_hi_ptr, N, HK: tl.constexpr, HV: tl.constexpr,
                    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr,
                    STORE_FINAL: tl.constexpr, SNAPSHOT: tl.constexpr, ROW_PROGRAMS: tl.constexpr,
-                   NESTED: tl.constexpr, rows_used_ptr, GRID_ROWS: tl.constexpr):
+                   NESTED: tl.constexpr):
     i_v = tl.program_id(0)
     if ROW_PROGRAMS == 0:  # a program per (row, value head, V tile): a row of length 0 returns at once
-        i_n, i_h = tl.program_id(1) // HV, tl.program_id(1) % HV
         _branch_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, start_ptr, len_ptr, index_ptr, scale, ht_ptr,
-                    snap_at_ptr, hs_ptr, sub_lo_ptr, sub_hi_ptr, i_n, i_h, i_v,
+                    snap_at_ptr, hs_ptr, sub_lo_ptr, sub_hi_ptr, tl.program_id(1) // HV, tl.program_id(1) % HV, i_v,
                     HK, HV, K, V, BK, BV, L2NORM, STORE_FINAL, SNAPSHOT, NESTED)
-        if GRID_ROWS > 0:  # programs for GRID_ROWS rows only: this one also runs rows i_n + GRID_ROWS, ... < rows_used
-            used = tl.load(rows_used_ptr)
-            for j in range(i_n + GRID_ROWS, used, GRID_ROWS):
-                _branch_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, start_ptr, len_ptr, index_ptr, scale,
-                            ht_ptr, snap_at_ptr, hs_ptr, sub_lo_ptr, sub_hi_ptr, j, i_h, i_v,
-                            HK, HV, K, V, BK, BV, L2NORM, STORE_FINAL, SNAPSHOT, NESTED)
     else:  # ROW_PROGRAMS programs per (value head, V tile), each over rows i, i + ROW_PROGRAMS, ...
         for i_n in range(tl.program_id(2), N, ROW_PROGRAMS):
             _branch_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, start_ptr, len_ptr, index_ptr, scale,
@@ -325,8 +317,7 @@ def branches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
              form: str = "recurrent", tiles: tuple[int, ...] | None = None,
              final: torch.Tensor | None = None,
              snapshot: tuple[torch.Tensor, torch.Tensor] | None = None,
-             sub: tuple[torch.Tensor, torch.Tensor] | None = None, rows_used: torch.Tensor | None = None,
-             grid_rows: int = GRID_ROWS) -> torch.Tensor:
+             sub: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """o [T, Hv, V] (q's dtype) of every segment, each from `initial_state[initial_index[n]]` (-1: zero). Rows
     outside the segments are left unwritten, as fla's variant leaves them (`gated_delta.combine` selects).
 
@@ -344,10 +335,7 @@ def branches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     `sub`: (sub_lo, sub_hi) [T] int32, a nested fork's question call (`reference.gated_delta`'s semantics): a segment
     whose first token has a non-empty range [a, b) first runs rows a..b-1 from its initial state, writing none of
     their outputs, then its own rows (`final`: the state after its own rows); the recurrent form only, not with
-    `snapshot` (checkpoint rounds have no nested forks).
-    `rows_used` ([1] int32 on the device, the recurrent form without `final` / `snapshot`): segments from
-    rows_used[0] on are empty (length 0, their `final` never needed); the launch then holds programs for `grid_rows`
-    segments (default GRID_ROWS), each also running segments i + grid_rows, ... below rows_used. The same bits."""
+    `snapshot` (checkpoint rounds have no nested forks)."""
     if form not in FORMS:
         raise ValueError(f"`form` must be one of {FORMS}, got {form!r}")
     if sub is not None:
@@ -406,20 +394,14 @@ def branches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
         if row_programs < 0:
             raise ValueError(f"the recurrent form's row programs must be >= 0 (0: one per row), got {row_programs}")
         row_programs = min(row_programs, N)
-        if rows_used is not None and (final is not None or snapshot is not None or row_programs):
-            raise ValueError("`rows_used` goes with the recurrent form's plain launch (no `final`, `snapshot` or "
-                             "row programs): an empty segment's final state would not be written")
-        loop_rows = grid_rows if rows_used is not None and 0 < grid_rows < N else 0
-        rows = loop_rows or N
-        grid = (triton.cdiv(V, BV), rows * HV) if row_programs == 0 else (triton.cdiv(V, BV), HV, row_programs)
+        grid = (triton.cdiv(V, BV), N * HV) if row_programs == 0 else (triton.cdiv(V, BV), HV, row_programs)
         snap_at, states = snapshot if snapshot is not None else (seg_start, h0)  # unread without SNAPSHOT
         sub_lo, sub_hi = sub if sub is not None else (seg_start, seg_start)  # unread without NESTED
         _branch_kernel[grid](*meta, final if final is not None else h0, snap_at.contiguous(), states,
                              sub_lo.contiguous(), sub_hi.contiguous(), N, HK=HK, HV=HV, K=K, V=V, BK=BK, BV=BV,
                              L2NORM=use_qk_l2norm, STORE_FINAL=final is not None, SNAPSHOT=snapshot is not None,
-                             ROW_PROGRAMS=row_programs, NESTED=sub is not None,
-                             rows_used_ptr=rows_used if loop_rows else seg_len, GRID_ROWS=loop_rows,
-                             num_warps=warps, num_stages=NUM_STAGES)
+                             ROW_PROGRAMS=row_programs, NESTED=sub is not None, num_warps=warps,
+                             num_stages=NUM_STAGES)
     return o
 
 

@@ -191,6 +191,32 @@ def test_fused_projections_share_the_weights_storage_and_follow_loaded_weights(m
                for block in invariant.flat.blocks)
 
 
+def test_a_second_patch_leaves_the_first_engine_its_own_weights():
+    """Every fused buffer an engine reads (mixer projections, MLP gate/up) is its own: patching the same model again
+    must not free or replace them (the first engine's CUDA graphs read them at their captured addresses; on the H200
+    a second engine put the first's answers 0.065 off the pipeline when the MLP's buffer lived on the shared MLP
+    module), and both engines still answer as the pipeline."""
+    tok = tiny_tokenizer()
+    model = tiny_model("qwen3_5_text", seed=3)
+    request = {"state": "A calm note about billing.", "questions": {
+        "t": {"type": "choice", "instructions": "Team?", "criteria": {"billing": None, "tech": None}},
+        "u": {"type": "noul", "instructions": "Urgent?"}}}
+    want = pipeline("decision", model=model, tokenizer=tok)(request)
+
+    def buffers(engine):
+        return [(t.data_ptr(), t) for block in engine.flat.blocks for name, t in block.mixer.named_buffers()
+                if name.endswith("_weight")]
+
+    first = flide.patch(model, tok)
+    before = buffers(first)
+    assert len(before) == 2 * len(first.flat.blocks)  # the mixer's and the MLP's
+    second = flide.patch(model, tok, {"runtime": {"merge_lone_questions": False}})
+    assert [p for p, _ in buffers(first)] == [p for p, _ in before]
+    assert not {p for p, _ in before} & {p for p, _ in buffers(second)}
+    for engine in (first, second):
+        assert max_difference(engine.decide(request), want) < 1e-5
+
+
 def test_custom_decision_config_on_a_causal_lm():
     """Labels, temperatures and the noul option order of a decision config are honoured as the pipeline does."""
     config = DecisionConfig(labels={"choice": list("abcdefgh"), "score": list("012345"), "noul": ["No", "Yes"]},

@@ -72,7 +72,12 @@ class FlatBlock(nn.Module):
         mlp = self.mlp
         if type(mlp).__name__ in GATED_MLPS and all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj",
                                                                                "act_fn")):
-            self.mlp_sizes = fuse(mlp, [mlp.gate_proj, mlp.up_proj], "gate_up")
+            # the buffer goes on this engine's own mixer, not on the model's MLP module, which every engine patching
+            # the model shares: a later patch re-registering it there freed this engine's buffer while its CUDA graphs
+            # still read it (H200, session 25: an engine's answers 0.065 off the pipeline once a second engine was
+            # built on its model). The mixer is this engine's (swap_mixers makes one per patch) and in the model's
+            # tree until the next patch, so `model.to` still converts it
+            self.mlp_sizes = fuse(self.mixer, [mlp.gate_proj, mlp.up_proj], "gate_up")
 
     def normed(self, norm: nn.Module, h: torch.Tensor) -> torch.Tensor:
         """norm(h) as the mixer or MLP reads it. transformers' RMSNorms return their input's dtype: from an fp32
@@ -84,7 +89,7 @@ class FlatBlock(nn.Module):
         if self.mlp_sizes is None:
             return self.mlp(x)
         mlp = self.mlp
-        gate, up = project(mlp, "gate_up", self.mlp_sizes, [mlp.gate_proj, mlp.up_proj], x)
+        gate, up = project(self.mixer, "gate_up", self.mlp_sizes, [mlp.gate_proj, mlp.up_proj], x)
         return mlp.down_proj(mlp.act_fn(gate) * up)
 
     @torch.compiler.nested_compile_region

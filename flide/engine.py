@@ -118,6 +118,11 @@ class Engine:
             reasons.append(f"the tokenization is {self.prompts.mode!r} (a sub-trunk is cut where prompts are split)")
         if self.config.checkpoints.enabled:
             reasons.append("checkpoints are on (their rounds' kernels take no sub-trunks)")
+        if self.kernels.batch_invariant:
+            # a leaf asked alone has no sub-trunk: its own segment's attention tiles would start at the shared line
+            # instead of after it, a different grouping of its sums (the invariant Triton kernel's tiles start at
+            # each range), so it could not keep the bits it has inside its request
+            reasons.append("batch-invariant mode is on (a question asked alone must keep the bits it has as a leaf)")
         if mode == "auto" and device.type == "cuda" and not NESTED_AUTO_ON_CUDA:
             reasons.append("on CUDA `auto` waits for the whole engine's GPU test of nested forks "
                            "(tests/gpu/test_engine_gpu.py::test_nested_forks_equal_pipeline_on_gpu); `on` runs them")

@@ -86,6 +86,16 @@ def test_nested_forks_on_needs_split_tokenization():
     assert not engine.prepare(candidate_request(random.Random(1))).subs
 
 
+def test_batch_invariant_mode_keeps_nested_forks_off():
+    """A leaf asked alone has no sub-trunk, so its attention's sums would group differently than inside its request:
+    batch-invariant mode (a question asked alone keeps its bits) runs without sub-trunks, and `on` says why not."""
+    model, tok = tiny_model("qwen3_5_text"), tiny_tokenizer()
+    with pytest.raises(ValueError, match="nested_forks: on.*batch-invariant"):
+        flide.patch(model, tok, {"runtime": {"nested_forks": "on"}, "kernels": {"batch_invariant": True}})
+    engine = flide.patch(model, tok, {"kernels": {"batch_invariant": True}})
+    assert not engine.prompts.nested and not engine.prepare(candidate_request(random.Random(1))).subs
+
+
 def test_nested_forks_value_is_checked():
     with pytest.raises(ValueError, match="runtime.nested_forks"):
         flide.patch(tiny_model("llama"), tiny_tokenizer(), {"runtime": {"nested_forks": "sometimes"}})

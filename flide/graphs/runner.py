@@ -214,6 +214,14 @@ class GraphRunner:
         # Python floats (norm eps, attention scale) as constants: with dynamic sizes dynamo would make them symbolic,
         # and a nested compile region (FlatBlock) refuses symbolic-float operands
         torch._dynamo.config.specialize_float = True
+        # No duck sizing: it gives equal values the same symbol, and guards on that equality. The fields' storage
+        # offsets in the packed buffer (int32 words for some, int64 elements for others) can coincide in one bucket
+        # and not in the next: with buckets of tokens / 16 branch rows the first bucket's trunk_hi and option_index
+        # offsets were both 1,024 and the next bucket recompiled. Sizes that must agree still get one symbol (the
+        # ops that need them equal add that guard, true in every bucket)
+        import torch.fx.experimental._config as fx_config
+
+        fx_config.use_duck_shape = False
         # AOT's first-call check of custom ops' aliasing runs them under a TorchDispatchMode, inside which eager vmap
         # (FlexAttention's BlockMask building) fails; our custom ops return fresh tensors (opcheck'd in the tests)
         import torch._functorch.config as functorch_config

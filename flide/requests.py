@@ -297,6 +297,26 @@ class _Trunk:
         self.kept, self.marks = _drop_sentinels(ids, mark_id, split_id)  # marks: kept tokens up to each
         self.kept_count = len(self.kept)
 
+    @staticmethod
+    def continued(trunk: "_Trunk", shared: np.ndarray) -> "_ContinuedTrunk":
+        """`trunk` followed by a sub-trunk's tokens `shared`, which hold no sentinel (`sub_trunks.cuts` shares no run
+        with a mark's or split's text): what a leaf's tail follows, so its reads count from its prompt's start
+        without joining the sub-trunk to each leaf."""
+        return _ContinuedTrunk(trunk, shared)
+
+
+class _ContinuedTrunk(_Trunk):
+    """A trunk continued by a sub-trunk (`_Trunk.continued`): its marks are the trunk's; the kept ids are joined only
+    if a leaf's read needs them (its last mark inside the trunk: a template that marks before the question)."""
+
+    def __init__(self, trunk: _Trunk, shared: np.ndarray):  # no super().__init__: nothing to drop sentinels from
+        self.ids, self._parts = None, (trunk.kept, shared)
+        self.marks, self.kept_count = trunk.marks, trunk.kept_count + len(shared)
+
+    @cached_property
+    def kept(self) -> np.ndarray:
+        return np.concatenate(self._parts)
+
 
 def _join(parts: list[np.ndarray | list[int]]) -> np.ndarray:
     """The parts' ids (int64 arrays, or lists of ints) as one int64 array."""
@@ -712,21 +732,21 @@ class PromptTokenizer:
         sub_ids = dict(zip(sub_texts, tails[len(texts):]))
         subs: list[SubTrunk] = []
         sub_index: dict[tuple[int, str], int] = {}
+        heads: dict[tuple[int, str], _Trunk] = {}  # per sub-trunk: its trunk continued by it, what its leaves follow
         for i, (group, trunk_text, tail) in enumerate(zip(groups, trunk_texts, tails)):
             if trunk_text not in trunk_ids:
                 trunk_ids[trunk_text] = len(trunks)
                 trunks.append(_Trunk(by_text.get(trunk_text, _EMPTY), self.mark_id, self.split_id))
             trunk_index = trunk_ids[trunk_text]
             sub_text = sub_of[i]
-            if sub_text:  # marks are counted over sub-trunk + leaf, as over the whole tail
-                shared = sub_ids[sub_text]
-                branch = self._branch(trunk_index, trunks[trunk_index], np.concatenate([shared, tail]), group)
+            if sub_text:  # the leaf's reads count from its prompt's start: trunk, then its sub-trunk
                 key = (trunk_index, sub_text)
                 if key not in sub_index:
                     sub_index[key] = len(subs)
-                    subs.append(SubTrunk(trunk_index, shared))
+                    subs.append(SubTrunk(trunk_index, sub_ids[sub_text]))
+                    heads[key] = _Trunk.continued(trunks[trunk_index], sub_ids[sub_text])
+                branch = self._branch(trunk_index, heads[key], tail, group)
                 branch.sub = sub_index[key]
-                branch.tokens = branch.tokens[len(shared):]
             else:
                 branch = self._branch(trunk_index, trunks[trunk_index], tail, group)
             branches.append(branch)

@@ -90,3 +90,28 @@ def test_nested_forks_equal_pipeline_on_gpu():
     assert max(max_difference(a, b) for a, b in zip(plain, together)) < 2e-3
     alone = [nested.decide(r) for r in requests[:4]]
     assert max(max_difference(a, b) for a, b in zip(alone, together)) < 2e-3
+
+
+def test_a_second_engine_on_one_model_leaves_the_first_exact_on_gpu():
+    """Two engines patched on ONE model, graphs on: the first still answers as the pipeline after the second is built
+    (session 25: 0.065 off before each engine kept its own fused MLP buffer; the second patch had freed the first's
+    under its CUDA graphs), and so does the second after an eager third."""
+    from flide.testing import candidate_request
+
+    rng = random.Random(11)
+    requests = [candidate_request(rng) for _ in range(4)] + [random_request(rng, max_words=200) for _ in range(4)]
+    tok = tiny_tokenizer()
+    model = tiny_model("qwen3_5_text").cuda()
+    expected = [pipeline("decision", model=model, tokenizer=tok)(r) for r in requests]
+
+    def worst(engine) -> float:
+        return max(max_difference(e, g) for e, g in zip(expected, engine.decide(requests)))
+
+    first = flide.patch(model, tok, config=FAST)
+    assert first.runner is not None and worst(first) < 2e-3
+    second = flide.patch(model, tok, config={**FAST, "runtime": {"device": "cuda", "merge_lone_questions": False,
+                                                                 "nested_forks": "off"}})
+    assert worst(second) < 2e-3
+    assert worst(first) < 2e-3
+    flide.patch(model, tok, config={**FAST, "runtime": {"device": "cuda", "graphs": "off"}})
+    assert worst(second) < 2e-3 and worst(first) < 2e-3

@@ -241,11 +241,8 @@ class Engine:
         limit = self.config.limits.max_prompt_tokens
         # not with checkpoints (saves and resumes are cut in a state's own tokens), nor in batch-invariant mode (a
         # question asked alone must have the bits it has forked inside a request of several questions)
-        merge = (self.config.runtime.merge_lone_questions and not self.config.checkpoints.enabled
-                 and not self.kernels.batch_invariant)
-        if prepared.merge_lone != merge:  # before its round layout is made (dropped if made already)
-            prepared.merge_lone = merge
-            prepared.__dict__.pop("lone_branches", None), prepared.__dict__.pop("round_layout", None)
+        prepared.set_merge_lone(self.config.runtime.merge_lone_questions and not self.config.checkpoints.enabled
+                                and not self.kernels.batch_invariant)  # before its round layout is made below
         for branch in prepared.branches:
             n = prepared.prefix_length(branch) + len(branch.tokens)
             if n > limit:

@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import re
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from itertools import chain, pairwise
@@ -130,13 +131,17 @@ class PreparedRequest:
         question call). Empty without `merge_lone`."""
         if not self.merge_lone:
             return {}
-        count: dict[int, int] = {}
-        for branch in self.branches:
-            count[branch.trunk] = count.get(branch.trunk, 0) + 1
-        for sub in self.subs:
-            count[sub.trunk] = count.get(sub.trunk, 0) + 2  # a trunk with a sub-trunk is never lone
+        prompts = Counter(branch.trunk for branch in self.branches)
+        with_subs = {sub.trunk for sub in self.subs}
         return dict(sorted((b.trunk, k) for k, b in enumerate(self.branches)
-                           if count[b.trunk] == 1 and 0 <= b.trunk < len(self.trunks)))
+                           if prompts[b.trunk] == 1 and b.trunk not in with_subs and 0 <= b.trunk < len(self.trunks)))
+
+    def set_merge_lone(self, merge: bool) -> None:
+        """Sets `merge_lone`, dropping what was derived from it (`lone_branches`, `round_layout`) if it changes."""
+        if merge != self.merge_lone:
+            self.merge_lone = merge
+            self.__dict__.pop("lone_branches", None)
+            self.__dict__.pop("round_layout", None)
 
     @cached_property
     def round_layout(self):
@@ -297,17 +302,13 @@ class _Trunk:
         self.kept, self.marks = _drop_sentinels(ids, mark_id, split_id)  # marks: kept tokens up to each
         self.kept_count = len(self.kept)
 
-    @staticmethod
-    def continued(trunk: "_Trunk", shared: np.ndarray) -> "_ContinuedTrunk":
-        """`trunk` followed by a sub-trunk's tokens `shared`, which hold no sentinel (`sub_trunks.cuts` shares no run
-        with a mark's or split's text): what a leaf's tail follows, so its reads count from its prompt's start
-        without joining the sub-trunk to each leaf."""
-        return _ContinuedTrunk(trunk, shared)
 
 
 class _ContinuedTrunk(_Trunk):
-    """A trunk continued by a sub-trunk (`_Trunk.continued`): its marks are the trunk's; the kept ids are joined only
-    if a leaf's read needs them (its last mark inside the trunk: a template that marks before the question)."""
+    """A trunk followed by a sub-trunk's tokens `shared`, which hold no sentinel (`sub_trunks.cuts` shares no run with
+    a mark's or split's text): what a leaf's tail follows, so its reads count from its prompt's start without joining
+    the sub-trunk to each leaf. Its marks are the trunk's; the kept ids are joined only if a leaf's read needs them
+    (its last mark inside the trunk: a template that marks before the question)."""
 
     def __init__(self, trunk: _Trunk, shared: np.ndarray):  # no super().__init__: nothing to drop sentinels from
         self.ids, self._parts = None, (trunk.kept, shared)
@@ -744,7 +745,7 @@ class PromptTokenizer:
                 if key not in sub_index:
                     sub_index[key] = len(subs)
                     subs.append(SubTrunk(trunk_index, sub_ids[sub_text]))
-                    heads[key] = _Trunk.continued(trunks[trunk_index], sub_ids[sub_text])
+                    heads[key] = _ContinuedTrunk(trunks[trunk_index], sub_ids[sub_text])
                 branch = self._branch(trunk_index, heads[key], tail, group)
                 branch.sub = sub_index[key]
             else:

@@ -294,6 +294,9 @@ class RequestLayout:
         starts = [full_lens[t] + (branch_lens[k] if k >= 0 else 0) for t, k in zip(branch_state, branch_sub)]
         read_rel, read_flag, self.reads, self._options = [], [], [], []
 
+        def positions(branch) -> list:  # its reads' prompt positions as Python ints (an array's tolist is one call)
+            return branch.reads.tolist() if isinstance(branch.reads, np.ndarray) else branch.reads
+
         def add_read(row: int, in_trunk: int, question, options, tail) -> None:
             read_rel.append(row), read_flag.append(in_trunk)
             self._options.append([int(o) for o in options])
@@ -301,16 +304,14 @@ class RequestLayout:
 
         for t, b in lone.items():  # reads of a merged lone branch: rows of its trunk's segment
             branch = request.branches[b]
-            for pos, question, options in zip(branch.reads.tolist() if isinstance(branch.reads, np.ndarray)
-                                               else branch.reads, branch.questions, branch.options):
+            for pos, question, options in zip(positions(branch), branch.questions, branch.options):
                 add_read(state_start[t] + int(pos), 1, question, options, branch.tail)
         q_cursor = 0
         for branch, t, n, pos0 in zip(branches, branch_state, branch_lens, starts):
             if isinstance(branch, SubTrunk):  # no reads: its tokens are read through its leaves
                 q_cursor += n
                 continue
-            reads = branch.reads.tolist() if isinstance(branch.reads, np.ndarray) else branch.reads
-            for pos, question, options in zip(reads, branch.questions, branch.options):
+            for pos, question, options in zip(positions(branch), branch.questions, branch.options):
                 pos = int(pos)
                 if pos < pos0 and branch.sub >= 0:  # `prepare` keeps no sub-trunk its leaves read inside
                     raise ValueError(f"a read at token {pos} falls before its leaf's first token {pos0}")

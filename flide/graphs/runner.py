@@ -147,6 +147,7 @@ class GraphRunner:
         cuda = self.device.type == "cuda"
         if cuda:
             torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()  # what was cached before (model building's temporaries) is not the graphs'
             before = torch.cuda.memory_reserved(self.device)
         if self.compile:
             self._forward = self._compiled_forward()
@@ -163,12 +164,17 @@ class GraphRunner:
                 # cudagraph trees: a warm-up run (compiles, autotunes), a recording run, then replays
                 for _ in range(3):
                     self._replay(bucket)
-        if cuda:
-            torch.cuda.synchronize(self.device)
-            self.graph_memory_bytes = torch.cuda.memory_reserved(self.device) - before
         self._skip_guards = self.compile and self.guards == "skip"
         if self.compile and cuda and self.guards == "none":
             self._keep_recorded_graphs()
+        if cuda:
+            torch.cuda.synchronize(self.device)
+            # The warm-up runs (Inductor's first calls, its autotuning) allocate from the ordinary pool, whose freed
+            # blocks the caching allocator keeps: without this the process went on holding a largest-bucket forward's
+            # worth of device memory that no replay uses. The graphs' private pools are not released (their graphs
+            # hold them), and later eager rounds allocate again as they need.
+            torch.cuda.empty_cache()
+            self.graph_memory_bytes = torch.cuda.memory_reserved(self.device) - before
         self.capture_seconds = time.perf_counter() - start
         log.info("flide: %s %d buckets (%s tokens) in %.1f s; %.2f GiB reserved for graphs and buffers",
                  "captured" if self.compile else "prepared", len(shapes),

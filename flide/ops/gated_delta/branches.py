@@ -34,6 +34,10 @@ import torch
 import triton
 import triton.language as tl
 
+# how many sub-trunk states a nested question call stores (`branches(sub_slot=)`); defined with `sub_slots`, which
+# derives the slots in the model's forward (`import flide` must not need triton)
+from . import SUB_STATE_SLOTS
+
 # Tiles measured on the H200 (2026-11-30, `benchmarks/ops/bench_gated_delta.py --sweep`, the question call alone on
 # Qwen3.5-0.8B): 16 value columns per program and one warp took 0.216 ms on 2,000 + 64 x 40 tokens and 0.037 ms on
 # RACE in its bucket, against 0.302 / 0.039 with fla's recurrent tiles (8 columns, one warp) and 0.31-0.75 / 0.05-0.08
@@ -120,32 +124,45 @@ def _initial_state(h0_ptr, index_ptr, i_n, i_h, o_k, o_v, k_ok, v_ok, HV: tl.con
 
 @triton.jit
 def _branch_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, start_ptr, len_ptr, index_ptr, scale,
-                   ht_ptr, snap_at_ptr, hs_ptr, sub_lo_ptr, sub_hi_ptr, N, HK: tl.constexpr, HV: tl.constexpr,
-                   K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr,
-                   STORE_FINAL: tl.constexpr, SNAPSHOT: tl.constexpr, ROW_PROGRAMS: tl.constexpr,
-                   NESTED: tl.constexpr):
+                   ht_ptr, snap_at_ptr, hs_ptr, sub_lo_ptr, sub_hi_ptr, sub_slot_ptr, subs_ptr, N, HK: tl.constexpr,
+                   HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                   L2NORM: tl.constexpr, STORE_FINAL: tl.constexpr, SNAPSHOT: tl.constexpr,
+                   ROW_PROGRAMS: tl.constexpr, NESTED: tl.constexpr, STORE_SUBS: tl.constexpr,
+                   FROM_SUBS: tl.constexpr):
     i_v = tl.program_id(0)
     if ROW_PROGRAMS == 0:  # a program per (row, value head, V tile): a row of length 0 returns at once
         _branch_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, start_ptr, len_ptr, index_ptr, scale, ht_ptr,
-                    snap_at_ptr, hs_ptr, sub_lo_ptr, sub_hi_ptr, tl.program_id(1) // HV, tl.program_id(1) % HV, i_v,
-                    HK, HV, K, V, BK, BV, L2NORM, STORE_FINAL, SNAPSHOT, NESTED)
+                    snap_at_ptr, hs_ptr, sub_lo_ptr, sub_hi_ptr, sub_slot_ptr, subs_ptr, tl.program_id(1) // HV,
+                    tl.program_id(1) % HV, i_v, HK, HV, K, V, BK, BV, L2NORM, STORE_FINAL, SNAPSHOT, NESTED,
+                    STORE_SUBS, FROM_SUBS)
     else:  # ROW_PROGRAMS programs per (value head, V tile), each over rows i, i + ROW_PROGRAMS, ...
         for i_n in range(tl.program_id(2), N, ROW_PROGRAMS):
             _branch_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, start_ptr, len_ptr, index_ptr, scale,
-                        ht_ptr, snap_at_ptr, hs_ptr, sub_lo_ptr, sub_hi_ptr, i_n, tl.program_id(1), i_v, HK, HV, K, V,
-                        BK, BV, L2NORM, STORE_FINAL, SNAPSHOT, NESTED)
+                        ht_ptr, snap_at_ptr, hs_ptr, sub_lo_ptr, sub_hi_ptr, sub_slot_ptr, subs_ptr, i_n,
+                        tl.program_id(1), i_v, HK, HV, K, V, BK, BV, L2NORM, STORE_FINAL, SNAPSHOT, NESTED,
+                        STORE_SUBS, FROM_SUBS)
 
 
 @triton.jit
 def _branch_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, start_ptr, len_ptr, index_ptr, scale, ht_ptr,
-                snap_at_ptr, hs_ptr, sub_lo_ptr, sub_hi_ptr, i_n, i_h, i_v, HK: tl.constexpr, HV: tl.constexpr,
-                K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr,
-                STORE_FINAL: tl.constexpr, SNAPSHOT: tl.constexpr, NESTED: tl.constexpr):
+                snap_at_ptr, hs_ptr, sub_lo_ptr, sub_hi_ptr, sub_slot_ptr, subs_ptr, i_n, i_h, i_v, HK: tl.constexpr,
+                HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                L2NORM: tl.constexpr, STORE_FINAL: tl.constexpr, SNAPSHOT: tl.constexpr, NESTED: tl.constexpr,
+                STORE_SUBS: tl.constexpr, FROM_SUBS: tl.constexpr):
     """Row i_n's question (or segment) for value head i_h, V tile i_v: the recurrent form's work for one row.
     NESTED (a nested fork's question call): a leaf first runs its sub-trunk's rows, [sub_lo, sub_hi) at its first
-    token, from its initial state, storing no outputs (`_sub_trunk`); without it that code is not compiled in."""
+    token, from its initial state, storing no outputs (`_sub_trunk`); without it that code is not compiled in.
+    STORE_SUBS / FROM_SUBS (with NESTED): the nested call in two launches (`branches(sub_slot=)`). The first runs
+    every row but the leaves whose sub-trunk has a slot (`sub_slot[i_n] >= 0`), and a sub-trunk with a slot stores
+    its state after its tokens to `subs[slot]`; the second runs only those leaves, from `subs[slot]` instead of
+    re-running their sub-trunk. Without either flag neither code is compiled in."""
     i_hk = i_h // (HV // HK)  # grouped value heads: value head h reads key head h // (HV // HK)
     n = tl.load(len_ptr + i_n)
+    if STORE_SUBS or FROM_SUBS:
+        slot = tl.load(sub_slot_ptr + i_n)
+        # a row the other launch runs takes length -1 here: neither the empty segment's store (n == 0) nor the token
+        # loop (n > 0) runs for it, so this launch writes nothing of it
+        n = tl.where(_stored_leaf(start_ptr, sub_lo_ptr, sub_hi_ptr, i_n, n, slot) == FROM_SUBS, n, -1)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     k_ok = o_k < K
@@ -168,10 +185,14 @@ def _branch_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, start_ptr, 
                     tl.store(hs_ptr + state_at, h, mask=state_ok)
     if n > 0:
         bos = tl.load(start_ptr + i_n).to(tl.int64)
-        h = _initial_state(h0_ptr, index_ptr, i_n, i_h, o_k, o_v, k_ok, v_ok, HV, K, V, BK, BV)
-        if NESTED:
-            h = _sub_trunk(h, k_ptr, v_ptr, g_ptr, beta_ptr, sub_lo_ptr, sub_hi_ptr, bos, i_h, i_hk, o_k, o_v, k_ok,
-                           v_ok, HK, HV, K, V, L2NORM)
+        if FROM_SUBS:  # a leaf whose sub-trunk's own program stored its state after its tokens (the first launch)
+            h = tl.load(subs_ptr + slot.to(tl.int64) * HV * K * V + (i_h * K + o_k[:, None]) * V + o_v[None, :],
+                        mask=state_ok, other=0.0)
+        else:
+            h = _initial_state(h0_ptr, index_ptr, i_n, i_h, o_k, o_v, k_ok, v_ok, HV, K, V, BK, BV)
+            if NESTED:
+                h = _sub_trunk(h, k_ptr, v_ptr, g_ptr, beta_ptr, sub_lo_ptr, sub_hi_ptr, bos, i_h, i_hk, o_k, o_v,
+                               k_ok, v_ok, HK, HV, K, V, L2NORM)
         # Each step's loads are issued one step ahead (software prefetch): the chain from one token's state to the
         # next is only the decay, one sum over K and the rank-1 update, and the H200 showed ~2 us a step when each
         # step also waited for its own q/k/v loads. Same arithmetic, same bits.
@@ -204,6 +225,22 @@ def _branch_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, start_ptr, 
                     tl.store(hs_ptr + state_at, h, mask=state_ok)
         if STORE_FINAL:  # the state after the segment's last token (checkpoint rounds: a state's rest, ops/resume.py)
             tl.store(ht_ptr + state_at, h, mask=state_ok)
+        if STORE_SUBS:
+            if slot >= 0:  # a sub-trunk some leaf starts from (the leaves with a slot run in the second launch)
+                tl.store(subs_ptr + slot.to(tl.int64) * HV * K * V + (i_h * K + o_k[:, None]) * V + o_v[None, :], h,
+                         mask=state_ok)
+
+
+@triton.jit
+def _stored_leaf(start_ptr, sub_lo_ptr, sub_hi_ptr, i_n, n, slot):
+    """Whether row i_n (length n, slot `slot`) is a leaf whose sub-trunk has a slot: a row with a slot and tokens
+    whose first token has a non-empty sub-trunk range (a sub-trunk's own range is empty). The range is read only
+    then: an empty row's start may lie anywhere."""
+    leaf = (n > 0) & (slot >= 0)
+    bos = tl.load(start_ptr + i_n)
+    a = tl.load(sub_lo_ptr + bos, mask=leaf, other=0)
+    b = tl.load(sub_hi_ptr + bos, mask=leaf, other=0)
+    return leaf & (b > a)
 
 
 @triton.jit
@@ -317,7 +354,8 @@ def branches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
              form: str = "recurrent", tiles: tuple[int, ...] | None = None,
              final: torch.Tensor | None = None,
              snapshot: tuple[torch.Tensor, torch.Tensor] | None = None,
-             sub: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+             sub: tuple[torch.Tensor, torch.Tensor] | None = None,
+             sub_slot: torch.Tensor | None = None) -> torch.Tensor:
     """o [T, Hv, V] (q's dtype) of every segment, each from `initial_state[initial_index[n]]` (-1: zero). Rows
     outside the segments are left unwritten, as fla's variant leaves them (`gated_delta.combine` selects).
 
@@ -335,7 +373,12 @@ def branches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     `sub`: (sub_lo, sub_hi) [T] int32, a nested fork's question call (`reference.gated_delta`'s semantics): a segment
     whose first token has a non-empty range [a, b) first runs rows a..b-1 from its initial state, writing none of
     their outputs, then its own rows (`final`: the state after its own rows); the recurrent form only, not with
-    `snapshot` (checkpoint rounds have no nested forks)."""
+    `snapshot` (checkpoint rounds have no nested forks).
+    `sub_slot` (with `sub`): [N] int32, each row's slot in a buffer of SUB_STATE_SLOTS states (`sub_slots`: a
+    sub-trunk that leaves start from, those leaves, -1 elsewhere). The call then takes two launches: every row but the
+    leaves with a slot, each sub-trunk with a slot storing its state after its tokens; then those leaves, each from
+    its sub-trunk's stored state instead of re-running its rows (the same steps in the same order: the same
+    function; rows without a slot, leaves included, run as without `sub_slot`)."""
     if form not in FORMS:
         raise ValueError(f"`form` must be one of {FORMS}, got {form!r}")
     if sub is not None:
@@ -345,6 +388,9 @@ def branches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
         if any(t.dtype != torch.int32 or t.shape != q.shape[:1] for t in sub):
             raise ValueError(f"`sub` needs two int32 [T] tensors (T = {q.shape[0]}), got "
                              f"{[(t.dtype, tuple(t.shape)) for t in sub]}")
+    if sub_slot is not None and (sub is None or sub_slot.dtype != torch.int32 or sub_slot.shape != seg_start.shape):
+        raise ValueError(f"`sub_slot` needs `sub` and an int32 [N] tensor (N = {seg_start.shape[0]}), got "
+                         f"{'no sub, ' if sub is None else ''}{sub_slot.dtype} {tuple(sub_slot.shape)}")
     state_shape = (seg_start.shape[0], v.shape[1], k.shape[2], v.shape[2])
 
     def state_output_ok(t: torch.Tensor) -> bool:  # where `final` / `snapshot` states go
@@ -397,11 +443,18 @@ def branches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
         grid = (triton.cdiv(V, BV), N * HV) if row_programs == 0 else (triton.cdiv(V, BV), HV, row_programs)
         snap_at, states = snapshot if snapshot is not None else (seg_start, h0)  # unread without SNAPSHOT
         sub_lo, sub_hi = sub if sub is not None else (seg_start, seg_start)  # unread without NESTED
-        _branch_kernel[grid](*meta, final if final is not None else h0, snap_at.contiguous(), states,
-                             sub_lo.contiguous(), sub_hi.contiguous(), N, HK=HK, HV=HV, K=K, V=V, BK=BK, BV=BV,
-                             L2NORM=use_qk_l2norm, STORE_FINAL=final is not None, SNAPSHOT=snapshot is not None,
-                             ROW_PROGRAMS=row_programs, NESTED=sub is not None, num_warps=warps,
-                             num_stages=NUM_STAGES)
+        # (STORE_SUBS, FROM_SUBS) of each launch: one as without slots, or the slots' two (see `_branch_row`)
+        launches = [(False, False)] if sub_slot is None else [(True, False), (False, True)]
+        # the sub-trunks' stored states: a transient of this call, unread without slots
+        subs = h0 if sub_slot is None else torch.empty(SUB_STATE_SLOTS, HV, K, V, dtype=torch.float32,
+                                                      device=q.device)
+        for store_subs, from_subs in launches:
+            _branch_kernel[grid](*meta, final if final is not None else h0, snap_at.contiguous(), states,
+                                 sub_lo.contiguous(), sub_hi.contiguous(),
+                                 (sub_slot if sub_slot is not None else sub_lo).contiguous(), subs, N, HK=HK, HV=HV,
+                                 K=K, V=V, BK=BK, BV=BV, L2NORM=use_qk_l2norm, STORE_FINAL=final is not None,
+                                 SNAPSHOT=snapshot is not None, ROW_PROGRAMS=row_programs, NESTED=sub is not None,
+                                 STORE_SUBS=store_subs, FROM_SUBS=from_subs, num_warps=warps, num_stages=NUM_STAGES)
     return o
 
 

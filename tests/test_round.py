@@ -210,6 +210,29 @@ def test_sub_slots_equal_the_layouts(seed):
         assert got.dtype == torch.int32 and got.tolist() == layout_sub_slots(built, cap), cap
 
 
+def test_sub_slots_compile_to_one_graph():
+    """`sub_slots` as the flat forward's compiled graph runs it (torch.compile, dynamic shapes, no graph break): the
+    same slots as eagerly on rounds of several sizes, one graph for all of them."""
+    from torch._dynamo.utils import counters
+
+    def derive(*args):  # a frame of this test's own: dynamo caches by code object
+        return sub_slots(*args)
+
+    graphs = counters["stats"]["unique_graphs"]
+    compiled = torch.compile(derive, dynamic=True, fullgraph=True)
+    sizes = set()
+    for seed in range(6):
+        rng = np.random.default_rng(100 + seed)
+        requests = [random_request(rng) for _ in range(int(rng.integers(2, 9)))]
+        built = build_round(requests, exact_fit(requests, spare=7), 0)
+        t = built.tensors
+        args = (t.branch_start.clone(), t.branch_len.clone(), t.branch_state.clone(), t.sub_lo.clone(),
+                t.sub_hi.clone())
+        assert compiled(*args, 2).tolist() == layout_sub_slots(built, 2)
+        sizes.add((args[0].shape[0], args[3].shape[0]))
+    assert len(sizes) > 3 and counters["stats"]["unique_graphs"] == graphs + 1, dict(counters["stats"])
+
+
 def test_sub_slots_of_the_random_rounds_cover_every_case():
     """The random rounds above hold sub-trunks with leaves, sub-trunks without, and more named sub-trunks than 2."""
     named, unnamed = 0, 0

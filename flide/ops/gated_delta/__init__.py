@@ -337,9 +337,10 @@ def fork_tables(state_start: torch.Tensor, state_len: torch.Tensor, branch_start
 
 # Nested forks: at most this many sub-trunks of a round store their state after their tokens for their leaves to start
 # from (`sub_slots`, `branches.branches(sub_slot=)`); the leaves of the others re-run their sub-trunk's tokens. Each
-# slot is an fp32 [Hv, K, V] state (1 MiB on Qwen3.5-0.8B) in a buffer of the question call, a per-layer transient
-# in the CUDA graph's memory pool, which is near its budget: 32 MiB at most. A MultiRC request holds ~10-30
-# sub-trunks (one per question line).
+# slot is an fp32 [Hv, K, V] state (1 MiB on Qwen3.5-0.8B, 2 MiB with 4B / 9B's 32 value heads) in a buffer of the
+# question call, a per-layer transient in the CUDA graph's memory pool, which is near its budget: 32 MiB at most on
+# 0.8B (at most half the bucket's branch rows: `branches.branches`). A real MultiRC request holds ~8 sub-trunks (62 in
+# the 8 of benchmarks/test_host_side.py): 32 cover a round of ~4.
 SUB_STATE_SLOTS = 32
 
 

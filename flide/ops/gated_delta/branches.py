@@ -445,9 +445,11 @@ def branches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
         sub_lo, sub_hi = sub if sub is not None else (seg_start, seg_start)  # unread without NESTED
         # (STORE_SUBS, FROM_SUBS) of each launch: one as without slots, or the slots' two (see `_branch_row`)
         launches = [(False, False)] if sub_slot is None else [(True, False), (False, True)]
-        # the sub-trunks' stored states: a transient of this call, unread without slots
-        subs = h0 if sub_slot is None else torch.empty(SUB_STATE_SLOTS, HV, K, V, dtype=torch.float32,
-                                                      device=q.device)
+        # the sub-trunks' stored states: a transient of this call, unread without slots. A sub-trunk takes a slot
+        # only with a leaf, another row, so a call of N rows uses at most N // 2 slots (a small bucket's buffer is
+        # small)
+        subs = h0 if sub_slot is None else torch.empty(max(1, min(SUB_STATE_SLOTS, N // 2)), HV, K, V,
+                                                      dtype=torch.float32, device=q.device)
         for store_subs, from_subs in launches:
             _branch_kernel[grid](*meta, final if final is not None else h0, snap_at.contiguous(), states,
                                  sub_lo.contiguous(), sub_hi.contiguous(),

@@ -186,7 +186,7 @@ class FlatModel(nn.Module):
             tables = fork_tables(r.state_start, r.state_len, r.branch_start, r.branch_len, r.state_chunks,
                                  r.branch_chunks if self.wy else None)
             # nested forks: the conv's ranges and the sub-trunk state slots once for all GDN layers (two pointwise
-            # kernels a layer otherwise, and a dozen small ones)
+            # kernels a layer otherwise, and a dozen small ops)
             nested = (*conv_range(r), sub_state_slots(r)) if self.nested else ()
             ctx = FlatContext(r, cos[0], sin[0], tables=tables, conv_range=tuple(nested[:2]) or None,
                               sub_slot=nested[2] if nested else None)

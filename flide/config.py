@@ -95,7 +95,7 @@ class RuntimeConfig:
     # nested forks: lines that several questions of a state share after it (a judge's question line before each
     # candidate answer: MultiRC) are computed once as a sub-trunk that those questions fork from in turn. auto: on
     # where the tokenization splits and the kernel variants have nested companions (`flide.ops.registry.nested`) and
-    # checkpoints and batch-invariant mode are off (engine.NESTED_AUTO_ON_CUDA); on: the same or an error saying why not;
+    # checkpoints and batch-invariant mode are off (`Engine._nested_ops`); on: the same or an error saying why not;
     # off: each question carries its whole tail
     nested_forks: str = "auto"
     # a state asked one question (its only prompt, no sub-trunk) runs as ONE sequence with it: nothing forks from it,

@@ -48,14 +48,6 @@ class Usage:
     computed_tokens: int = 0  # tokens computed for it in its last round: stream_tokens - cached_tokens
 
 
-# `runtime.nested_forks: auto` on CUDA. The GPU kernels' nested forms pass their own GPU tests against the
-# references (the invariant attention's sub-trunk phase, 15 tests; the Triton question kernel's recompute, 32 with
-# fla's fork), and the whole engine with graphs equals the pipeline on the H200 within 1.1e-5 on judge-shaped
-# requests, as without nested forks (session 25, tests/gpu/test_engine_gpu.py::test_nested_forks_equal_pipeline_on_gpu;
-# MultiRC's replay: 1,028 -> 761 tokens, GPU 5.68 -> 4.47 ms, benchmarks/results/h200_profile_0_8b_nested_forks_*.json).
-NESTED_AUTO_ON_CUDA = True
-
-
 class Engine:
     """Answers decision requests with a patched transformers model. Build it with `flide.patch` or
     `Engine.from_pretrained`."""
@@ -106,7 +98,10 @@ class Engine:
         self.checkpoints, self._resumable = self._checkpoint_cache()
 
     def _nested_ops(self, device) -> dict | None:
-        """The kernels' nested-fork companions where `runtime.nested_forks` turns sub-trunks on, else None."""
+        """The kernels' nested-fork companions where `runtime.nested_forks` turns sub-trunks on, else None. On CUDA
+        too since session 25: the whole engine with graphs equals the pipeline on the H200 within 1.1e-5 with them
+        (tests/gpu/test_engine_gpu.py::test_nested_forks_equal_pipeline_on_gpu; MultiRC's replay 1,028 -> 761
+        tokens, GPU 5.68 -> 4.47 ms, benchmarks/results/h200_profile_0_8b_nested_forks_*.json)."""
         from .ops.registry import nested
 
         mode = self.config.runtime.nested_forks
@@ -123,9 +118,6 @@ class Engine:
             # instead of after it, a different grouping of its sums (the invariant Triton kernel's tiles start at
             # each range), so it could not keep the bits it has inside its request
             reasons.append("batch-invariant mode is on (a question asked alone must keep the bits it has as a leaf)")
-        if mode == "auto" and device.type == "cuda" and not NESTED_AUTO_ON_CUDA:
-            reasons.append("on CUDA `auto` waits for the whole engine's GPU test of nested forks "
-                           "(tests/gpu/test_engine_gpu.py::test_nested_forks_equal_pipeline_on_gpu); `on` runs them")
         if reasons and mode == "on":
             raise ValueError(f"`runtime.nested_forks: on` cannot run: {'; '.join(reasons)}.")
         if reasons:

@@ -303,7 +303,6 @@ class _Trunk:
         self.kept_count = len(self.kept)
 
 
-
 class _ContinuedTrunk(_Trunk):
     """A trunk followed by a sub-trunk's tokens `shared`, which hold no sentinel (`sub_trunks.cuts` shares no run with
     a mark's or split's text): what a leaf's tail follows, so its reads count from its prompt's start without joining

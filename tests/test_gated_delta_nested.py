@@ -7,8 +7,8 @@ questions, a spare branch row, tail padding): the reference's leaves equal the r
 state + sub-trunk + leaf; every other row has the bits of the fork without sub-trunks; and the Triton question kernel
 compiled with NESTED (through Triton's interpreter, as tests/test_triton_kernels.py runs it: a normal run starts a
 child pytest on this file with TRITON_INTERPRET=1 for the `test_triton_` checks) equals the reference, and without
-sub-trunks has the bits of its plain call; with the sub-trunks' stored states (`sub_slots`, two launches) it has the
-bits of the call that re-runs each leaf's sub-trunk. `TRITON_INTERPRET=1 python -m pytest tests/test_gated_delta_nested.py`
+sub-trunks has the bits of its plain call; with the sub-trunks' stored states (`sub_slots`: leaves wait on their
+sub-trunk's flag in the same launch) it has the bits of the call that re-runs each leaf's sub-trunk. `TRITON_INTERPRET=1 python -m pytest tests/test_gated_delta_nested.py`
 runs them all directly. The `fla` fork with sub-trunks on the GPU: tests/gpu/test_gated_delta_nested_gpu.py.
 """
 
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from flide.ops import registry
 from flide.ops.gated_delta import (SUB_STATE_SLOTS, fork, fork_parts, gated_delta_branches_nested_triton,
-                                   gated_delta_nested_reference, gated_delta_reference, sub_slots)
+                                   gated_delta_nested_reference, gated_delta_reference, new_sub_flags, sub_slots)
 from flide.ops.gated_delta import reference as delta_ref
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -49,9 +49,10 @@ class NestedStream:
         """[NB] int32: each branch row's sub-trunk state slot (`sub_slots`)."""
         return sub_slots(self.branch_start, self.branch_len, self.branch_state, self.sub_lo, self.sub_hi, cap)
 
-    def sub(self, cap: int = SUB_STATE_SLOTS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`fork_parts(sub=)`: the per-token ranges and the rows' slots."""
-        return self.sub_lo, self.sub_hi, self.slots(cap)
+    def sub(self, cap: int = SUB_STATE_SLOTS) -> tuple[torch.Tensor, ...]:
+        """`fork_parts(sub=)`: the per-token ranges, the rows' slots and the flags a kernel's leaves would wait on
+        (none here: the reference ignores them)."""
+        return self.sub_lo, self.sub_hi, self.slots(cap), torch.zeros(0, dtype=torch.int32)
 
 
 def nested_stream(sub_len: int) -> NestedStream:
@@ -348,49 +349,58 @@ else:
     @pytest.mark.parametrize("tiles", [None, (16, 1, 2)], ids=["program-per-row", "row-programs-2"])
     @pytest.mark.parametrize("sub_len,heads,l2norm", CASES, ids=IDS)
     def test_triton_stored_sub_states_keep_the_bits(sub_len, heads, l2norm, tiles):
-        """(e) With the sub-trunks' stored states (`sub_slot`: two launches, leaves with a slot start from their
-        sub-trunk's state after its tokens) every output row and final state has the bits of the call that re-runs
-        each leaf's sub-trunk: all sub-trunks with a slot, only the first (cap 1: P2's leaf re-runs it in the first
-        launch), none (every slot -1). Every question row and final state written (NaN-poisoned), nothing else;
-        and within 1e-5 of the reference."""
+        """(e) With the sub-trunks' stored states (`sub_slot`: leaves with a slot wait on their sub-trunk's flag and
+        start from its state after its tokens) every output row and final state has the bits of the call that
+        re-runs each leaf's sub-trunk: all sub-trunks with a slot, only the first (cap 1), none (every slot -1), and
+        flags that never come (each leaf gives up after its polls and re-runs its sub-trunk). The interpreter runs
+        the programs one by one in grid order, so P's first leaf (a row before P) always gives up too. The flags
+        are zero again after every call (what lets a layer keep them); every question row and final state written
+        (NaN-poisoned), nothing else; and within 1e-5 of the reference."""
         s = nested_stream(sub_len)
         x = inputs(s.T, heads, l2norm, seed=sub_len + 4)
         Hv, K, V = heads[1:]
         _, args = question_call(s, x, l2norm)
 
-        def call(sub_slot):
+        def call(sub_slot, flags=None):
             final = poisoned(len(s.branch_len), Hv, K, V)
             out = delta_branches.branches(*args, out=poisoned(s.T, Hv, V), tiles=tiles, final=final,
-                                          sub=(s.sub_lo, s.sub_hi), sub_slot=sub_slot)
+                                          sub=(s.sub_lo, s.sub_hi), sub_slot=sub_slot, sub_flags=flags, max_spins=2)
             return out, final
 
         rows = question_rows(s)
         recomputed, recomputed_final = call(None)
         assert s.slots().max() == 1 and (s.slots(1) == 0).sum() == 4  # the cases below: both slots, one, none
-        for sub_slot in (s.slots(), s.slots(1), torch.full_like(s.slots(), -1)):
-            out, final = call(sub_slot)
+        never = torch.full_like(new_sub_flags(Hv, V), -1000)  # a flag no sub-trunk's count lifts above zero
+        for sub_slot, flags in ((s.slots(), new_sub_flags(Hv, V)), (s.slots(1), new_sub_flags(Hv, V)),
+                                (torch.full_like(s.slots(), -1), new_sub_flags(Hv, V)), (s.slots(), never.clone())):
+            before = flags.clone()
+            out, final = call(sub_slot, flags)
             assert torch.equal(out[rows], recomputed[rows]) and out[~rows].isnan().all()
             assert torch.equal(final, recomputed_final)
+            assert torch.equal(flags, before)
         want, want_final = delta_ref.gated_delta(*args, s.sub_lo, s.sub_hi)
         out, final = call(s.slots())
         torch.testing.assert_close(out[rows], want[rows], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(final, want_final, atol=1e-5, rtol=1e-5)
 
     def test_triton_leaves_with_a_slot_start_from_the_stored_state():
-        """(f) A leaf with a slot runs from the state stored in that slot, not from its own range: P's leaves handed
-        P2's slot have the bits of the plain call over P2's rows and their own as one segment from P2's state (so
-        the second launch read the slot and skipped `_sub_trunk`, and the first wrote none of their rows)."""
+        """(f) A leaf with a slot runs from the state stored in that slot, not from its own range: P2's leaf handed
+        P's slot (P's row comes before it) has the bits of the plain call over P's rows and its own as one segment
+        from P's state (so it read the slot and skipped `_sub_trunk`), and the flags end at zero (P counted it)."""
         s = nested_stream(6)
         x = inputs(s.T, HEADS[0], True, seed=9)
         _, args = question_call(s, x, True)
         wrong = s.slots().clone()
         p, p2 = 1, 6  # P's and P2's branch rows
-        wrong[[leaf for leaf, parent in s.leaves if parent == p]] = int(wrong[p2])
-        out = delta_branches.branches(*args, sub=(s.sub_lo, s.sub_hi), sub_slot=wrong)
+        moved = [leaf for leaf, parent in s.leaves if parent == p2]
+        wrong[moved] = int(wrong[p])
+        flags = new_sub_flags(*HEADS[0][1::2])
+        out = delta_branches.branches(*args, sub=(s.sub_lo, s.sub_hi), sub_slot=wrong, sub_flags=flags, max_spins=2)
+        assert moved and not flags.any()
         for leaf, parent in s.leaves:
-            rows = rows_of(s, p2 if parent == p else parent) + rows_of(s, leaf)
+            rows = rows_of(s, p if parent == p2 else parent) + rows_of(s, leaf)
             alone = delta_branches.branches(*(t[rows] for t in x), torch.tensor([0]), torch.tensor([len(rows)]),
-                                            args[7], s.branch_state[p2:p2 + 1] if parent == p else
+                                            args[7], s.branch_state[p:p + 1] if parent == p2 else
                                             s.branch_state[leaf:leaf + 1], SCALE, True)
             assert torch.equal(out[rows_of(s, leaf)], alone[-len(rows_of(s, leaf)):])
 
@@ -410,3 +420,5 @@ else:
             delta_branches.branches(*args, sub=sub, sub_slot=s.slots().long())
         with pytest.raises(ValueError, match="sub_slot"):
             delta_branches.branches(*args, sub_slot=s.slots())
+        with pytest.raises(ValueError, match="sub_flags"):  # too few flags for the heads
+            delta_branches.branches(*args, sub=sub, sub_slot=s.slots(), sub_flags=new_sub_flags(1, 1))

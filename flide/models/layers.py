@@ -20,7 +20,7 @@ from ..ops.fork_conv.reference import gdn_gates
 from ..ops.gated_delta import BRANCH_KERNELS, LAID_OUT_STATE_KERNELS, STATE_KERNELS, WY_KERNELS
 from ..ops.gated_delta import fork_parts as gated_delta_fork_parts
 from ..ops.gated_delta import fork_resumable as gated_delta_fork_resumable
-from ..ops.gated_delta import sub_slots
+from ..ops.gated_delta import new_sub_flags, sub_slots
 from ..ops.gated_norm.reference import select_rows
 from ..round import RoundTensors
 
@@ -208,8 +208,12 @@ class FlideGatedDeltaNet(_Swapped):
         fusable = fuse_conv_layout and dim == self.head_v_dim and dim & (dim - 1) == 0 and dim <= 256 and not self.wy
         self.conv_qkv_op = QKV_KERNELS.get(conv_op) if fusable else None
         self.laid_out_state_op = LAID_OUT_STATE_KERNELS.get(delta_op) if fusable else None
-        # nested forks (`runtime.nested_forks`): the question call that first runs each leaf's sub-trunk rows
+        # nested forks (`runtime.nested_forks`): the question call whose leaves continue their sub-trunk's state,
+        # and the flags they wait on for it (zero between calls: kept here, not filled a call; not in state_dict)
         self.nested_op = nested_op
+        if nested_op is not None:
+            self.register_buffer("sub_flags", new_sub_flags(original.num_v_heads, original.head_v_dim,
+                                                            original.A_log.device), persistent=False)
 
     def fuse_projections(self) -> None:
         """in_proj_qkv / z / b / a as one GEMM (flide/models/fused.py); the layer's weights become views of it."""
@@ -261,7 +265,7 @@ class FlideGatedDeltaNet(_Swapped):
                                            state_kernel=self.laid_out_state_op if laid_out else self.state_op,
                                            tables=ctx.tables, wy=self.wy, laid_out=laid_out,
                                            **({} if self.nested_op is None else
-                                              {"sub": (r.sub_lo, r.sub_hi, self._sub_slot(ctx)),
+                                              {"sub": (r.sub_lo, r.sub_hi, self._sub_slot(ctx), self.sub_flags),
                                                "nested_kernel": self.nested_op}))
             if self.norm_op is not None:  # the select and the norm in one op
                 normed = self.norm_op(parts.o_states, parts.o_branches, gate, self.norm.weight, parts.states_end,

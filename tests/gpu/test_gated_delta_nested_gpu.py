@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from flide.config import GDN_CHUNK
 from flide.ops.gated_delta import (BRANCH_KERNELS, STATE_KERNELS, fork, fork_tables, gated_delta_nested_reference,
-                                   sub_slots)
+                                   new_sub_flags, sub_slots)
 from flide.ops.registry import _NESTED, resolve
 
 # fla's Triton dots run in tf32 for fp32 inputs; bf16 inputs keep bf16 intermediates (as tests/gpu/test_gated_delta_gpu)
@@ -85,9 +85,14 @@ def slots(r: dict, cap: int | None = None) -> torch.Tensor:
                      *(() if cap is None else (cap,)))
 
 
-def sub(r: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`fork_parts(sub=)` and the nested companions' (sub_lo, sub_hi, sub_slot)."""
-    return r["sub_lo"], r["sub_hi"], slots(r)
+def flags() -> torch.Tensor:
+    """Zeroed flags for the stored sub-trunk states, enough for every head count of HEADS."""
+    return new_sub_flags(max(hv for _, hv in HEADS), 128, "cuda")
+
+
+def sub(r: dict) -> tuple[torch.Tensor, ...]:
+    """`fork_parts(sub=)` and the nested companions' (sub_lo, sub_hi, sub_slot, sub_flags)."""
+    return r["sub_lo"], r["sub_hi"], slots(r), flags()
 
 
 def leaf_tokens(r: dict) -> torch.Tensor:
@@ -172,6 +177,7 @@ def test_nested_question_call_matches_reference_at_qwen_shapes(dtype, heads):
     nest = sub(r)
     assert (nest[2] >= 0).any()
     o = _NESTED[("gated_delta", "fla")](*args[:9], *nest, *args[9:])
+    assert not nest[3].any()  # the flags back at zero
     want = gated_delta_nested_reference(*(t.float() for t in args[:5]), *args[5:9], *nest, *args[9:])
     first = int(r["branch_start"][0])
     end = first + int(r["branch_len"].sum())
@@ -182,7 +188,7 @@ def test_nested_question_call_matches_reference_at_qwen_shapes(dtype, heads):
 
     for slot in (None, nest[2]):  # leaves re-running their sub-trunk, or from its stored state
         poisoned = torch.full_like(o, float("nan"))
-        o = branches.branches(*args, out=poisoned, sub=nest[:2], sub_slot=slot)
+        o = branches.branches(*args, out=poisoned, sub=nest[:2], sub_slot=slot, sub_flags=nest[3])
         assert torch.isfinite(o[first:end]).all() and o[:first].isnan().all() and o[end:].isnan().all()
 
 
@@ -208,11 +214,13 @@ def test_nested_question_call_keeps_the_bits_outside_leaves(dtype, heads):
 @pytest.mark.parametrize("heads", HEADS, ids=HEAD_IDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_stored_sub_states_match_the_recomputed_ones(dtype, heads):
-    """The nested question call with the sub-trunks' stored states (`sub_slot`: two launches) against the call that
-    re-runs each leaf's sub-trunk: non-leaf rows bitwise (the same token steps; the first launch only adds a store),
-    leaves within 1e-6 in fp32 (the same operations in the same order: bitwise in Triton's interpreter,
-    tests/test_gated_delta_nested.py; compiled, two loops may contract differently), every slot taken (cap 32),
-    only some (cap 1: the rest re-run theirs in the first launch), none (all -1)."""
+    """The nested question call with the sub-trunks' stored states (`sub_slot`: leaves wait on their sub-trunk's
+    flag in the same launch) against the call that re-runs each leaf's sub-trunk: non-leaf rows bitwise (the same
+    token steps; a sub-trunk only adds a store), leaves within 1e-6 in fp32 (the same operations in the same order:
+    bitwise in Triton's interpreter, tests/test_gated_delta_nested.py; compiled, two loops may contract
+    differently), every slot taken (cap 32), only some (cap 1), none (all -1), and flags that never come (every
+    leaf gives up after its polls and re-runs its sub-trunk: bitwise the recomputed call). The flags end at zero
+    (at -1000 where they started there), over 20 calls."""
     from flide.ops.gated_delta import branches
 
     r = nested_round(9)
@@ -222,10 +230,18 @@ def test_stored_sub_states_match_the_recomputed_ones(dtype, heads):
     recomputed = branches.branches(*args, sub=(r["sub_lo"], r["sub_hi"]))[first:end]
     leaves = leaf_tokens(r)[first:end]
     assert (slots(r) >= 0).sum() > (slots(r, 1) >= 0).sum() > 0
-    for slot in (slots(r), slots(r, 1), torch.full_like(slots(r), -1)):
-        stored = branches.branches(*args, sub=(r["sub_lo"], r["sub_hi"]), sub_slot=slot)[first:end]
-        assert torch.equal(stored[~leaves], recomputed[~leaves])
-        assert rel_err(stored[leaves], recomputed[leaves]) < (1e-6 if dtype == torch.float32 else 1e-2)
+    kept = flags()
+    for _ in range(20):
+        for slot in (slots(r), slots(r, 1), torch.full_like(slots(r), -1)):
+            stored = branches.branches(*args, sub=(r["sub_lo"], r["sub_hi"]), sub_slot=slot,
+                                       sub_flags=kept)[first:end]
+            assert torch.equal(stored[~leaves], recomputed[~leaves])
+            assert rel_err(stored[leaves], recomputed[leaves]) < (1e-6 if dtype == torch.float32 else 1e-2)
+            assert not kept.any()
+    never = torch.full_like(kept, -1000)
+    gave_up = branches.branches(*args, sub=(r["sub_lo"], r["sub_hi"]), sub_slot=slots(r), sub_flags=never,
+                                max_spins=4)[first:end]
+    assert torch.equal(gave_up, recomputed) and (never == -1000).all()
 
 
 @pytest.mark.parametrize("heads", HEADS, ids=HEAD_IDS)

@@ -9,7 +9,8 @@ question line laid out once as a question segment of its own. Only the question 
 its sub-trunk's state before its own rows (`fork_parts(sub=...)`), through its variant's nested companion
 (`registry.register_nested`): `reference` and `fla` have one; `fla_wy` and `fla_cuda` do not. The reference re-runs
 the sub-trunk's rows for every leaf; `fla`'s kernel starts a leaf from the state its sub-trunk's own program stored
-(`sub_slots`, up to SUB_STATE_SLOTS sub-trunks a round; the leaves of the others re-run their rows)."""
+in the same launch (`sub_slots`, up to SUB_STATE_SLOTS sub-trunks a round; the leaves wait on flags the layer keeps,
+`new_sub_flags`; the leaves of the other sub-trunks re-run their rows)."""
 
 from __future__ import annotations
 
@@ -70,19 +71,19 @@ register_resumable("gated_delta", "reference")(gated_delta_snapshot_reference)
 def gated_delta_nested_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                  beta: torch.Tensor, seg_start: torch.Tensor, seg_len: torch.Tensor,
                                  initial_state: torch.Tensor, initial_index: torch.Tensor, sub_lo: torch.Tensor,
-                                 sub_hi: torch.Tensor, sub_slot: torch.Tensor, scale: float,
+                                 sub_hi: torch.Tensor, sub_slot: torch.Tensor, sub_flags: torch.Tensor, scale: float,
                                  use_qk_l2norm: bool) -> torch.Tensor:
     """The nested fork's question call (`reference.gated_delta` with sub_lo / sub_hi): only the outputs, as every
-    nested companion returns them (the questions' final states are never read). `sub_slot` (`sub_slots`: where a
-    kernel keeps a sub-trunk's state for its leaves) is ignored: every leaf runs its sub-trunk's rows, the same
-    answer."""
+    nested companion returns them (the questions' final states are never read). `sub_slot` and `sub_flags`
+    (`sub_slots`, `new_sub_flags`: where a kernel keeps a sub-trunk's state for its leaves, and what they wait on)
+    are ignored: every leaf runs its sub-trunk's rows, the same answer."""
     return reference.gated_delta(q, k, v, g, beta, seg_start, seg_len, initial_state, initial_index, scale,
                                  use_qk_l2norm, sub_lo, sub_hi)[0]
 
 
 @gated_delta_nested_reference.register_fake
 def _fake_nested(q, k, v, g, beta, seg_start, seg_len, initial_state, initial_index, sub_lo, sub_hi, sub_slot,
-                 scale, use_qk_l2norm):
+                 sub_flags, scale, use_qk_l2norm):
     return q.new_empty(v.shape)
 
 
@@ -175,16 +176,16 @@ def _fake_branches(q, k, v, g, beta, seg_start, seg_len, initial_state, initial_
 def gated_delta_branches_nested_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                        beta: torch.Tensor, seg_start: torch.Tensor, seg_len: torch.Tensor,
                                        initial_state: torch.Tensor, initial_index: torch.Tensor, sub_lo: torch.Tensor,
-                                       sub_hi: torch.Tensor, sub_slot: torch.Tensor, scale: float,
-                                       use_qk_l2norm: bool) -> torch.Tensor:
-    """The `fla` variant's nested question call: our recurrent kernel compiled with NESTED, in two launches: the
-    first runs every row but the leaves whose sub-trunk has a slot (`sub_slot`, `sub_slots`), each such sub-trunk
-    storing its state after its tokens; the second those leaves, from that state. A leaf without one runs its
-    sub-trunk's rows before its own (in the first launch, with the sub-trunk's own program)."""
+                                       sub_hi: torch.Tensor, sub_slot: torch.Tensor, sub_flags: torch.Tensor,
+                                       scale: float, use_qk_l2norm: bool) -> torch.Tensor:
+    """The `fla` variant's nested question call: our recurrent kernel compiled with NESTED, in one launch: a
+    sub-trunk with a slot (`sub_slot`, `sub_slots`) stores its state after its tokens and raises its flag
+    (`sub_flags`, `new_sub_flags`: zero before and after the call, so declared unmutated), and its leaves wait for it
+    and start from that state. A leaf without a slot runs its sub-trunk's rows before its own."""
     from . import branches
 
     return branches.branches(q, k, v, g, beta, seg_start, seg_len, initial_state, initial_index, scale,
-                             use_qk_l2norm, sub=(sub_lo, sub_hi), sub_slot=sub_slot)
+                             use_qk_l2norm, sub=(sub_lo, sub_hi), sub_slot=sub_slot, sub_flags=sub_flags)
 
 
 gated_delta_branches_nested_triton.register_fake(_fake_nested)
@@ -344,6 +345,13 @@ def fork_tables(state_start: torch.Tensor, state_len: torch.Tensor, branch_start
 SUB_STATE_SLOTS = 32
 
 
+def new_sub_flags(heads_v: int, v_dim: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """Zeroed int32 flags for the nested question call's stored sub-trunk states (`branches.branches(sub_flags=)`):
+    one per (slot, value head, value column), enough for any V tile. Every call leaves them zero again, so a layer
+    keeps one buffer for all its calls (no fill launch a call); 256 KiB on Qwen3.5-0.8B's 16 x 128."""
+    return torch.zeros(SUB_STATE_SLOTS * heads_v * v_dim, dtype=torch.int32, device=device)
+
+
 def sub_slots(branch_start: torch.Tensor, branch_len: torch.Tensor, branch_state: torch.Tensor,
               sub_lo: torch.Tensor, sub_hi: torch.Tensor, slots: int = SUB_STATE_SLOTS) -> torch.Tensor:
     """[NB] int32, each branch row's slot for its sub-trunk's stored state (nested forks): a sub-trunk row some leaf
@@ -389,7 +397,7 @@ class ForkParts(NamedTuple):
 def fork(kernel, q, k, v, g, beta, state_start, state_len, branch_start, branch_len, branch_state, scale: float,
          use_qk_l2norm: bool, branch_kernel=None, state_kernel=None,
          tables: ForkTables | None = None, wy: bool = False,
-         sub: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+         sub: tuple[torch.Tensor, ...] | None = None,
          nested_kernel=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Forked gated delta rule, in two calls of one varlen kernel (`fork_parts`), their rows combined.
 
@@ -405,7 +413,7 @@ def fork(kernel, q, k, v, g, beta, state_start, state_len, branch_start, branch_
 def fork_parts(kernel, q, k, v, g, beta, state_start, state_len, branch_start, branch_len, branch_state,
                scale: float, use_qk_l2norm: bool, branch_kernel=None, state_kernel=None,
                tables: ForkTables | None = None, wy: bool = False, laid_out: bool = False,
-               sub: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, nested_kernel=None) -> ForkParts:
+               sub: tuple[torch.Tensor, ...] | None = None, nested_kernel=None) -> ForkParts:
     """Forked gated delta rule, in two calls of one varlen kernel.
 
     Call 1 runs every state from a zero state and keeps each one's final recurrent state (float32); call 2 runs every
@@ -421,11 +429,11 @@ def fork_parts(kernel, q, k, v, g, beta, state_start, state_len, branch_start, b
     (contiguous, q and k normalised: `fork_conv.QKV_KERNELS`), and `state_kernel` is the variant's
     `LAID_OUT_STATE_KERNELS` form, which takes them so; both calls read them as they are.
 
-    `sub` (a nested fork: the round's per-token (sub_lo, sub_hi), int32 [T], and the branch rows' `sub_slots`, int32
-    [NB], derived once per forward) with `nested_kernel` (the variant's nested-fork companion,
-    `registry.nested(...)["gated_delta"]`, resolved at patch time): the question call is the companion,
+    `sub` (a nested fork: the round's per-token (sub_lo, sub_hi), int32 [T], the branch rows' `sub_slots`, int32
+    [NB], derived once per forward, and the layer's `new_sub_flags`) with `nested_kernel` (the variant's nested-fork
+    companion, `registry.nested(...)["gated_delta"]`, resolved at patch time): the question call is the companion,
     `nested_kernel(q, k, v, g, beta, branch_start, branch_len, finals, branch_state, sub_lo, sub_hi, sub_slot,
-    scale, use_qk_l2norm) -> o`, in place of `branch_kernel` / `kernel`; each leaf question continues its
+    sub_flags, scale, use_qk_l2norm) -> o`, in place of `branch_kernel` / `kernel`; each leaf question continues its
     sub-trunk's state (`reference.gated_delta`: re-running its rows). The state call never has sub-trunks.
     """
     if sub is not None:

@@ -166,10 +166,6 @@ def _branch_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, start_ptr, 
     launch; in practice the GPU dispatches programs in grid order and a sub-trunk's row comes before its leaves'."""
     i_hk = i_h // (HV // HK)  # grouped value heads: value head h reads key head h // (HV // HK)
     n = tl.load(len_ptr + i_n)
-    if SUB_STATES:
-        slot = tl.load(sub_slot_ptr + i_n)
-        # this program's flag: one per (slot, value head, V tile), so a leaf waits only for its own slice
-        flag = flags_ptr + (tl.maximum(slot, 0).to(tl.int64) * HV + i_h) * V + i_v
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     k_ok = o_k < K
@@ -192,17 +188,24 @@ def _branch_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, start_ptr, 
                     tl.store(hs_ptr + state_at, h, mask=state_ok)
     if n > 0:
         bos = tl.load(start_ptr + i_n).to(tl.int64)
-        h = _initial_state(h0_ptr, index_ptr, i_n, i_h, o_k, o_v, k_ok, v_ok, HV, K, V, BK, BV)
-        if NESTED:
+        if SUB_STATES:
             stored = tl.full([], 0, tl.int32)
-            if SUB_STATES:
-                if _stored_leaf(start_ptr, sub_lo_ptr, sub_hi_ptr, i_n, n, slot):
-                    stored = _wait_for_flag(flag, max_spins)
-                    if stored > 0:  # L2 only (.cg): the sub-trunk's program wrote it from another SM
-                        h = tl.load(subs_ptr + slot.to(tl.int64) * HV * K * V + (i_h * K + o_k[:, None]) * V
-                                    + o_v[None, :], mask=state_ok, other=0.0, cache_modifier=".cg")
-                    tl.atomic_add(flag, -1, sem="relaxed")
-            if stored == 0:
+            if _stored_leaf(start_ptr, sub_lo_ptr, sub_hi_ptr, i_n, n, tl.load(sub_slot_ptr + i_n)):
+                slot = tl.load(sub_slot_ptr + i_n)
+                flag = flags_ptr + (slot.to(tl.int64) * HV + i_h) * V + i_v
+                stored = _wait_for_flag(flag, max_spins)
+                tl.atomic_add(flag, -1, sem="relaxed")  # the state in `subs` stays until the launch ends
+            if stored > 0:  # L2 only (.cg): the sub-trunk's program wrote it from another SM
+                h = tl.load(subs_ptr + tl.load(sub_slot_ptr + i_n).to(tl.int64) * HV * K * V
+                            + (i_h * K + o_k[:, None]) * V + o_v[None, :], mask=state_ok, other=0.0,
+                            cache_modifier=".cg")
+            else:
+                h = _initial_state(h0_ptr, index_ptr, i_n, i_h, o_k, o_v, k_ok, v_ok, HV, K, V, BK, BV)
+                h = _sub_trunk(h, k_ptr, v_ptr, g_ptr, beta_ptr, sub_lo_ptr, sub_hi_ptr, bos, i_h, i_hk, o_k, o_v,
+                               k_ok, v_ok, HK, HV, K, V, L2NORM)
+        else:
+            h = _initial_state(h0_ptr, index_ptr, i_n, i_h, o_k, o_v, k_ok, v_ok, HV, K, V, BK, BV)
+            if NESTED:
                 h = _sub_trunk(h, k_ptr, v_ptr, g_ptr, beta_ptr, sub_lo_ptr, sub_hi_ptr, bos, i_h, i_hk, o_k, o_v,
                                k_ok, v_ok, HK, HV, K, V, L2NORM)
         # Each step's loads are issued one step ahead (software prefetch): the chain from one token's state to the
@@ -238,14 +241,18 @@ def _branch_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, start_ptr, 
         if STORE_FINAL:  # the state after the segment's last token (checkpoint rounds: a state's rest, ops/resume.py)
             tl.store(ht_ptr + state_at, h, mask=state_ok)
         if SUB_STATES:
+            # volatile: read here, after the loop. Else the compiler reuses the read before it and builds the
+            # store's 64 addresses a thread there, live through the loop: 254 registers instead of 199 (sm_90,
+            # 0.8B's tiles: 8 programs an SM instead of 10)
+            slot = tl.load(sub_slot_ptr + i_n, volatile=True)
             if (slot >= 0) & (_stored_leaf(start_ptr, sub_lo_ptr, sub_hi_ptr, i_n, n, slot) == 0):
                 # a sub-trunk some leaf starts from: its state, then (after every thread's store) its leaves' count
-                tl.store(subs_ptr + slot.to(tl.int64) * HV * K * V + (i_h * K + o_k[:, None]) * V + o_v[None, :], h,
-                         mask=state_ok)
+                # on its flag, one per (slot, value head, V tile): a leaf waits only for its own slice
+                at = subs_ptr + slot.to(tl.int64) * HV * K * V + i_h * K * V
+                tl.store(at + o_k[:, None] * V + o_v[None, :], h, mask=state_ok)
                 waiting = _leaves_of(start_ptr, len_ptr, sub_lo_ptr, sub_hi_ptr, sub_slot_ptr, slot, N)
                 tl.debug_barrier()
-                tl.atomic_add(flag, waiting, sem="release")
-
+                tl.atomic_add(flags_ptr + (slot.to(tl.int64) * HV + i_h) * V + i_v, waiting, sem="release")
 
 @triton.jit
 def _stored_leaf(start_ptr, sub_lo_ptr, sub_hi_ptr, i_n, n, slot):

@@ -96,6 +96,11 @@ ROW_PROGRAMS = 0
 # program (an earlier row) is running or done and the flag comes within its tokens' steps (~0.5 us each); the bound
 # only keeps an order no GPU has shown from hanging the launch (then each leaf loses ~10 ms, its answer unchanged).
 MAX_SPINS = 1 << 14
+# Registers a thread of the recurrent form may use, per value-tile width (None: ptxas's choice). With 16 columns the
+# state is 64 registers a thread, yet ptxas took 167-254 (sm_90, Triton 3.9 here / 3.6 on the H200 190-221 for the
+# nested forms): 8-10 one-warp programs an SM. Capped at 168 every form compiled to 167 without spills (`cuobjdump
+# --dump-resource-usage`), 12 programs an SM; the question call is throughput-bound on long rounds.
+MAX_REGISTERS = {16: 168}
 # Rows a sub-trunk's program reads per step when it counts its leaves (`_leaves_of`)
 LEAF_SCAN = tl.constexpr(256)
 # Tried (1c7ea47, reverted): programs for 64 rows only, each also looping over rows i + 64, ... below the round's
@@ -513,7 +518,8 @@ def branches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                              sub_flags if sub_slot is not None else sub_lo, max_spins, N, HK=HK, HV=HV, K=K, V=V,
                              BK=BK, BV=BV, L2NORM=use_qk_l2norm, STORE_FINAL=final is not None,
                              SNAPSHOT=snapshot is not None, ROW_PROGRAMS=row_programs, NESTED=sub is not None,
-                             SUB_STATES=sub_slot is not None, num_warps=warps, num_stages=NUM_STAGES)
+                             SUB_STATES=sub_slot is not None, num_warps=warps, num_stages=NUM_STAGES,
+                             **({"maxnreg": MAX_REGISTERS[BV]} if MAX_REGISTERS.get(BV) else {}))
     return o
 
 

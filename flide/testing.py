@@ -397,3 +397,23 @@ def lay_out_nested(requests: list[NestedRequest], pad: int = 0,
     rows = [torch.tensor([t for name, *_ in p.segments() for t in spans[r][name]], dtype=torch.long)
             for r, p in enumerate(requests)]
     return NestedStream(seg_lo, *tables, rows, spans)
+
+
+def layout_sub_slots(round_, slots: int) -> list[int]:
+    """The branch rows' sub-trunk state slots of a built round from the host side: each request's branch -> its
+    sub-trunk's row (`RequestLayout.parts`' fifth part), offset by the request's first branch row. The truth the
+    device derives (`gated_delta.sub_slots`): the sub-trunk rows some leaf names take slots 0.. in row order up to
+    `slots` (then -1), each leaf its sub-trunk's, every other row -1."""
+    import numpy as np
+
+    parent, first = [], 0
+    for lay in round_.layouts:
+        rows = np.frombuffer(lay.parts[round_.shape.options][4], dtype=np.int64)
+        parent += [first + int(k) if k >= 0 else -1 for k in rows]
+        first += int(lay.counts[3])
+    named = sorted({k for k in parent if k >= 0})
+    slot = {row: i for i, row in enumerate(named) if i < slots}
+    out = [-1] * round_.shape.branches
+    for row, k in enumerate(parent):
+        out[row] = slot.get(k if k >= 0 else row, -1)
+    return out

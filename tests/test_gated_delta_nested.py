@@ -7,7 +7,8 @@ questions, a spare branch row, tail padding): the reference's leaves equal the r
 state + sub-trunk + leaf; every other row has the bits of the fork without sub-trunks; and the Triton question kernel
 compiled with NESTED (through Triton's interpreter, as tests/test_triton_kernels.py runs it: a normal run starts a
 child pytest on this file with TRITON_INTERPRET=1 for the `test_triton_` checks) equals the reference, and without
-sub-trunks has the bits of its plain call. `TRITON_INTERPRET=1 python -m pytest tests/test_gated_delta_nested.py`
+sub-trunks has the bits of its plain call; with the sub-trunks' stored states (`sub_slots`: leaves wait on their
+sub-trunk's flag in the same launch) it has the bits of the call that re-runs each leaf's sub-trunk. `TRITON_INTERPRET=1 python -m pytest tests/test_gated_delta_nested.py`
 runs them all directly. The `fla` fork with sub-trunks on the GPU: tests/gpu/test_gated_delta_nested_gpu.py.
 """
 
@@ -21,8 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from flide.ops import registry
-from flide.ops.gated_delta import (fork, fork_parts, gated_delta_branches_nested_triton, gated_delta_nested_reference,
-                                   gated_delta_reference)
+from flide.ops.gated_delta import (SUB_STATE_SLOTS, fork, fork_parts, gated_delta_branches_nested_triton,
+                                   gated_delta_nested_reference, gated_delta_reference, new_sub_flags, sub_slots)
 from flide.ops.gated_delta import reference as delta_ref
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -43,6 +44,15 @@ class NestedStream:
     sub_hi: torch.Tensor
     leaves: list[tuple[int, int]]  # (branch row, its sub-trunk's branch row)
     plain: list[int]  # branch rows that are no leaf (sub-trunks and plain questions)
+
+    def slots(self, cap: int = SUB_STATE_SLOTS) -> torch.Tensor:
+        """[NB] int32: each branch row's sub-trunk state slot (`sub_slots`)."""
+        return sub_slots(self.branch_start, self.branch_len, self.branch_state, self.sub_lo, self.sub_hi, cap)
+
+    def sub(self, cap: int = SUB_STATE_SLOTS) -> tuple[torch.Tensor, ...]:
+        """`fork_parts(sub=)`: the per-token ranges, the rows' slots and the flags a kernel's leaves would wait on
+        (none here: the reference ignores them)."""
+        return self.sub_lo, self.sub_hi, self.slots(cap), torch.zeros(0, dtype=torch.int32)
 
 
 def nested_stream(sub_len: int) -> NestedStream:
@@ -129,7 +139,7 @@ def test_reference_leaves_equal_the_concatenated_sequence(sub_len, heads, l2norm
     over two 64-token chunks of its own gathered rows."""
     s = nested_stream(sub_len)
     x = inputs(s.T, heads, l2norm, seed=sub_len)
-    o, finals = fork(gated_delta_reference, *fork_args(s, x), l2norm, sub=(s.sub_lo, s.sub_hi),
+    o, finals = fork(gated_delta_reference, *fork_args(s, x), l2norm, sub=s.sub(),
                      nested_kernel=gated_delta_nested_reference)
     _, question_finals = delta_ref.gated_delta(*x, s.branch_start, s.branch_len, finals, s.branch_state, SCALE,
                                                l2norm, s.sub_lo, s.sub_hi)
@@ -155,7 +165,7 @@ def test_reference_rows_outside_leaves_keep_their_bits(sub_len, heads, l2norm):
     states: the same bits as the fork without sub-trunks (and the plain call with sub_lo / sub_hi None as before)."""
     s = nested_stream(sub_len)
     x = inputs(s.T, heads, l2norm, seed=sub_len + 1)
-    o, finals = fork(gated_delta_reference, *fork_args(s, x), l2norm, sub=(s.sub_lo, s.sub_hi),
+    o, finals = fork(gated_delta_reference, *fork_args(s, x), l2norm, sub=s.sub(),
                      nested_kernel=gated_delta_nested_reference)
     o_plain, finals_plain = fork(gated_delta_reference, *fork_args(s, x), l2norm)
     assert torch.equal(finals, finals_plain)
@@ -180,9 +190,9 @@ def test_fork_parts_refuses_sub_without_a_nested_call_or_with_wy():
     s = nested_stream(6)
     x = inputs(s.T, HEADS[0], True)
     with pytest.raises(ValueError, match="nested_kernel"):
-        fork_parts(gated_delta_reference, *fork_args(s, x), True, sub=(s.sub_lo, s.sub_hi))
+        fork_parts(gated_delta_reference, *fork_args(s, x), True, sub=s.sub())
     with pytest.raises(ValueError, match="WY"):
-        fork_parts(gated_delta_reference, *fork_args(s, x), True, wy=True, sub=(s.sub_lo, s.sub_hi),
+        fork_parts(gated_delta_reference, *fork_args(s, x), True, wy=True, sub=s.sub(),
                    nested_kernel=gated_delta_nested_reference)
     with pytest.raises(ValueError, match="sub_lo"):
         delta_ref.gated_delta(*x, s.branch_start, s.branch_len, torch.zeros(0, 4, 16, 16), s.branch_state, SCALE,
@@ -203,10 +213,11 @@ def test_fork_parts_passes_the_ranges_to_the_question_call_only():
     def never(*args):
         raise AssertionError("the plain question call ran in a nested fork")
 
-    parts = fork_parts(gated_delta_reference, *fork_args(s, x), True, branch_kernel=never, sub=(s.sub_lo, s.sub_hi),
+    sub = s.sub()
+    parts = fork_parts(gated_delta_reference, *fork_args(s, x), True, branch_kernel=never, sub=sub,
                        nested_kernel=nested)
     plain = fork_parts(gated_delta_reference, *fork_args(s, x), True)
-    assert len(seen) == 1 and seen[0][9] is s.sub_lo and seen[0][10] is s.sub_hi
+    assert len(seen) == 1 and all(seen[0][9 + i] is t for i, t in enumerate(sub))
     assert torch.equal(parts.o_states, plain.o_states) and torch.equal(parts.finals, plain.finals)
 
 
@@ -221,10 +232,42 @@ def test_opcheck_nested_reference():
     s = nested_stream(6)
     q, k, v, g, beta = inputs(s.T, HEADS[0], True)
     initial = torch.randn(2, 4, 16, 16, generator=torch.Generator().manual_seed(3)) * 0.5
-    args = (q, k, v, g, beta, s.branch_start, s.branch_len, initial, s.branch_state, s.sub_lo, s.sub_hi, SCALE, True)
+    args = (q, k, v, g, beta, s.branch_start, s.branch_len, initial, s.branch_state, *s.sub(), SCALE, True)
     torch.library.opcheck(gated_delta_nested_reference, args)
     out = gated_delta_nested_reference(*args)
     assert out.shape == v.shape and out.dtype == q.dtype
+    # the slots change nothing in the reference (every leaf re-runs its sub-trunk's rows)
+    no_slots = torch.full_like(s.slots(), -1)
+    assert torch.equal(gated_delta_nested_reference(*args[:11], no_slots, *args[12:]), out)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the sub-trunk state slots (`sub_slots`, derived once per forward)
+# ---------------------------------------------------------------------------------------------------------------------
+
+def test_sub_slots_of_the_hand_built_stream():
+    """Rows: leaf of P, P, leaf of P, plain, leaf of P, plain, P2, leaf of P2, spare: P and P2 take slots 0 and 1 in
+    row order (a leaf before its sub-trunk too), their leaves the same, every other row -1; past the cap, -1 for the
+    sub-trunk and its leaves alike (those leaves re-run their sub-trunk)."""
+    s = nested_stream(6)
+    assert s.slots().dtype == torch.int32
+    assert s.slots().tolist() == [0, 0, 0, -1, 0, -1, 1, 1, -1]
+    assert s.slots(1).tolist() == [0, 0, 0, -1, 0, -1, -1, -1, -1]
+    assert s.slots(0).tolist() == [-1] * 9
+
+
+def test_sub_slots_only_where_the_stored_state_is_the_leafs():
+    """A leaf whose range is not exactly one row of its own state keeps -1 (it re-runs its range), and a sub-trunk
+    only some of whose leaves name it exactly still takes its slot for them."""
+    s = nested_stream(6)
+    lo, hi = s.sub_lo.clone(), s.sub_hi.clone()
+    first = int(s.branch_start[0])  # leaf 0 of P: a range one token short of P
+    s.sub_hi[first:first + int(s.branch_len[0])] -= 1
+    s.branch_state[7] = 1  # P2's leaf forking from state 1, P2 from state 0: another state's sub-trunk
+    assert s.slots().tolist() == [-1, 0, 0, -1, 0, -1, -1, -1, -1]
+    s.sub_lo, s.sub_hi, s.branch_state[7] = lo, hi, 0
+    s.branch_start[-1] = s.T - 1  # a spare row's start anywhere in the stream (the GPU tests' rounds put it at the end)
+    assert s.slots().tolist() == [0, 0, 0, -1, 0, -1, 1, 1, -1]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -236,7 +279,7 @@ if not INTERPRETED:
         """Runs this file's `test_triton_*` checks in a child process with TRITON_INTERPRET=1."""
         from flide.testing import run_in_triton_interpreter
 
-        run_in_triton_interpreter(__file__, "test_triton_", 10)
+        run_in_triton_interpreter(__file__, "test_triton_", 20)
 
 else:
     from triton.runtime.interpreter import InterpretedFunction
@@ -303,6 +346,64 @@ else:
                                             args[7], s.branch_state[leaf:leaf + 1], SCALE, l2norm)
             assert torch.equal(nested[rows_of(s, leaf)], alone[-len(rows_of(s, leaf)):])
 
+    @pytest.mark.parametrize("tiles", [None, (16, 1, 2)], ids=["program-per-row", "row-programs-2"])
+    @pytest.mark.parametrize("sub_len,heads,l2norm", CASES, ids=IDS)
+    def test_triton_stored_sub_states_keep_the_bits(sub_len, heads, l2norm, tiles):
+        """(e) With the sub-trunks' stored states (`sub_slot`: leaves with a slot wait on their sub-trunk's flag and
+        start from its state after its tokens) every output row and final state has the bits of the call that
+        re-runs each leaf's sub-trunk: all sub-trunks with a slot, only the first (cap 1), none (every slot -1), and
+        flags that never come (each leaf gives up after its polls and re-runs its sub-trunk). The interpreter runs
+        the programs one by one in grid order, so P's first leaf (a row before P) always gives up too. The flags
+        are zero again after every call (what lets a layer keep them); every question row and final state written
+        (NaN-poisoned), nothing else; and within 1e-5 of the reference."""
+        s = nested_stream(sub_len)
+        x = inputs(s.T, heads, l2norm, seed=sub_len + 4)
+        Hv, K, V = heads[1:]
+        _, args = question_call(s, x, l2norm)
+
+        def call(sub_slot, flags=None):
+            final = poisoned(len(s.branch_len), Hv, K, V)
+            out = delta_branches.branches(*args, out=poisoned(s.T, Hv, V), tiles=tiles, final=final,
+                                          sub=(s.sub_lo, s.sub_hi), sub_slot=sub_slot, sub_flags=flags, max_spins=2)
+            return out, final
+
+        rows = question_rows(s)
+        recomputed, recomputed_final = call(None)
+        assert s.slots().max() == 1 and (s.slots(1) == 0).sum() == 4  # the cases below: both slots, one, none
+        never = torch.full_like(new_sub_flags(Hv, V), -1000)  # a flag no sub-trunk's count lifts above zero
+        for sub_slot, flags in ((s.slots(), new_sub_flags(Hv, V)), (s.slots(1), new_sub_flags(Hv, V)),
+                                (torch.full_like(s.slots(), -1), new_sub_flags(Hv, V)), (s.slots(), never.clone())):
+            before = flags.clone()
+            out, final = call(sub_slot, flags)
+            assert torch.equal(out[rows], recomputed[rows]) and out[~rows].isnan().all()
+            assert torch.equal(final, recomputed_final)
+            assert torch.equal(flags, before)
+        want, want_final = delta_ref.gated_delta(*args, s.sub_lo, s.sub_hi)
+        out, final = call(s.slots())
+        torch.testing.assert_close(out[rows], want[rows], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(final, want_final, atol=1e-5, rtol=1e-5)
+
+    def test_triton_leaves_with_a_slot_start_from_the_stored_state():
+        """(f) A leaf with a slot runs from the state stored in that slot, not from its own range: P2's leaf handed
+        P's slot (P's row comes before it) has the bits of the plain call over P's rows and its own as one segment
+        from P's state (so it read the slot and skipped `_sub_trunk`), and the flags end at zero (P counted it)."""
+        s = nested_stream(6)
+        x = inputs(s.T, HEADS[0], True, seed=9)
+        _, args = question_call(s, x, True)
+        wrong = s.slots().clone()
+        p, p2 = 1, 6  # P's and P2's branch rows
+        moved = [leaf for leaf, parent in s.leaves if parent == p2]
+        wrong[moved] = int(wrong[p])
+        flags = new_sub_flags(*HEADS[0][1::2])
+        out = delta_branches.branches(*args, sub=(s.sub_lo, s.sub_hi), sub_slot=wrong, sub_flags=flags, max_spins=2)
+        assert moved and not flags.any()
+        for leaf, parent in s.leaves:
+            rows = rows_of(s, p if parent == p2 else parent) + rows_of(s, leaf)
+            alone = delta_branches.branches(*(t[rows] for t in x), torch.tensor([0]), torch.tensor([len(rows)]),
+                                            args[7], s.branch_state[p:p + 1] if parent == p2 else
+                                            s.branch_state[leaf:leaf + 1], SCALE, True)
+            assert torch.equal(out[rows_of(s, leaf)], alone[-len(rows_of(s, leaf)):])
+
     def test_triton_nested_refuses_the_chunk_form_and_snapshots():
         s = nested_stream(6)
         x = inputs(s.T, HEADS[0], True)
@@ -315,3 +416,9 @@ else:
                                                               torch.empty(len(s.branch_len), 4, 16, 16)))
         with pytest.raises(ValueError, match="int32"):
             delta_branches.branches(*args, sub=(s.sub_lo.long(), s.sub_hi.long()))
+        with pytest.raises(ValueError, match="sub_slot"):
+            delta_branches.branches(*args, sub=sub, sub_slot=s.slots().long())
+        with pytest.raises(ValueError, match="sub_slot"):
+            delta_branches.branches(*args, sub_slot=s.slots())
+        with pytest.raises(ValueError, match="sub_flags"):  # too few flags for the heads
+            delta_branches.branches(*args, sub=sub, sub_slot=s.slots(), sub_flags=new_sub_flags(1, 1))

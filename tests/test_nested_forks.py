@@ -16,8 +16,10 @@ from transformers.decision import DecisionConfig
 from transformers.models.jev.configuration_jev import JEV_TEMPLATE
 
 from flide.models.tiny import tiny_jev, tiny_model, tiny_tokenizer
+from flide.ops.gated_delta import SUB_STATE_SLOTS, sub_slots
+from flide.round import Shape, build_round
 from flide.sub_trunks import MIN_SUB_TOKENS
-from flide.testing import candidate_request, max_difference
+from flide.testing import candidate_request, layout_sub_slots, max_difference
 
 PIPELINE_ATOL = 1e-5  # as tests/test_exactness.py
 ROUND_ATOL = 1e-6
@@ -101,9 +103,10 @@ def test_nested_forks_value_is_checked():
         flide.patch(tiny_model("llama"), tiny_tokenizer(), {"runtime": {"nested_forks": "sometimes"}})
 
 
-def test_conv_ranges_are_derived_once_per_forward(monkeypatch):
-    """The GDN layers read the conv's ranges (a leaf's sub-trunk in place of its state) from the forward's context,
-    derived once (`flat.conv_range`), not each layer from the round (two pointwise kernels a layer on a GPU)."""
+def test_conv_ranges_and_sub_slots_are_derived_once_per_forward(monkeypatch):
+    """The GDN layers read the conv's ranges (a leaf's sub-trunk in place of its state) and the branch rows'
+    sub-trunk state slots from the forward's context, derived once (`flat.conv_range`, `flat.sub_state_slots`), not
+    each layer from the round (two pointwise kernels a layer on a GPU, and a dozen small ones)."""
     import flide.models.flat as flat
     import flide.models.layers as layers
 
@@ -112,8 +115,31 @@ def test_conv_ranges_are_derived_once_per_forward(monkeypatch):
     request = candidate_request(random.Random(5))
     want = engine.decide(request)
     calls = []
-    derive = flat.conv_range
-    monkeypatch.setattr(flat, "conv_range", lambda r: calls.append(1) or derive(r))
-    monkeypatch.setattr(layers, "conv_range", lambda r: pytest.fail("a GDN layer derived the conv ranges itself"))
+    for name in ("conv_range", "sub_state_slots"):
+        derive = getattr(flat, name)
+        monkeypatch.setattr(flat, name, lambda r, derive=derive, name=name: calls.append(name) or derive(r))
+        monkeypatch.setattr(layers, name, lambda r, name=name: pytest.fail(f"a GDN layer derived `{name}` itself"))
     assert max_difference(engine.decide(request), want) == 0.0
-    assert calls == [1]
+    assert calls == ["conv_range", "sub_state_slots"]
+
+
+@pytest.mark.parametrize("spare", [0, 5])
+def test_sub_slots_of_real_requests_equal_their_layouts(case, spare):
+    """The sub-trunk state slots derived on the device from a round's fields (`gated_delta.sub_slots`) equal the
+    host side's truth (each request's branch -> sub-trunk rows) on prepared judge-shaped requests, in a round of
+    their exact size and with spare rows, with room for every sub-trunk and with fewer slots than they hold."""
+    name, nested, _, requests, _ = case
+    prepared = [nested.prepare(r) for r in requests]
+    subs = sum(len(p.subs) for p in prepared)
+    assert subs > 4, name
+    tokens = sum(p.stream_tokens for p in prepared)
+    states = sum(len(p.trunks) for p in prepared)
+    branches = sum(len(p.branches) + len(p.subs) - len(p.lone_branches) for p in prepared)
+    reads = sum(len(b.reads) for p in prepared for b in p.branches)
+    built = build_round(prepared, Shape(tokens + spare, states + spare, branches + spare, reads + spare,
+                                        nested.max_options), nested.pad_id)
+    t = built.tensors
+    for cap in (SUB_STATE_SLOTS, subs // 2):
+        got = sub_slots(t.branch_start, t.branch_len, t.branch_state, t.sub_lo, t.sub_hi, cap)
+        assert got.tolist() == layout_sub_slots(built, cap), (name, cap)
+    assert max(layout_sub_slots(built, SUB_STATE_SLOTS)) == min(subs, SUB_STATE_SLOTS) - 1  # every sub-trunk named

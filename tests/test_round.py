@@ -10,7 +10,8 @@ import torch
 from flide.config import GDN_CHUNK
 from flide.requests import Branch, PreparedRequest, SubTrunk
 from flide.round import INT32_FIELDS, RoundTensors, Shape, build_round, layout, packed_size
-from flide.testing import synthetic_request
+from flide.ops.gated_delta import sub_slots
+from flide.testing import layout_sub_slots, synthetic_request
 
 FIELDS = [f for f in RoundTensors.__dataclass_fields__]
 TOKEN_FIELDS = ["input_ids", "positions", "seg_lo", "trunk_lo", "trunk_hi", "sub_lo", "sub_hi"]  # int32
@@ -193,6 +194,56 @@ def test_equals_reference(seed):
     pad = int(rng.integers(0, 5))
     want, want_reads, want_n = reference_build_round(requests, shape, pad)
     assert_equal_round(build_round(requests, shape, pad), want, want_reads, want_n)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_sub_slots_equal_the_layouts(seed):
+    """The branch rows' sub-trunk state slots (nested forks), derived on the device from the round's fields alone
+    (`gated_delta.sub_slots`: the starts of the used branch rows increase, spare rows sort last), equal the host
+    side's truth (each request's branch -> sub-trunk rows): with room for every sub-trunk and with fewer slots."""
+    rng = np.random.default_rng(seed)
+    requests = [random_request(rng) for _ in range(int(rng.integers(1, 9)))]
+    built = build_round(requests, exact_fit(requests, spare=int(rng.integers(0, 3)) * 7), int(rng.integers(0, 5)))
+    t = built.tensors
+    for cap in (32, 2, 0):
+        got = sub_slots(t.branch_start, t.branch_len, t.branch_state, t.sub_lo, t.sub_hi, cap)
+        assert got.dtype == torch.int32 and got.tolist() == layout_sub_slots(built, cap), cap
+
+
+def test_sub_slots_compile_to_one_graph():
+    """`sub_slots` as the flat forward's compiled graph runs it (torch.compile, dynamic shapes, no graph break): the
+    same slots as eagerly on rounds of several sizes, one graph for all of them."""
+    from torch._dynamo.utils import counters
+
+    def derive(*args):  # a frame of this test's own: dynamo caches by code object
+        return sub_slots(*args)
+
+    graphs = counters["stats"]["unique_graphs"]
+    compiled = torch.compile(derive, dynamic=True, fullgraph=True)
+    sizes = set()
+    for seed in range(6):
+        rng = np.random.default_rng(100 + seed)
+        requests = [random_request(rng) for _ in range(int(rng.integers(2, 9)))]
+        built = build_round(requests, exact_fit(requests, spare=7), 0)
+        t = built.tensors
+        args = (t.branch_start.clone(), t.branch_len.clone(), t.branch_state.clone(), t.sub_lo.clone(),
+                t.sub_hi.clone())
+        assert compiled(*args, 2).tolist() == layout_sub_slots(built, 2)
+        sizes.add((args[0].shape[0], args[3].shape[0]))
+    assert len(sizes) > 3 and counters["stats"]["unique_graphs"] == graphs + 1, dict(counters["stats"])
+
+
+def test_sub_slots_of_the_random_rounds_cover_every_case():
+    """The random rounds above hold sub-trunks with leaves, sub-trunks without, and more named sub-trunks than 2."""
+    named, unnamed = 0, 0
+    for seed in range(30):
+        rng = np.random.default_rng(seed)
+        requests = [random_request(rng) for _ in range(int(rng.integers(1, 9)))]
+        built = build_round(requests, exact_fit(requests), 0)
+        slots = layout_sub_slots(built, 1000)
+        named = max(named, max(slots) + 1)
+        unnamed += sum(len(r.subs) for r in requests) - len({s for s in slots if s >= 0})
+    assert named > 2 and unnamed > 0
 
 
 def test_layout_and_from_flat_round_trip():

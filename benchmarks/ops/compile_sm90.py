@@ -141,18 +141,23 @@ def main() -> int:
             {n: triton_dtype for n in ("q_ptr", "k_ptr", "cos_ptr", "sin_ptr", "wq_ptr", "wk_ptr", "oq_ptr", "ok_ptr")},
             triton_dtype, {"eps": "fp32"}, dict(D=256, BD=256, R=64, ROWS=qk_prep.ROWS),
             {"num_warps": qk_prep.NUM_WARPS, "enable_fp_fusion": False})  # as qk_prep launches it
+        # nested: False, True (each leaf re-runs its sub-trunk), or "stored" (leaves from their sub-trunk's stored
+        # state, waiting on its flag)
         for final, snapshot, hv, nested in ((False, False, 16, False), (False, False, 32, False),
                                             (True, False, 16, False), (True, True, 16, False),
-                                            (False, False, 16, True), (False, False, 32, True)):
+                                            (False, False, 16, True), (False, False, 32, True),
+                                            (False, False, 16, "stored"), (False, False, 32, "stored")):
             block_v = branches.BLOCK_V_MANY_HEADS if hv >= 32 else branches.BLOCK_V
             ok &= compile_one(
                 f"gated_delta branches {dtype} Hv{hv} final={final} snapshot={snapshot} nested={nested}",
                 branches._branch_kernel,
                 {n: triton_dtype for n in ("q_ptr", "k_ptr", "v_ptr", "g_ptr", "beta_ptr", "o_ptr")} |
-                {"h0_ptr": "*fp32", "ht_ptr": "*fp32", "hs_ptr": "*fp32", "sub_lo_ptr": "*i32", "sub_hi_ptr": "*i32"},
+                {"h0_ptr": "*fp32", "ht_ptr": "*fp32", "hs_ptr": "*fp32", "sub_lo_ptr": "*i32", "sub_hi_ptr": "*i32",
+                 "sub_slot_ptr": "*i32", "subs_ptr": "*fp32", "flags_ptr": "*i32"},
                 "*i64", {"scale": "fp32"},
                 dict(HK=16, HV=hv, K=128, V=128, BK=128, BV=block_v, L2NORM=not (final or hv == 32),
-                     STORE_FINAL=final, SNAPSHOT=snapshot, ROW_PROGRAMS=0, NESTED=nested),
+                     STORE_FINAL=final, SNAPSHOT=snapshot, ROW_PROGRAMS=0, NESTED=bool(nested),
+                     SUB_STATES=nested == "stored"),
                 {"num_warps": branches.NUM_WARPS, "num_stages": branches.NUM_STAGES})
         for hv in (16, 32):  # 0.8B / 2B, and 4B / 9B (two value heads per key head)
             ok &= compile_one(

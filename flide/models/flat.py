@@ -20,7 +20,7 @@ from ..ops.gated_delta import ForkTables, fork_tables
 from ..ops.resume import per_round_tables
 from ..round import RoundTensors
 from .fused import fuse, project
-from .layers import FlatContext, conv_range
+from .layers import FlatContext, conv_range, sub_state_slots
 
 ROUND_FIELDS = len(RoundTensors.__dataclass_fields__)  # a block's trailing inputs: the round's fields, then extras
 
@@ -97,12 +97,15 @@ class FlatBlock(nn.Module):
                 cu_seqlens: torch.Tensor, chunk_offsets: torch.Tensor, states_end: torch.Tensor,
                 branches_end: torch.Tensor, all_cu_seqlens: torch.Tensor, all_chunks: torch.Tensor,
                 *fields: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # the round's fields, then (nested forks) the conv ranges derived once per forward (`layers.conv_range`)
+        # the round's fields, then (nested forks) what is derived once per forward: the conv ranges
+        # (`layers.conv_range`) and the branch rows' sub-trunk state slots (`layers.sub_state_slots`)
         r = RoundTensors(*fields[:ROUND_FIELDS])
         tables = ForkTables(cu_seqlens, r.state_chunks, chunk_offsets, states_end, branches_end, all_cu_seqlens,
                             all_chunks)
-        conv = tuple(fields[ROUND_FIELDS:]) or None
-        return self.run_deferred(h, pending, FlatContext(r, cos, sin, tables=tables, conv_range=conv))
+        nested = fields[ROUND_FIELDS:]
+        conv, slots = (tuple(nested[:2]), nested[2]) if nested else (None, None)
+        return self.run_deferred(h, pending, FlatContext(r, cos, sin, tables=tables, conv_range=conv,
+                                                         sub_slot=slots))
 
     def run_deferred(self, h: torch.Tensor, pending: torch.Tensor,
                      ctx: FlatContext) -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,9 +185,11 @@ class FlatModel(nn.Module):
             # the GDN forks' round tables, once for all layers (not derived again in each)
             tables = fork_tables(r.state_start, r.state_len, r.branch_start, r.branch_len, r.state_chunks,
                                  r.branch_chunks if self.wy else None)
-            # nested forks: the conv's ranges once for all GDN layers (two pointwise kernels a layer otherwise)
-            conv = conv_range(r) if self.nested else ()
-            ctx = FlatContext(r, cos[0], sin[0], tables=tables, conv_range=conv or None)
+            # nested forks: the conv's ranges and the sub-trunk state slots once for all GDN layers (two pointwise
+            # kernels a layer otherwise, and a dozen small ops)
+            nested = (*conv_range(r), sub_state_slots(r)) if self.nested else ()
+            ctx = FlatContext(r, cos[0], sin[0], tables=tables, conv_range=tuple(nested[:2]) or None,
+                              sub_slot=nested[2] if nested else None)
             # each block returns its MLP output un-added, for the next block's input-norm kernel to add
             # (`run_deferred`); the first adds zeros (h + 0 has h's bits), so every block has one signature and
             # compiles as one region per layer kind
@@ -192,7 +197,7 @@ class FlatModel(nn.Module):
             for block in self.blocks[:-1]:
                 h, pending = block(h, pending, ctx.cos, ctx.sin, tables.state_cu_seqlens, tables.state_chunk_offsets,
                                    tables.states_end, tables.branches_end, tables.all_cu_seqlens, tables.all_chunks,
-                                   *fields, *conv)
+                                   *fields, *nested)
             h = residual(h, pending)
         h = residual(h, last.mixer(last.normed(last.input_layernorm, h), flide=ctx))
         if self.selective:

@@ -20,6 +20,7 @@ from ..ops.fork_conv.reference import gdn_gates
 from ..ops.gated_delta import BRANCH_KERNELS, LAID_OUT_STATE_KERNELS, STATE_KERNELS, WY_KERNELS
 from ..ops.gated_delta import fork_parts as gated_delta_fork_parts
 from ..ops.gated_delta import fork_resumable as gated_delta_fork_resumable
+from ..ops.gated_delta import new_sub_flags, sub_slots
 from ..ops.gated_norm.reference import select_rows
 from ..round import RoundTensors
 
@@ -40,6 +41,9 @@ class FlatContext:
     # nested forks: (lo, hi) [T], the range each token's first conv window continues (its state's; a leaf's
     # sub-trunk's), derived once per forward; None: each GDN layer derives it from the round
     conv_range: tuple | None = None
+    # nested forks: [NB] int32, each branch row's slot for its sub-trunk's stored state (`sub_state_slots`), derived
+    # once per forward; None: each GDN layer derives it from the round
+    sub_slot: torch.Tensor | None = None
 
 
 def conv_range(r: RoundTensors) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,6 +52,12 @@ def conv_range(r: RoundTensors) -> tuple[torch.Tensor, torch.Tensor]:
     long)."""
     leaf = r.sub_hi > r.sub_lo
     return torch.where(leaf, r.sub_lo, r.trunk_lo), torch.where(leaf, r.sub_hi, r.trunk_hi)
+
+
+def sub_state_slots(r: RoundTensors) -> torch.Tensor:
+    """[NB] int32, each branch row's slot for its sub-trunk's state (nested forks, `gated_delta.sub_slots`): the GDN
+    question kernel's leaves start from their sub-trunk's stored state instead of re-running its tokens."""
+    return sub_slots(r.branch_start, r.branch_len, r.branch_state, r.sub_lo, r.sub_hi)
 
 
 class _Swapped(nn.Module):
@@ -198,8 +208,12 @@ class FlideGatedDeltaNet(_Swapped):
         fusable = fuse_conv_layout and dim == self.head_v_dim and dim & (dim - 1) == 0 and dim <= 256 and not self.wy
         self.conv_qkv_op = QKV_KERNELS.get(conv_op) if fusable else None
         self.laid_out_state_op = LAID_OUT_STATE_KERNELS.get(delta_op) if fusable else None
-        # nested forks (`runtime.nested_forks`): the question call that first runs each leaf's sub-trunk rows
+        # nested forks (`runtime.nested_forks`): the question call whose leaves continue their sub-trunk's state,
+        # and the flags they wait on for it (zero between calls: kept here, not filled a call; not in state_dict)
         self.nested_op = nested_op
+        if nested_op is not None:
+            self.register_buffer("sub_flags", new_sub_flags(original.num_v_heads, original.head_v_dim,
+                                                            original.A_log.device), persistent=False)
 
     def fuse_projections(self) -> None:
         """in_proj_qkv / z / b / a as one GEMM (flide/models/fused.py); the layer's weights become views of it."""
@@ -207,6 +221,11 @@ class FlideGatedDeltaNet(_Swapped):
 
     def _in_projections(self) -> list[nn.Module]:
         return [self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a]
+
+    @staticmethod
+    def _sub_slot(ctx: FlatContext) -> torch.Tensor:
+        """The branch rows' sub-trunk state slots (nested forks): the forward's, else derived from the round."""
+        return ctx.sub_slot if ctx.sub_slot is not None else sub_state_slots(ctx.round)
 
     def flat_forward(self, x: torch.Tensor, ctx: FlatContext) -> torch.Tensor:
         T, r, ck = x.shape[0], ctx.round, ctx.checkpoint
@@ -246,7 +265,8 @@ class FlideGatedDeltaNet(_Swapped):
                                            state_kernel=self.laid_out_state_op if laid_out else self.state_op,
                                            tables=ctx.tables, wy=self.wy, laid_out=laid_out,
                                            **({} if self.nested_op is None else
-                                              {"sub": (r.sub_lo, r.sub_hi), "nested_kernel": self.nested_op}))
+                                              {"sub": (r.sub_lo, r.sub_hi, self._sub_slot(ctx), self.sub_flags),
+                                               "nested_kernel": self.nested_op}))
             if self.norm_op is not None:  # the select and the norm in one op
                 normed = self.norm_op(parts.o_states, parts.o_branches, gate, self.norm.weight, parts.states_end,
                                       parts.branches_start, parts.branches_end, self.norm.variance_epsilon)

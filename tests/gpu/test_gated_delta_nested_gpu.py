@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from flide.config import GDN_CHUNK
-from flide.ops.gated_delta import BRANCH_KERNELS, STATE_KERNELS, fork, fork_tables, gated_delta_nested_reference
+from flide.ops.gated_delta import (BRANCH_KERNELS, STATE_KERNELS, fork, fork_tables, gated_delta_nested_reference,
+                                   new_sub_flags, sub_slots)
 from flide.ops.registry import _NESTED, resolve
 
 # fla's Triton dots run in tf32 for fp32 inputs; bf16 inputs keep bf16 intermediates (as tests/gpu/test_gated_delta_gpu)
@@ -78,6 +79,22 @@ def meta(r: dict) -> tuple:
     return r["state_start"], r["state_len"], r["branch_start"], r["branch_len"], r["branch_state"]
 
 
+def slots(r: dict, cap: int | None = None) -> torch.Tensor:
+    """The branch rows' sub-trunk state slots (`sub_slots`, as the flat forward derives them)."""
+    return sub_slots(r["branch_start"], r["branch_len"], r["branch_state"], r["sub_lo"], r["sub_hi"],
+                     *(() if cap is None else (cap,)))
+
+
+def flags() -> torch.Tensor:
+    """Zeroed flags for the stored sub-trunk states, enough for every head count of HEADS."""
+    return new_sub_flags(max(hv for _, hv in HEADS), 128, "cuda")
+
+
+def sub(r: dict) -> tuple[torch.Tensor, ...]:
+    """`fork_parts(sub=)` and the nested companions' (sub_lo, sub_hi, sub_slot, sub_flags)."""
+    return r["sub_lo"], r["sub_hi"], slots(r), flags()
+
+
 def leaf_tokens(r: dict) -> torch.Tensor:
     mask = torch.zeros(r["T"], dtype=torch.bool, device="cuda")
     for i in r["leaf_rows"]:
@@ -100,13 +117,13 @@ def inputs(r: dict, dtype, seed: int, heads: tuple[int, int]):
 def fla_fork(x, r, nested: bool = True, **kwargs):
     """The `fla` fork as the model layer runs it: our question kernel, or with sub-trunks fla's nested companion."""
     fla = resolve("gated_delta", "fla")
-    sub = dict(sub=(r["sub_lo"], r["sub_hi"]), nested_kernel=_NESTED[("gated_delta", "fla")]) if nested else {}
-    return fork(fla, *x, *meta(r), SCALE, True, branch_kernel=BRANCH_KERNELS[fla], **sub, **kwargs)
+    nest = dict(sub=sub(r), nested_kernel=_NESTED[("gated_delta", "fla")]) if nested else {}
+    return fork(fla, *x, *meta(r), SCALE, True, branch_kernel=BRANCH_KERNELS[fla], **nest, **kwargs)
 
 
 def reference_fork(x, r):
     return fork(resolve("gated_delta", "reference"), *(t.float() for t in x), *meta(r), SCALE, True,
-                sub=(r["sub_lo"], r["sub_hi"]), nested_kernel=gated_delta_nested_reference)
+                sub=sub(r), nested_kernel=gated_delta_nested_reference)
 
 
 @pytest.mark.parametrize("heads", HEADS, ids=HEAD_IDS)
@@ -152,13 +169,16 @@ def question_call(r: dict, dtype, seed: int, heads: tuple[int, int]):
 @pytest.mark.parametrize("heads", HEADS, ids=HEAD_IDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_nested_question_call_matches_reference_at_qwen_shapes(dtype, heads):
-    """fla's nested companion (the recurrent kernel with NESTED) against the reference's nested question call:
-    every question row written (NaN-poisoned), fp32 within 1e-5 (the recurrent kernel has no tf32)."""
+    """fla's nested companion (the recurrent kernel with NESTED, leaves from their sub-trunk's stored state)
+    against the reference's nested question call: every question row written (NaN-poisoned), fp32 within 1e-5 (the
+    recurrent kernel has no tf32)."""
     r = nested_round(6)
     args = question_call(r, dtype, 13, heads)
-    sub = (r["sub_lo"], r["sub_hi"])
-    o = _NESTED[("gated_delta", "fla")](*args[:9], *sub, *args[9:])
-    want = gated_delta_nested_reference(*(t.float() for t in args[:5]), *args[5:9], *sub, *args[9:])
+    nest = sub(r)
+    assert (nest[2] >= 0).any()
+    o = _NESTED[("gated_delta", "fla")](*args[:9], *nest, *args[9:])
+    assert not nest[3].any()  # the flags back at zero
+    want = gated_delta_nested_reference(*(t.float() for t in args[:5]), *args[5:9], *nest, *args[9:])
     first = int(r["branch_start"][0])
     end = first + int(r["branch_len"].sum())
     assert rel_err(o[first:end], want[first:end]) < (1e-5 if dtype == torch.float32 else 1e-2)
@@ -166,9 +186,10 @@ def test_nested_question_call_matches_reference_at_qwen_shapes(dtype, heads):
     assert rel_err(o[leaves], want[leaves]) < (1e-5 if dtype == torch.float32 else 1e-2)
     from flide.ops.gated_delta import branches
 
-    poisoned = torch.full_like(o, float("nan"))
-    o = branches.branches(*args, out=poisoned, sub=sub)
-    assert torch.isfinite(o[first:end]).all() and o[:first].isnan().all() and o[end:].isnan().all()
+    for slot in (None, nest[2]):  # leaves re-running their sub-trunk, or from its stored state
+        poisoned = torch.full_like(o, float("nan"))
+        o = branches.branches(*args, out=poisoned, sub=nest[:2], sub_slot=slot, sub_flags=nest[3])
+        assert torch.isfinite(o[first:end]).all() and o[:first].isnan().all() and o[end:].isnan().all()
 
 
 @pytest.mark.parametrize("heads", HEADS, ids=HEAD_IDS)
@@ -188,6 +209,39 @@ def test_nested_question_call_keeps_the_bits_outside_leaves(dtype, heads):
     assert torch.equal(nested[others], plain[others])
     empty = torch.zeros_like(r["sub_lo"])
     assert torch.equal(branches.branches(*args, sub=(empty, empty))[first:end], plain)
+
+
+@pytest.mark.parametrize("heads", HEADS, ids=HEAD_IDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_stored_sub_states_match_the_recomputed_ones(dtype, heads):
+    """The nested question call with the sub-trunks' stored states (`sub_slot`: leaves wait on their sub-trunk's
+    flag in the same launch) against the call that re-runs each leaf's sub-trunk: non-leaf rows bitwise (the same
+    token steps; a sub-trunk only adds a store), leaves within 1e-6 in fp32 (the same operations in the same order:
+    bitwise in Triton's interpreter, tests/test_gated_delta_nested.py; compiled, two loops may contract
+    differently), every slot taken (cap 32), only some (cap 1), none (all -1), and flags that never come (every
+    leaf gives up after its polls and re-runs its sub-trunk: bitwise the recomputed call). The flags end at zero
+    (at -1000 where they started there), over 20 calls."""
+    from flide.ops.gated_delta import branches
+
+    r = nested_round(9)
+    args = question_call(r, dtype, 17, heads)
+    first = int(r["branch_start"][0])
+    end = first + int(r["branch_len"].sum())
+    recomputed = branches.branches(*args, sub=(r["sub_lo"], r["sub_hi"]))[first:end]
+    leaves = leaf_tokens(r)[first:end]
+    assert (slots(r) >= 0).sum() > (slots(r, 1) >= 0).sum() > 0
+    kept = flags()
+    for _ in range(20):
+        for slot in (slots(r), slots(r, 1), torch.full_like(slots(r), -1)):
+            stored = branches.branches(*args, sub=(r["sub_lo"], r["sub_hi"]), sub_slot=slot,
+                                       sub_flags=kept)[first:end]
+            assert torch.equal(stored[~leaves], recomputed[~leaves])
+            assert rel_err(stored[leaves], recomputed[leaves]) < (1e-6 if dtype == torch.float32 else 1e-2)
+            assert not kept.any()
+    never = torch.full_like(kept, -1000)
+    gave_up = branches.branches(*args, sub=(r["sub_lo"], r["sub_hi"]), sub_slot=slots(r), sub_flags=never,
+                                max_spins=4)[first:end]
+    assert torch.equal(gave_up, recomputed) and (never == -1000).all()
 
 
 @pytest.mark.parametrize("heads", HEADS, ids=HEAD_IDS)
@@ -259,5 +313,5 @@ def test_nested_op_opcheck_on_cuda():
     q, k, v, decay, beta = inputs(r, torch.bfloat16, 5, HEADS[0])
     finals = torch.randn(int(r["state_len"].shape[0]), 16, 128, 128, device="cuda") * 0.1
     torch.library.opcheck(op, (q, k, v, decay, beta, r["branch_start"], r["branch_len"], finals, r["branch_state"],
-                               r["sub_lo"], r["sub_hi"], SCALE, True),
+                               *sub(r), SCALE, True),
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))

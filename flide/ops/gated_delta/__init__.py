@@ -5,9 +5,12 @@ chunk-local steps also prepare the questions' WY form, and our chunked question 
 `fla_cuda` (fla's state call, and our recurrent question kernel in CUDA C, `questions_cuda.py`, compiled by NVRTC).
 
 Nested forks (`runtime.nested_forks`): a leaf question's prompt is state + sub-trunk + leaf, its sub-trunk a shared
-question line laid out once as a question segment of its own. Only the question call changes: each leaf re-runs its
-sub-trunk's rows before its own (`fork_parts(sub=...)`), through its variant's nested companion
-(`registry.register_nested`): `reference` and `fla` have one; `fla_wy` and `fla_cuda` do not."""
+question line laid out once as a question segment of its own. Only the question call changes: each leaf continues
+its sub-trunk's state before its own rows (`fork_parts(sub=...)`), through its variant's nested companion
+(`registry.register_nested`): `reference` and `fla` have one; `fla_wy` and `fla_cuda` do not. The reference re-runs
+the sub-trunk's rows for every leaf; `fla`'s kernel starts a leaf from the state its sub-trunk's own program stored
+in the same launch (`sub_slots`, up to SUB_STATE_SLOTS sub-trunks a round; the leaves wait on flags the layer keeps,
+`new_sub_flags`; the leaves of the other sub-trunks re-run their rows)."""
 
 from __future__ import annotations
 
@@ -68,16 +71,19 @@ register_resumable("gated_delta", "reference")(gated_delta_snapshot_reference)
 def gated_delta_nested_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                  beta: torch.Tensor, seg_start: torch.Tensor, seg_len: torch.Tensor,
                                  initial_state: torch.Tensor, initial_index: torch.Tensor, sub_lo: torch.Tensor,
-                                 sub_hi: torch.Tensor, scale: float, use_qk_l2norm: bool) -> torch.Tensor:
+                                 sub_hi: torch.Tensor, sub_slot: torch.Tensor, sub_flags: torch.Tensor, scale: float,
+                                 use_qk_l2norm: bool) -> torch.Tensor:
     """The nested fork's question call (`reference.gated_delta` with sub_lo / sub_hi): only the outputs, as every
-    nested companion returns them (the questions' final states are never read)."""
+    nested companion returns them (the questions' final states are never read). `sub_slot` and `sub_flags`
+    (`sub_slots`, `new_sub_flags`: where a kernel keeps a sub-trunk's state for its leaves, and what they wait on)
+    are ignored: every leaf runs its sub-trunk's rows, the same answer."""
     return reference.gated_delta(q, k, v, g, beta, seg_start, seg_len, initial_state, initial_index, scale,
                                  use_qk_l2norm, sub_lo, sub_hi)[0]
 
 
 @gated_delta_nested_reference.register_fake
-def _fake_nested(q, k, v, g, beta, seg_start, seg_len, initial_state, initial_index, sub_lo, sub_hi, scale,
-                 use_qk_l2norm):
+def _fake_nested(q, k, v, g, beta, seg_start, seg_len, initial_state, initial_index, sub_lo, sub_hi, sub_slot,
+                 sub_flags, scale, use_qk_l2norm):
     return q.new_empty(v.shape)
 
 
@@ -170,13 +176,16 @@ def _fake_branches(q, k, v, g, beta, seg_start, seg_len, initial_state, initial_
 def gated_delta_branches_nested_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                        beta: torch.Tensor, seg_start: torch.Tensor, seg_len: torch.Tensor,
                                        initial_state: torch.Tensor, initial_index: torch.Tensor, sub_lo: torch.Tensor,
-                                       sub_hi: torch.Tensor, scale: float, use_qk_l2norm: bool) -> torch.Tensor:
-    """The `fla` variant's nested question call: our recurrent kernel compiled with NESTED, each leaf's program
-    running its sub-trunk's rows before its own (in the same launch as the sub-trunk's own program)."""
+                                       sub_hi: torch.Tensor, sub_slot: torch.Tensor, sub_flags: torch.Tensor,
+                                       scale: float, use_qk_l2norm: bool) -> torch.Tensor:
+    """The `fla` variant's nested question call: our recurrent kernel compiled with NESTED, in one launch: a
+    sub-trunk with a slot (`sub_slot`, `sub_slots`) stores its state after its tokens and raises its flag
+    (`sub_flags`, `new_sub_flags`: zero before and after the call, so declared unmutated), and its leaves wait for it
+    and start from that state. A leaf without a slot runs its sub-trunk's rows before its own."""
     from . import branches
 
     return branches.branches(q, k, v, g, beta, seg_start, seg_len, initial_state, initial_index, scale,
-                             use_qk_l2norm, sub=(sub_lo, sub_hi))
+                             use_qk_l2norm, sub=(sub_lo, sub_hi), sub_slot=sub_slot, sub_flags=sub_flags)
 
 
 gated_delta_branches_nested_triton.register_fake(_fake_nested)
@@ -327,6 +336,50 @@ def fork_tables(state_start: torch.Tensor, state_len: torch.Tensor, branch_start
                       fla.span_end(branch_start, branch_len), all_cu_seqlens, all_chunks)
 
 
+# Nested forks: at most this many sub-trunks of a round store their state after their tokens for their leaves to start
+# from (`sub_slots`, `branches.branches(sub_slot=)`); the leaves of the others re-run their sub-trunk's tokens. Each
+# slot is an fp32 [Hv, K, V] state (1 MiB on Qwen3.5-0.8B, 2 MiB with 4B / 9B's 32 value heads) in a buffer of the
+# question call, a per-layer transient in the CUDA graph's memory pool, which is near its budget: 32 MiB at most on
+# 0.8B (at most half the bucket's branch rows: `branches.branches`). A real MultiRC request holds ~8 sub-trunks (62 in
+# the 8 of benchmarks/test_host_side.py): 32 cover a round of ~4.
+SUB_STATE_SLOTS = 32
+
+
+def new_sub_flags(heads_v: int, v_dim: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """Zeroed int32 flags for the nested question call's stored sub-trunk states (`branches.branches(sub_flags=)`):
+    one per (slot, value head, value column), enough for any V tile. Every call leaves them zero again, so a layer
+    keeps one buffer for all its calls (no fill launch a call); 256 KiB on Qwen3.5-0.8B's 16 x 128."""
+    return torch.zeros(SUB_STATE_SLOTS * heads_v * v_dim, dtype=torch.int32, device=device)
+
+
+def sub_slots(branch_start: torch.Tensor, branch_len: torch.Tensor, branch_state: torch.Tensor,
+              sub_lo: torch.Tensor, sub_hi: torch.Tensor, slots: int = SUB_STATE_SLOTS) -> torch.Tensor:
+    """[NB] int32, each branch row's slot for its sub-trunk's stored state (nested forks): a sub-trunk row some leaf
+    starts from gets the next of `slots` slots in row order (-1 once they are taken), a leaf its sub-trunk's slot, any
+    other row -1. Device ops only, static shapes (no host sync): derived once per forward, in the compiled graph.
+
+    A leaf is a row with tokens whose first token has a non-empty sub-trunk range [lo, hi); its sub-trunk is the row
+    starting at lo (found by a binary search over the rows' starts, which increase along the used rows; the unused
+    rows at the end, length 0 at start 0, sort last). A leaf takes a slot only where that row is exactly its range
+    (starts at lo, ends at hi), forks from the same state and is no leaf itself, so a stored state is always the one
+    the leaf would compute; else it keeps -1 and re-runs its sub-trunk (the same answer)."""
+    B, T = branch_start.shape[0], sub_lo.shape[0]
+    first = branch_start.clamp(0, T - 1)  # in bounds whatever an empty row's start (its range is not used)
+    lo, hi = sub_lo[first].long(), sub_hi[first].long()
+    leaf = (branch_len > 0) & (hi > lo)
+    key = torch.where((branch_len == 0) & (branch_start == 0), torch.iinfo(torch.int64).max, branch_start)
+    # the last row starting at or before lo: the sub-trunk (rows of length 0 just before it share its start)
+    row = (torch.searchsorted(key, lo, right=True) - 1).clamp(0, B - 1)
+    found = (leaf & (branch_start[row] == lo) & (branch_start[row] + branch_len[row] == hi)
+             & (branch_state[row] == branch_state) & ~leaf[row])
+    # the sub-trunk rows some leaf found, marked by a scatter (the others' to the dummy row B), slots in row order
+    marked = torch.zeros(B + 1, dtype=torch.int64, device=branch_start.device)
+    marked = marked.scatter(0, torch.where(found, row, B), 1)[:B]
+    rank = marked.cumsum(0) - 1
+    own = torch.where((marked > 0) & (rank < slots), rank, -1)
+    return torch.where(found, own[row], own).to(torch.int32)
+
+
 class ForkParts(NamedTuple):
     """The two calls of a fork before their rows are combined (`fork_parts`): each row of the layer's output comes
     from the call that covers it, rows [0, states_end) from `o_states`, rows [branches_start, branches_end) from
@@ -344,7 +397,7 @@ class ForkParts(NamedTuple):
 def fork(kernel, q, k, v, g, beta, state_start, state_len, branch_start, branch_len, branch_state, scale: float,
          use_qk_l2norm: bool, branch_kernel=None, state_kernel=None,
          tables: ForkTables | None = None, wy: bool = False,
-         sub: tuple[torch.Tensor, torch.Tensor] | None = None,
+         sub: tuple[torch.Tensor, ...] | None = None,
          nested_kernel=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Forked gated delta rule, in two calls of one varlen kernel (`fork_parts`), their rows combined.
 
@@ -360,7 +413,7 @@ def fork(kernel, q, k, v, g, beta, state_start, state_len, branch_start, branch_
 def fork_parts(kernel, q, k, v, g, beta, state_start, state_len, branch_start, branch_len, branch_state,
                scale: float, use_qk_l2norm: bool, branch_kernel=None, state_kernel=None,
                tables: ForkTables | None = None, wy: bool = False, laid_out: bool = False,
-               sub: tuple[torch.Tensor, torch.Tensor] | None = None, nested_kernel=None) -> ForkParts:
+               sub: tuple[torch.Tensor, ...] | None = None, nested_kernel=None) -> ForkParts:
     """Forked gated delta rule, in two calls of one varlen kernel.
 
     Call 1 runs every state from a zero state and keeps each one's final recurrent state (float32); call 2 runs every
@@ -376,11 +429,12 @@ def fork_parts(kernel, q, k, v, g, beta, state_start, state_len, branch_start, b
     (contiguous, q and k normalised: `fork_conv.QKV_KERNELS`), and `state_kernel` is the variant's
     `LAID_OUT_STATE_KERNELS` form, which takes them so; both calls read them as they are.
 
-    `sub` (a nested fork: the round's per-token (sub_lo, sub_hi), int32 [T]) with `nested_kernel` (the variant's
-    nested-fork companion, `registry.nested(...)["gated_delta"]`, resolved at patch time): the question call is the
-    companion, `nested_kernel(q, k, v, g, beta, branch_start, branch_len, finals, branch_state, sub_lo, sub_hi,
-    scale, use_qk_l2norm) -> o`, in place of `branch_kernel` / `kernel`; each leaf question first runs its
-    sub-trunk's rows (`reference.gated_delta`). The state call never has sub-trunks.
+    `sub` (a nested fork: the round's per-token (sub_lo, sub_hi), int32 [T], the branch rows' `sub_slots`, int32
+    [NB], derived once per forward, and the layer's `new_sub_flags`) with `nested_kernel` (the variant's nested-fork
+    companion, `registry.nested(...)["gated_delta"]`, resolved at patch time): the question call is the companion,
+    `nested_kernel(q, k, v, g, beta, branch_start, branch_len, finals, branch_state, sub_lo, sub_hi, sub_slot,
+    sub_flags, scale, use_qk_l2norm) -> o`, in place of `branch_kernel` / `kernel`; each leaf question continues its
+    sub-trunk's state (`reference.gated_delta`: re-running its rows). The state call never has sub-trunks.
     """
     if sub is not None:
         if wy:
@@ -412,9 +466,9 @@ def fork_parts(kernel, q, k, v, g, beta, state_start, state_len, branch_start, b
         no_initial = q.new_zeros(0, v.shape[1], k.shape[2], v.shape[2], dtype=torch.float32)
         none = torch.full_like(state_start, -1)
         o_states, finals = kernel(q, k, v, g, beta, state_start, state_len, no_initial, none, scale, use_qk_l2norm)
-    if sub is not None:  # a leaf's sub-trunk rows are inputs of this call: no extra launch, no level order
-        o_branches = nested_kernel(q, k, v, g, beta, branch_start, branch_len, finals, branch_state, sub[0], sub[1],
-                                   scale, use_qk_l2norm)
+    if sub is not None:  # a leaf's sub-trunk rows (or its sub-trunk's stored state) are inputs of this call
+        o_branches = nested_kernel(q, k, v, g, beta, branch_start, branch_len, finals, branch_state, *sub, scale,
+                                   use_qk_l2norm)
     elif branch_kernel is not None:
         o_branches = branch_kernel(q, k, v, g, beta, branch_start, branch_len, finals, branch_state, scale,
                                    use_qk_l2norm)

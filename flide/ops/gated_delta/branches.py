@@ -34,6 +34,10 @@ import torch
 import triton
 import triton.language as tl
 
+# how many sub-trunk states a nested question call stores (`branches(sub_slot=)`) and the flags its leaves wait on;
+# defined with `sub_slots`, which derives the slots in the model's forward (`import flide` must not need triton)
+from . import SUB_STATE_SLOTS, new_sub_flags
+
 # Tiles measured on the H200 (2026-11-30, `benchmarks/ops/bench_gated_delta.py --sweep`, the question call alone on
 # Qwen3.5-0.8B): 16 value columns per program and one warp took 0.216 ms on 2,000 + 64 x 40 tokens and 0.037 ms on
 # RACE in its bucket, against 0.302 / 0.039 with fla's recurrent tiles (8 columns, one warp) and 0.31-0.75 / 0.05-0.08
@@ -87,6 +91,18 @@ NUM_STAGES = 3  # the next tokens' q/k/v loads in flight while this one's update
 # 0.8B): P = 128 took 16 RACE requests in the 8,192 bucket from 0.287 to 0.253 ms (without spare rows: 0.243), but
 # 64 x RACE 0.969 vs 0.922 and one long question (sweep 1) 0.079 vs 0.067: no default gain, kept at 0.
 ROW_PROGRAMS = 0
+# Stored sub-trunk states (`branches(sub_slot=)`): a leaf polls its sub-trunk's flag at most this many times (~0.5-1 us
+# each, an L2 atomic) before it re-runs the sub-trunk itself. Programs are dispatched in grid order, so the sub-trunk's
+# program (an earlier row) is running or done and the flag comes within its tokens' steps (~0.5 us each); the bound
+# only keeps an order no GPU has shown from hanging the launch (then each leaf loses ~10 ms, its answer unchanged).
+MAX_SPINS = 1 << 14
+# Registers a thread of the recurrent form may use, per value-tile width (None: ptxas's choice). With 16 columns the
+# state is 64 registers a thread, yet ptxas took 167-254 (sm_90, Triton 3.9 here / 3.6 on the H200 190-221 for the
+# nested forms): 8-10 one-warp programs an SM. Capped at 168 every form compiled to 167 without spills (`cuobjdump
+# --dump-resource-usage`), 12 programs an SM; the question call is throughput-bound on long rounds.
+MAX_REGISTERS = {16: 168}
+# Rows a sub-trunk's program reads per step when it counts its leaves (`_leaves_of`)
+LEAF_SCAN = tl.constexpr(256)
 # Tried (1c7ea47, reverted): programs for 64 rows only, each also looping over rows i + 64, ... below the round's
 # rows_used (one past its last row with tokens, derived once per forward), so a bucket's spare rows launch nothing.
 # H200, 0.8B replay (2026-12-02, `h200_profile_0_8b_rows_used.json` vs `..._lone_merged.json`): the kernel with no
@@ -120,30 +136,39 @@ def _initial_state(h0_ptr, index_ptr, i_n, i_h, o_k, o_v, k_ok, v_ok, HV: tl.con
 
 @triton.jit
 def _branch_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, start_ptr, len_ptr, index_ptr, scale,
-                   ht_ptr, snap_at_ptr, hs_ptr, sub_lo_ptr, sub_hi_ptr, N, HK: tl.constexpr, HV: tl.constexpr,
-                   K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr,
-                   STORE_FINAL: tl.constexpr, SNAPSHOT: tl.constexpr, ROW_PROGRAMS: tl.constexpr,
-                   NESTED: tl.constexpr):
+                   ht_ptr, snap_at_ptr, hs_ptr, sub_lo_ptr, sub_hi_ptr, sub_slot_ptr, subs_ptr, flags_ptr, max_spins,
+                   N, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                   BV: tl.constexpr, L2NORM: tl.constexpr, STORE_FINAL: tl.constexpr, SNAPSHOT: tl.constexpr,
+                   ROW_PROGRAMS: tl.constexpr, NESTED: tl.constexpr, SUB_STATES: tl.constexpr):
     i_v = tl.program_id(0)
     if ROW_PROGRAMS == 0:  # a program per (row, value head, V tile): a row of length 0 returns at once
         _branch_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, start_ptr, len_ptr, index_ptr, scale, ht_ptr,
-                    snap_at_ptr, hs_ptr, sub_lo_ptr, sub_hi_ptr, tl.program_id(1) // HV, tl.program_id(1) % HV, i_v,
-                    HK, HV, K, V, BK, BV, L2NORM, STORE_FINAL, SNAPSHOT, NESTED)
+                    snap_at_ptr, hs_ptr, sub_lo_ptr, sub_hi_ptr, sub_slot_ptr, subs_ptr, flags_ptr, max_spins, N,
+                    tl.program_id(1) // HV, tl.program_id(1) % HV, i_v, HK, HV, K, V, BK, BV, L2NORM, STORE_FINAL,
+                    SNAPSHOT, NESTED, SUB_STATES)
     else:  # ROW_PROGRAMS programs per (value head, V tile), each over rows i, i + ROW_PROGRAMS, ...
         for i_n in range(tl.program_id(2), N, ROW_PROGRAMS):
             _branch_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, start_ptr, len_ptr, index_ptr, scale,
-                        ht_ptr, snap_at_ptr, hs_ptr, sub_lo_ptr, sub_hi_ptr, i_n, tl.program_id(1), i_v, HK, HV, K, V,
-                        BK, BV, L2NORM, STORE_FINAL, SNAPSHOT, NESTED)
+                        ht_ptr, snap_at_ptr, hs_ptr, sub_lo_ptr, sub_hi_ptr, sub_slot_ptr, subs_ptr, flags_ptr,
+                        max_spins, N, i_n, tl.program_id(1), i_v, HK, HV, K, V, BK, BV, L2NORM, STORE_FINAL,
+                        SNAPSHOT, NESTED, SUB_STATES)
 
 
 @triton.jit
 def _branch_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, start_ptr, len_ptr, index_ptr, scale, ht_ptr,
-                snap_at_ptr, hs_ptr, sub_lo_ptr, sub_hi_ptr, i_n, i_h, i_v, HK: tl.constexpr, HV: tl.constexpr,
-                K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr,
-                STORE_FINAL: tl.constexpr, SNAPSHOT: tl.constexpr, NESTED: tl.constexpr):
+                snap_at_ptr, hs_ptr, sub_lo_ptr, sub_hi_ptr, sub_slot_ptr, subs_ptr, flags_ptr, max_spins, N, i_n, i_h,
+                i_v, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                BV: tl.constexpr, L2NORM: tl.constexpr, STORE_FINAL: tl.constexpr, SNAPSHOT: tl.constexpr,
+                NESTED: tl.constexpr, SUB_STATES: tl.constexpr):
     """Row i_n's question (or segment) for value head i_h, V tile i_v: the recurrent form's work for one row.
     NESTED (a nested fork's question call): a leaf first runs its sub-trunk's rows, [sub_lo, sub_hi) at its first
-    token, from its initial state, storing no outputs (`_sub_trunk`); without it that code is not compiled in."""
+    token, from its initial state, storing no outputs (`_sub_trunk`); without it that code is not compiled in.
+    SUB_STATES (with NESTED; `branches(sub_slot=)`): a sub-trunk with a slot (`sub_slot[i_n] >= 0`) stores its state
+    after its tokens to `subs[slot]` and then adds its number of waiting leaves to its flag (release); a leaf with a
+    slot waits until that flag is positive (acquire) and starts from `subs[slot]` instead of re-running the
+    sub-trunk, then takes one off the flag, so every flag is back at zero when the launch ends. A leaf that waited
+    `max_spins` polls in vain re-runs its sub-trunk (the same bits), so no order of the programs can hang the
+    launch; in practice the GPU dispatches programs in grid order and a sub-trunk's row comes before its leaves'."""
     i_hk = i_h // (HV // HK)  # grouped value heads: value head h reads key head h // (HV // HK)
     n = tl.load(len_ptr + i_n)
     o_k = tl.arange(0, BK)
@@ -168,10 +193,26 @@ def _branch_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, start_ptr, 
                     tl.store(hs_ptr + state_at, h, mask=state_ok)
     if n > 0:
         bos = tl.load(start_ptr + i_n).to(tl.int64)
-        h = _initial_state(h0_ptr, index_ptr, i_n, i_h, o_k, o_v, k_ok, v_ok, HV, K, V, BK, BV)
-        if NESTED:
-            h = _sub_trunk(h, k_ptr, v_ptr, g_ptr, beta_ptr, sub_lo_ptr, sub_hi_ptr, bos, i_h, i_hk, o_k, o_v, k_ok,
-                           v_ok, HK, HV, K, V, L2NORM)
+        if SUB_STATES:
+            stored = tl.full([], 0, tl.int32)
+            if _stored_leaf(start_ptr, sub_lo_ptr, sub_hi_ptr, i_n, n, tl.load(sub_slot_ptr + i_n)):
+                slot = tl.load(sub_slot_ptr + i_n)
+                flag = flags_ptr + (slot.to(tl.int64) * HV + i_h) * V + i_v
+                stored = _wait_for_flag(flag, max_spins)
+                tl.atomic_add(flag, -1, sem="relaxed")  # the state in `subs` stays until the launch ends
+            if stored > 0:  # L2 only (.cg): the sub-trunk's program wrote it from another SM
+                h = tl.load(subs_ptr + tl.load(sub_slot_ptr + i_n).to(tl.int64) * HV * K * V
+                            + (i_h * K + o_k[:, None]) * V + o_v[None, :], mask=state_ok, other=0.0,
+                            cache_modifier=".cg")
+            else:
+                h = _initial_state(h0_ptr, index_ptr, i_n, i_h, o_k, o_v, k_ok, v_ok, HV, K, V, BK, BV)
+                h = _sub_trunk(h, k_ptr, v_ptr, g_ptr, beta_ptr, sub_lo_ptr, sub_hi_ptr, bos, i_h, i_hk, o_k, o_v,
+                               k_ok, v_ok, HK, HV, K, V, L2NORM)
+        else:
+            h = _initial_state(h0_ptr, index_ptr, i_n, i_h, o_k, o_v, k_ok, v_ok, HV, K, V, BK, BV)
+            if NESTED:
+                h = _sub_trunk(h, k_ptr, v_ptr, g_ptr, beta_ptr, sub_lo_ptr, sub_hi_ptr, bos, i_h, i_hk, o_k, o_v,
+                               k_ok, v_ok, HK, HV, K, V, L2NORM)
         # Each step's loads are issued one step ahead (software prefetch): the chain from one token's state to the
         # next is only the decay, one sum over K and the rank-1 update, and the H200 showed ~2 us a step when each
         # step also waited for its own q/k/v loads. Same arithmetic, same bits.
@@ -204,6 +245,56 @@ def _branch_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, start_ptr, 
                     tl.store(hs_ptr + state_at, h, mask=state_ok)
         if STORE_FINAL:  # the state after the segment's last token (checkpoint rounds: a state's rest, ops/resume.py)
             tl.store(ht_ptr + state_at, h, mask=state_ok)
+        if SUB_STATES:
+            # volatile: read here, after the loop. Else the compiler reuses the read before it and builds the
+            # store's 64 addresses a thread there, live through the loop: 254 registers instead of 199 (sm_90,
+            # 0.8B's tiles: 8 programs an SM instead of 10)
+            slot = tl.load(sub_slot_ptr + i_n, volatile=True)
+            if (slot >= 0) & (_stored_leaf(start_ptr, sub_lo_ptr, sub_hi_ptr, i_n, n, slot) == 0):
+                # a sub-trunk some leaf starts from: its state, then (after every thread's store) its leaves' count
+                # on its flag, one per (slot, value head, V tile): a leaf waits only for its own slice
+                at = subs_ptr + slot.to(tl.int64) * HV * K * V + i_h * K * V
+                tl.store(at + o_k[:, None] * V + o_v[None, :], h, mask=state_ok)
+                waiting = _leaves_of(start_ptr, len_ptr, sub_lo_ptr, sub_hi_ptr, sub_slot_ptr, slot, N)
+                tl.debug_barrier()
+                tl.atomic_add(flags_ptr + (slot.to(tl.int64) * HV + i_h) * V + i_v, waiting, sem="release")
+
+@triton.jit
+def _stored_leaf(start_ptr, sub_lo_ptr, sub_hi_ptr, i_n, n, slot):
+    """Whether row i_n (length n, slot `slot`) is a leaf whose sub-trunk has a slot: a row with a slot and tokens
+    whose first token has a non-empty sub-trunk range (a sub-trunk's own range is empty). The start and the range are
+    read only then: an empty row's start may lie anywhere, a row past N has none. Scalars or vectors of rows."""
+    leaf = (n > 0) & (slot >= 0)
+    bos = tl.load(start_ptr + i_n, mask=leaf, other=0)
+    a = tl.load(sub_lo_ptr + bos, mask=leaf, other=0)
+    b = tl.load(sub_hi_ptr + bos, mask=leaf, other=0)
+    return leaf & (b > a)
+
+
+@triton.jit
+def _leaves_of(start_ptr, len_ptr, sub_lo_ptr, sub_hi_ptr, sub_slot_ptr, slot, N):
+    """How many of the N rows are leaves with slot `slot` (`_stored_leaf`, the predicate each leaf's program takes
+    one off the flag by): what the sub-trunk adds, so that the flag ends the launch at zero."""
+    count = tl.full([], 0, tl.int32)
+    for first in range(0, N, LEAF_SCAN):
+        rows = first + tl.arange(0, LEAF_SCAN)
+        ok = rows < N
+        slots = tl.load(sub_slot_ptr + rows, mask=ok, other=-1)
+        n = tl.load(len_ptr + rows, mask=ok, other=0)
+        count += tl.sum((_stored_leaf(start_ptr, sub_lo_ptr, sub_hi_ptr, rows, n, slots) & (slots == slot))
+                        .to(tl.int32))
+    return count
+
+
+@triton.jit
+def _wait_for_flag(flag, max_spins):
+    """1 once the flag is positive (its sub-trunk's state stored: acquire), 0 after max_spins polls without."""
+    seen = tl.atomic_add(flag, 0, sem="acquire")
+    spins = 0
+    while (seen <= 0) & (spins < max_spins):
+        seen = tl.atomic_add(flag, 0, sem="acquire")
+        spins += 1
+    return (seen > 0).to(tl.int32)
 
 
 @triton.jit
@@ -317,7 +408,9 @@ def branches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
              form: str = "recurrent", tiles: tuple[int, ...] | None = None,
              final: torch.Tensor | None = None,
              snapshot: tuple[torch.Tensor, torch.Tensor] | None = None,
-             sub: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+             sub: tuple[torch.Tensor, torch.Tensor] | None = None,
+             sub_slot: torch.Tensor | None = None, sub_flags: torch.Tensor | None = None,
+             max_spins: int | None = None) -> torch.Tensor:
     """o [T, Hv, V] (q's dtype) of every segment, each from `initial_state[initial_index[n]]` (-1: zero). Rows
     outside the segments are left unwritten, as fla's variant leaves them (`gated_delta.combine` selects).
 
@@ -335,7 +428,14 @@ def branches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     `sub`: (sub_lo, sub_hi) [T] int32, a nested fork's question call (`reference.gated_delta`'s semantics): a segment
     whose first token has a non-empty range [a, b) first runs rows a..b-1 from its initial state, writing none of
     their outputs, then its own rows (`final`: the state after its own rows); the recurrent form only, not with
-    `snapshot` (checkpoint rounds have no nested forks)."""
+    `snapshot` (checkpoint rounds have no nested forks).
+    `sub_slot` (with `sub`): [N] int32, each row's slot in a buffer of SUB_STATE_SLOTS states (`sub_slots`: a
+    sub-trunk that leaves start from, those leaves, -1 elsewhere). In the same launch, each sub-trunk with a slot
+    stores its state after its tokens and each of its leaves starts from it instead of re-running its rows (the same
+    steps in the same order: the same function; rows without a slot, leaves included, run as without `sub_slot`).
+    `sub_flags`: the int32 flags the leaves wait on (`new_sub_flags`: zero, and zero again after every call, so a
+    layer keeps one for all its calls); None: a zeroed one for this call. `max_spins`: how many times a leaf polls
+    its flag before it re-runs its sub-trunk instead (default MAX_SPINS; tests make it small)."""
     if form not in FORMS:
         raise ValueError(f"`form` must be one of {FORMS}, got {form!r}")
     if sub is not None:
@@ -345,6 +445,14 @@ def branches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
         if any(t.dtype != torch.int32 or t.shape != q.shape[:1] for t in sub):
             raise ValueError(f"`sub` needs two int32 [T] tensors (T = {q.shape[0]}), got "
                              f"{[(t.dtype, tuple(t.shape)) for t in sub]}")
+    if sub_slot is not None and (sub is None or sub_slot.dtype != torch.int32 or sub_slot.shape != seg_start.shape):
+        raise ValueError(f"`sub_slot` needs `sub` and an int32 [N] tensor (N = {seg_start.shape[0]}), got "
+                         f"{'no sub, ' if sub is None else ''}{sub_slot.dtype} {tuple(sub_slot.shape)}")
+    if sub_flags is not None and (sub_flags.dtype != torch.int32 or not sub_flags.is_contiguous()
+                                  or sub_flags.numel() < SUB_STATE_SLOTS * v.shape[1] * v.shape[2]):
+        raise ValueError(f"`sub_flags` needs a contiguous int32 tensor of {SUB_STATE_SLOTS} x Hv x V elements "
+                         f"(`new_sub_flags`), got {sub_flags.dtype} {tuple(sub_flags.shape)}")
+    max_spins = MAX_SPINS if max_spins is None else max_spins
     state_shape = (seg_start.shape[0], v.shape[1], k.shape[2], v.shape[2])
 
     def state_output_ok(t: torch.Tensor) -> bool:  # where `final` / `snapshot` states go
@@ -397,11 +505,21 @@ def branches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
         grid = (triton.cdiv(V, BV), N * HV) if row_programs == 0 else (triton.cdiv(V, BV), HV, row_programs)
         snap_at, states = snapshot if snapshot is not None else (seg_start, h0)  # unread without SNAPSHOT
         sub_lo, sub_hi = sub if sub is not None else (seg_start, seg_start)  # unread without NESTED
+        # the sub-trunks' stored states: a transient of this call, unread without slots. A sub-trunk takes a slot
+        # only with a leaf, another row, so a call of N rows uses at most N // 2 slots (a small bucket's buffer is
+        # small)
+        subs = h0 if sub_slot is None else torch.empty(max(1, min(SUB_STATE_SLOTS, N // 2)), HV, K, V,
+                                                      dtype=torch.float32, device=q.device)
+        if sub_slot is not None and sub_flags is None:  # a caller without a kept buffer: a zeroed one for this call
+            sub_flags = new_sub_flags(HV, V, q.device)
         _branch_kernel[grid](*meta, final if final is not None else h0, snap_at.contiguous(), states,
-                             sub_lo.contiguous(), sub_hi.contiguous(), N, HK=HK, HV=HV, K=K, V=V, BK=BK, BV=BV,
-                             L2NORM=use_qk_l2norm, STORE_FINAL=final is not None, SNAPSHOT=snapshot is not None,
-                             ROW_PROGRAMS=row_programs, NESTED=sub is not None, num_warps=warps,
-                             num_stages=NUM_STAGES)
+                             sub_lo.contiguous(), sub_hi.contiguous(),
+                             (sub_slot if sub_slot is not None else sub_lo).contiguous(), subs,
+                             sub_flags if sub_slot is not None else sub_lo, max_spins, N, HK=HK, HV=HV, K=K, V=V,
+                             BK=BK, BV=BV, L2NORM=use_qk_l2norm, STORE_FINAL=final is not None,
+                             SNAPSHOT=snapshot is not None, ROW_PROGRAMS=row_programs, NESTED=sub is not None,
+                             SUB_STATES=sub_slot is not None, num_warps=warps, num_stages=NUM_STAGES,
+                             **({"maxnreg": MAX_REGISTERS[BV]} if MAX_REGISTERS.get(BV) else {}))
     return o
 
 

@@ -91,18 +91,6 @@ NUM_STAGES = 3  # the next tokens' q/k/v loads in flight while this one's update
 # 0.8B): P = 128 took 16 RACE requests in the 8,192 bucket from 0.287 to 0.253 ms (without spare rows: 0.243), but
 # 64 x RACE 0.969 vs 0.922 and one long question (sweep 1) 0.079 vs 0.067: no default gain, kept at 0.
 ROW_PROGRAMS = 0
-# Stored sub-trunk states (`branches(sub_slot=)`): a leaf polls its sub-trunk's flag at most this many times (~0.5-1 us
-# each, an L2 atomic) before it re-runs the sub-trunk itself. Programs are dispatched in grid order, so the sub-trunk's
-# program (an earlier row) is running or done and the flag comes within its tokens' steps (~0.5 us each); the bound
-# only keeps an order no GPU has shown from hanging the launch (then each leaf loses ~10 ms, its answer unchanged).
-MAX_SPINS = 1 << 14
-# Registers a thread of the recurrent form may use, per value-tile width (None: ptxas's choice). With 16 columns the
-# state is 64 registers a thread, yet ptxas took 167-254 (sm_90, Triton 3.9 here / 3.6 on the H200 190-221 for the
-# nested forms): 8-10 one-warp programs an SM. Capped at 168 every form compiled to 167 without spills (`cuobjdump
-# --dump-resource-usage`), 12 programs an SM; the question call is throughput-bound on long rounds.
-MAX_REGISTERS = {16: 168}
-# Rows a sub-trunk's program reads per step when it counts its leaves (`_leaves_of`)
-LEAF_SCAN = tl.constexpr(256)
 # Tried (1c7ea47, reverted): programs for 64 rows only, each also looping over rows i + 64, ... below the round's
 # rows_used (one past its last row with tokens, derived once per forward), so a bucket's spare rows launch nothing.
 # H200, 0.8B replay (2026-12-02, `h200_profile_0_8b_rows_used.json` vs `..._lone_merged.json`): the kernel with no
@@ -110,6 +98,20 @@ LEAF_SCAN = tl.constexpr(256)
 # questions SLOWER: RACE 0.75 -> 0.85 ms, MultiRC 1.40 -> 1.48, sweep 64 9.69 -> 10.75 (the row loop around the token
 # loop costs the straight path ~10 %). Instead buckets below the largest hold tokens / 16 branch rows
 # (graphs/buckets.py TOKENS_PER_BRANCH), a quarter of the spare programs.
+# Stored sub-trunk states (`branches(sub_slot=)`): a leaf polls its sub-trunk's flag at most this many times (~0.5-1 us
+# each, an L2 atomic) before it re-runs the sub-trunk itself. Programs are dispatched in grid order, so the sub-trunk's
+# program (an earlier row) is running or done and the flag comes within its tokens' steps (~0.5 us each); the bound
+# only keeps an order no GPU has shown from hanging the launch (then each leaf loses ~10 ms, its answer unchanged).
+MAX_SPINS = 1 << 14
+# Registers a thread of the recurrent form may use, per value-tile width (None: ptxas's choice), as `maxnreg`. At 16
+# columns the state is 64 registers a thread; compiled as launched (16-aligned pointers, Triton 3.9, sm_90, cuobjdump)
+# ptxas took 143 (plain) / 152 (nested) / 156 (stored sub-states): 12 one-warp programs an SM; capped at 168 it took
+# 136-140 without spills: 14. H200 replay A/B (session 27, same call, stored sub-states with / without the cap): the
+# question kernel 3-12 % faster (QuALITY 3.24 -> 3.00 ms, MultiRC 1.20 -> 1.16, RACE 0.75 -> 0.72). Not at 32 columns
+# (4B / 9B: 228-240 registers, the cap would spill).
+MAX_REGISTERS = {16: 168}
+# Rows a sub-trunk's program reads per step when it counts its leaves (`_leaves_of`)
+LEAF_SCAN = tl.constexpr(256)
 
 # The chunked form (not the default: see the module docstring): 16 tokens a chunk (the smallest tl.dot tile;
 # questions are tens of tokens, so a larger chunk would mostly compute masked rows). 64 value columns a program and 4
@@ -246,9 +248,8 @@ def _branch_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, start_ptr, 
         if STORE_FINAL:  # the state after the segment's last token (checkpoint rounds: a state's rest, ops/resume.py)
             tl.store(ht_ptr + state_at, h, mask=state_ok)
         if SUB_STATES:
-            # volatile: read here, after the loop. Else the compiler reuses the read before it and builds the
-            # store's 64 addresses a thread there, live through the loop: 254 registers instead of 199 (sm_90,
-            # 0.8B's tiles: 8 programs an SM instead of 10)
+            # (the slot read again here, volatile, and the store's addresses below as base + offsets: so that
+            # nothing of it is built before the token loop and held through it)
             slot = tl.load(sub_slot_ptr + i_n, volatile=True)
             if (slot >= 0) & (_stored_leaf(start_ptr, sub_lo_ptr, sub_hi_ptr, i_n, n, slot) == 0):
                 # a sub-trunk some leaf starts from: its state, then (after every thread's store) its leaves' count

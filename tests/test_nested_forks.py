@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 
 import numpy as np
+import torch
 import pytest
 from transformers import pipeline
 
@@ -143,3 +144,26 @@ def test_sub_slots_of_real_requests_equal_their_layouts(case, spare):
         got = sub_slots(t.branch_start, t.branch_len, t.branch_state, t.sub_lo, t.sub_hi, cap)
         assert got.tolist() == layout_sub_slots(built, cap), (name, cap)
     assert max(layout_sub_slots(built, SUB_STATE_SLOTS)) == min(subs, SUB_STATE_SLOTS) - 1  # every sub-trunk named
+
+
+def test_gated_delta_layers_keep_zeroed_sub_flags_only_with_nested_forks():
+    """Each GDN layer of a nested-fork engine keeps the int32 flags its question kernel's leaves wait on
+    (`new_sub_flags`: one per slot, value head and value column, zero between calls), as a buffer that moves with the
+    model and stays out of its state_dict; an engine without nested forks has none."""
+    from flide.models.layers import FlideGatedDeltaNet
+
+    model, tok = tiny_model("qwen3_5_text"), tiny_tokenizer()
+    keys = set(model.state_dict())
+    for nested in ("on", "off"):
+        engine = flide.patch(model, tok, {"runtime": {"nested_forks": nested}})
+        layers = [m for m in engine.flat.modules() if isinstance(m, FlideGatedDeltaNet)]
+        assert layers
+        for layer in layers:
+            if nested == "off":
+                assert not hasattr(layer, "sub_flags")
+                continue
+            flags = layer.sub_flags
+            assert flags.dtype == torch.int32 and not flags.any()
+            assert flags.numel() == SUB_STATE_SLOTS * layer.original.num_v_heads * layer.head_v_dim
+            assert any(b is flags for b in layer.buffers())
+        assert set(model.state_dict()) == keys

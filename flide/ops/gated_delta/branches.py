@@ -107,8 +107,8 @@ MAX_SPINS = 1 << 14
 # columns the state is 64 registers a thread; compiled as launched (16-aligned pointers, Triton 3.9, sm_90, cuobjdump)
 # ptxas took 143 (plain) / 152 (nested) / 156 (stored sub-states): 12 one-warp programs an SM; capped at 168 it took
 # 136-140 without spills: 14. H200 replay A/B (session 27, same call, stored sub-states with / without the cap): the
-# question kernel 3-12 % faster (QuALITY 3.24 -> 3.00 ms, MultiRC 1.20 -> 1.16, RACE 0.75 -> 0.72). Not at 32 columns
-# (4B / 9B: 228-240 registers, the cap would spill).
+# question kernel 3-12 % faster (QuALITY 3.24 -> 3.00 ms, MultiRC 1.20 -> 1.16, RACE 0.75 -> 0.72). At 32 columns
+# (4B / 9B) ptxas takes 228-240; 168 would spill there, 200 compiles without spills but is not measured yet.
 MAX_REGISTERS = {16: 168}
 # Rows a sub-trunk's program reads per step when it counts its leaves (`_leaves_of`)
 LEAF_SCAN = tl.constexpr(256)

@@ -3,6 +3,7 @@ fast fork attention and the batch-invariant one (the CUDA default).
 
     python benchmarks/ops/kernel_resources.py                      # the default tiles of every shape the tests use
     python benchmarks/ops/kernel_resources.py --attention 128,32,8,3  # one bf16 dim-256 attention tile config
+    python benchmarks/ops/kernel_resources.py --conv-maxnreg 128 96   # the bf16 conv under register caps
 
 Compiles each kernel ahead of time for a CUDA target (triton.compile on an ASTSource, the pointers and strides
 marked 16-divisible as the JIT would mark them: without that hint loads are not vectorised nor pipelined and the
@@ -26,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 TARGET_ARCH = 90
 
 
-def _compile(fn, signature: dict[str, str], constants: dict[str, object], num_warps: int, num_stages: int):
+def _compile(fn, signature: dict[str, str], constants: dict[str, object], num_warps: int, num_stages: int,
+             maxnreg: int | None = None):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -36,7 +38,8 @@ def _compile(fn, signature: dict[str, str], constants: dict[str, object], num_wa
     src = ASTSource(fn=fn, signature=signature, constexprs={(names.index(n),): v for n, v in constants.items()},
                     attrs={(names.index(n),): [["tt.divisibility", 16]] for n in div16})
     return triton.compile(src, target=GPUTarget("cuda", TARGET_ARCH, 32),
-                          options={"num_warps": num_warps, "num_stages": num_stages})
+                          options={"num_warps": num_warps, "num_stages": num_stages,
+                                   **({"maxnreg": maxnreg} if maxnreg else {})})
 
 
 def resources(kernel) -> str:
@@ -76,8 +79,9 @@ def attention(dtype: str, head_dim: int, group: int, config) -> str:
     return resources(_compile(fa._fork_attention_kernel, sig, consts, config.num_warps, config.num_stages))
 
 
-def invariant_attention(dtype: str, head_dim: int, group: int, config) -> str:
-    """The batch-invariant fork attention (the CUDA default; fresh rounds: no checkpoint prefix)."""
+def invariant_attention(dtype: str, head_dim: int, group: int, config, sub: bool = False) -> str:
+    """The batch-invariant fork attention (the CUDA default; fresh rounds: no checkpoint prefix; `sub`: with the
+    nested forks' sub-trunk phase)."""
     import triton
 
     from flide.ops.fork_attention import triton_invariant as fi
@@ -86,18 +90,23 @@ def invariant_attention(dtype: str, head_dim: int, group: int, config) -> str:
     # a round's tables are int32 (flide/round.py); without a prefix the launcher passes seg_lo as pre_lo / pre_hi
     sig = {"q_ptr": ptr, "k_ptr": ptr, "v_ptr": ptr, "o_ptr": ptr, "seg_lo_ptr": "*i32", "trunk_lo_ptr": "*i32",
            "trunk_hi_ptr": "*i32", "stats_ptr": "*i32", "pk_ptr": ptr, "pv_ptr": ptr, "pre_lo_ptr": "*i32",
-           "pre_hi_ptr": "*i32", "T": "i32", "qk_scale": "fp32"}
+           "pre_hi_ptr": "*i32", "sub_lo_ptr": "*i32", "sub_hi_ptr": "*i32", "T": "i32", "qk_scale": "fp32"}
     sig.update({f"stride_{n}": "i32" for n in ("qt", "qh", "kt", "kh", "vt", "vh", "ot", "oh", "pkt", "pkh", "pvt",
                                                "pvh")})
     block_d = max(16, triton.next_power_of_2(head_dim))
     consts = {"GROUP": group, "HEAD_DIM": head_dim, "HEAD_DIM_V": head_dim, "BLOCK_M": config.block_m,
               "BLOCK_N": config.block_n, "BLOCK_D": block_d, "BLOCK_DV": block_d,
-              "PRECISION": "ieee" if dtype == "fp32" else "tf32", "STATS": False, "HAS_PREFIX": False}
+              "PRECISION": "ieee" if dtype == "fp32" else "tf32", "STATS": False, "HAS_PREFIX": False,
+              "HAS_SUB": sub}
     sig.update({n: "constexpr" for n in consts})
     return resources(_compile(fi._fork_attention_invariant_kernel, sig, consts, config.num_warps, config.num_stages))
 
 
-def conv(dtype: str) -> str:
+def conv(dtype: str, split: bool = False, heads_v: int = 16, maxnreg: int | None = None) -> str:
+    """The fork conv as `fork_conv` launches it (split False) or as `fork_conv_qkv` does for the replay's laid-out
+    GDN layers (q / k normalised, v, and the gates from the same launch; 128-channel heads, `heads_v` value heads)."""
+    import triton
+
     from flide.ops.fork_conv import triton as fc
 
     ptr = f"*{dtype}"
@@ -105,13 +114,22 @@ def conv(dtype: str) -> str:
     sig = {"x_ptr": ptr, "w_ptr": ptr, "out_ptr": ptr, "seg_lo_ptr": "*i32", "trunk_lo_ptr": "*i32",
            "trunk_hi_ptr": "*i32", "win_ptr": ptr, "win_index_ptr": "*i32", "T": "i32", "D": "i32",
            "stride_xt": "i32", "stride_xd": "i32", "stride_wd": "i32", "stride_ww": "i32", "stride_ot": "i32",
-           "stride_od": "i32", "stride_win_r": "i32", "stride_win_d": "i32"}
+           "stride_od": "i32", "stride_win_r": "i32", "stride_win_d": "i32", "k_ptr": ptr, "v_ptr": ptr,
+           "KEY_COLS": "i32", "a_ptr": ptr, "b_ptr": ptr, "alog_ptr": ptr, "dt_ptr": ptr, "g_ptr": "*fp32",
+           "beta_ptr": ptr, "stride_at": "i32", "stride_bt": "i32", "HV": "i32"}
     # unit strides are specialised to constants by the JIT; the checkpoint-window path (HAS_WINDOW) is compiled out,
     # as in fresh rounds
-    consts = {"stride_xd": 1, "stride_ww": 1, "stride_od": 1, "stride_win_d": 1, "W": 4, "SILU": True,
-              "BLOCK_T": fc.BLOCK_T, "BLOCK_D": fc.BLOCK_D, "HAS_WINDOW": False}
+    consts = {"stride_xd": 1, "stride_ww": 1, "stride_win_d": 1, "W": 4, "SILU": True, "BLOCK_T": fc.BLOCK_T,
+              "HAS_WINDOW": False, "EPS": fc.EPS, "LIBDEVICE": True}
+    if split:
+        consts |= {"BLOCK_D": 128, "SPLIT": True, "NORM": True, "GATES": True,
+                   "BLOCK_H": triton.next_power_of_2(heads_v)}
+    else:
+        consts |= {"stride_od": 1, "BLOCK_D": fc.BLOCK_D, "SPLIT": False, "NORM": False, "GATES": False,
+                   "BLOCK_H": 1}
     sig.update({n: "constexpr" for n in consts})
-    return resources(_compile(fc._fork_conv_kernel, sig, consts, fc.NUM_WARPS, 1))
+    sig = {n: sig[n] for n in fc._fork_conv_kernel.arg_names}  # the kernel's argument order (`_compile` indexes it)
+    return resources(_compile(fc._fork_conv_kernel, sig, consts, fc.NUM_WARPS, 1, maxnreg))
 
 
 def main() -> None:
@@ -121,7 +139,14 @@ def main() -> None:
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--attention", help="BLOCK_M,BLOCK_N,num_warps,num_stages: one bf16 dim-256 GQA-4 config")
+    parser.add_argument("--conv-maxnreg", type=int, nargs="+",
+                        help="the bf16 conv (both launches) under these register caps (ptxas's `maxnreg`)")
     args = parser.parse_args()
+    if args.conv_maxnreg:
+        for cap in args.conv_maxnreg:
+            for split in (False, True):
+                print(f"fork_conv{'_qkv' if split else ''} bf16 maxnreg {cap}: {conv('bf16', split, maxnreg=cap)}")
+        return
     if args.attention:
         config = fa.Config(*map(int, args.attention.split(",")))
         print(f"attention bf16 D256 group 4 {config}: {attention('bf16', 256, 4, config)}")
@@ -130,6 +155,7 @@ def main() -> None:
 
     for dtype in ("bf16", "fp32"):
         print(f"fork_conv {dtype} W4 {fc.BLOCK_T}x{fc.BLOCK_D} tiles: {conv(dtype)}", flush=True)
+        print(f"fork_conv_qkv {dtype} W4 {fc.BLOCK_T}x128 tiles, 16 value heads: {conv(dtype, True)}", flush=True)
     torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}
     for dtype in ("bf16", "fp32"):
         for hq, hkv, d in [(8, 2, 256), (8, 8, 128), (14, 2, 128), (4, 2, 16)]:
@@ -141,8 +167,9 @@ def main() -> None:
     for dtype in ("bf16", "fp32"):
         for hq, hkv, d in [(8, 2, 256), (16, 4, 256)]:
             config = fi.default_config(d, torch_dtype[dtype])
-            print(f"fork_attention (invariant) {dtype} Hq{hq}/Hkv{hkv} D{d} {config}: "
-                  f"{invariant_attention(dtype, d, hq // hkv, config)}", flush=True)
+            for sub in (False, True):
+                print(f"fork_attention (invariant{', sub-trunks' if sub else ''}) {dtype} Hq{hq}/Hkv{hkv} D{d} "
+                      f"{config}: {invariant_attention(dtype, d, hq // hkv, config, sub)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ Streams: a 2,000-token state with 64 questions of 40 tokens (T=4,608), and 64 RA
 over the measured copy bandwidth. "conv1d-stream" is `F.conv1d` (depthwise, causal padding) over the whole stream
 as one sequence plus SiLU: what an engine without forks would run (cuDNN; answering nothing correctly). `triton` rows
 carry their largest difference from the fp32 reference (`max_abs_err_vs_reference`) where the reference fits;
-with --sweep, rows `triton[T..,D..,w..]` time other (BLOCK_T, BLOCK_D, num_warps) tiles. `triton+prepare_qkv` and
+with --sweep, rows `triton[T..,D..,w..]` time other (BLOCK_T, BLOCK_D, num_warps) tiles and `triton-qkv[T..,w..]`
+the laid-out form's (BLOCK_T, num_warps). `triton+prepare_qkv` and
 `triton-qkv` time the GDN layer's conv with the layout for the gated delta kernels (q / k L2-normalised) done after
 it by the fla state call's launch, or by the conv itself (their floors: the conv's).
 """
@@ -55,6 +56,9 @@ def copy_bandwidth() -> float:
 
 # (BLOCK_T, BLOCK_D, num_warps) tried by --sweep; the default is flide.ops.fork_conv.triton's
 SWEEP = [(16, 128, 4), (32, 128, 4), (64, 128, 8), (32, 256, 4), (64, 64, 4), (128, 64, 8)]
+# (BLOCK_T, num_warps) of the laid-out form (`fork_conv_qkv`: a head's 128 channels a tile) tried by --sweep: as
+# launched it takes 168 registers a thread at the default 32 x 4 warps (kernel_resources.py), 3 programs an SM
+SWEEP_QKV = [(8, 1), (16, 1), (16, 2), (16, 4), (32, 2), (32, 4), (32, 8), (64, 4), (64, 8)]
 
 
 def bench_stream(sname: str, r, channels: int, width: int, bandwidth: float, sweep: bool) -> list[dict]:
@@ -86,6 +90,9 @@ def bench_stream(sname: str, r, channels: int, width: int, bandwidth: float, swe
         for bt, bd, warps in SWEEP:
             fns[f"triton[T{bt},D{bd},w{warps}]"] = lambda bt=bt, bd=bd, warps=warps: triton_kernel.fork_conv(
                 x, weight, *meta, block_t=bt, block_d=bd, num_warps=warps)
+        for bt, warps in SWEEP_QKV:
+            fns[f"triton-qkv[T{bt},w{warps}]"] = lambda bt=bt, warps=warps: triton_kernel.fork_conv_qkv(
+                x, weight, *meta[:3], key_heads, 128, True, gates, block_t=bt, num_warps=warps)
     want = reference.fork_conv(x.float(), weight.float(), *meta) if T <= 8192 else None
     rows = []
     for engine, fn in fns.items():

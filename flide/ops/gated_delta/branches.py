@@ -196,15 +196,14 @@ def _branch_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, start_ptr, 
     if n > 0:
         bos = tl.load(start_ptr + i_n).to(tl.int64)
         if SUB_STATES:
+            slot = tl.load(sub_slot_ptr + i_n)
             stored = tl.full([], 0, tl.int32)
-            if _stored_leaf(start_ptr, sub_lo_ptr, sub_hi_ptr, i_n, n, tl.load(sub_slot_ptr + i_n)):
-                slot = tl.load(sub_slot_ptr + i_n)
-                flag = flags_ptr + (slot.to(tl.int64) * HV + i_h) * V + i_v
+            if _stored_leaf(start_ptr, sub_lo_ptr, sub_hi_ptr, i_n, n, slot):
+                flag = _sub_flag(flags_ptr, slot, i_h, i_v, HV, V)
                 stored = _wait_for_flag(flag, max_spins)
                 tl.atomic_add(flag, -1, sem="relaxed")  # the state in `subs` stays until the launch ends
             if stored > 0:  # L2 only (.cg): the sub-trunk's program wrote it from another SM
-                h = tl.load(subs_ptr + tl.load(sub_slot_ptr + i_n).to(tl.int64) * HV * K * V
-                            + (i_h * K + o_k[:, None]) * V + o_v[None, :], mask=state_ok, other=0.0,
+                h = tl.load(_sub_state(subs_ptr, slot, i_h, o_k, o_v, HV, K, V), mask=state_ok, other=0.0,
                             cache_modifier=".cg")
             else:
                 h = _initial_state(h0_ptr, index_ptr, i_n, i_h, o_k, o_v, k_ok, v_ok, HV, K, V, BK, BV)
@@ -248,17 +247,31 @@ def _branch_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, start_ptr, 
         if STORE_FINAL:  # the state after the segment's last token (checkpoint rounds: a state's rest, ops/resume.py)
             tl.store(ht_ptr + state_at, h, mask=state_ok)
         if SUB_STATES:
-            # (the slot read again here, volatile, and the store's addresses below as base + offsets: so that
-            # nothing of it is built before the token loop and held through it)
+            # (the slot read again here, volatile, so that nothing of the store's addresses is built before the
+            # token loop and held through it)
             slot = tl.load(sub_slot_ptr + i_n, volatile=True)
             if (slot >= 0) & (_stored_leaf(start_ptr, sub_lo_ptr, sub_hi_ptr, i_n, n, slot) == 0):
                 # a sub-trunk some leaf starts from: its state, then (after every thread's store) its leaves' count
-                # on its flag, one per (slot, value head, V tile): a leaf waits only for its own slice
-                at = subs_ptr + slot.to(tl.int64) * HV * K * V + i_h * K * V
-                tl.store(at + o_k[:, None] * V + o_v[None, :], h, mask=state_ok)
+                # on its flag
+                tl.store(_sub_state(subs_ptr, slot, i_h, o_k, o_v, HV, K, V), h, mask=state_ok)
                 waiting = _leaves_of(start_ptr, len_ptr, sub_lo_ptr, sub_hi_ptr, sub_slot_ptr, slot, N)
                 tl.debug_barrier()
-                tl.atomic_add(flags_ptr + (slot.to(tl.int64) * HV + i_h) * V + i_v, waiting, sem="release")
+                tl.atomic_add(_sub_flag(flags_ptr, slot, i_h, i_v, HV, V), waiting, sem="release")
+
+@triton.jit
+def _sub_flag(flags_ptr, slot, i_h, i_v, HV: tl.constexpr, V: tl.constexpr):
+    """The flag of slot `slot`'s value head i_h, V tile i_v: one per (slot, head, tile), so a leaf's program waits
+    only for its own slice of the state (`new_sub_flags` holds one per value column, enough for any tile)."""
+    return flags_ptr + (slot.to(tl.int64) * HV + i_h) * V + i_v
+
+
+@triton.jit
+def _sub_state(subs_ptr, slot, i_h, o_k, o_v, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr):
+    """The [BK, BV] addresses of slot `slot`'s stored state, value head i_h, in `subs` [slots, HV, K, V] fp32 (the
+    base first, then the tile's offsets: built as one expression, an unspecialised sm_90 compile kept the 64 addresses
+    a thread live through the token loop)."""
+    return subs_ptr + slot.to(tl.int64) * HV * K * V + i_h * K * V + o_k[:, None] * V + o_v[None, :]
+
 
 @triton.jit
 def _stored_leaf(start_ptr, sub_lo_ptr, sub_hi_ptr, i_n, n, slot):

@@ -4,6 +4,7 @@ fast fork attention and the batch-invariant one (the CUDA default).
     python benchmarks/ops/kernel_resources.py                      # the default tiles of every shape the tests use
     python benchmarks/ops/kernel_resources.py --attention 128,32,8,3  # one bf16 dim-256 attention tile config
     python benchmarks/ops/kernel_resources.py --conv-maxnreg 128 96   # the bf16 conv under register caps
+    python benchmarks/ops/kernel_resources.py --questions 200         # the question kernel: own cap, none, 200
 
 Compiles each kernel ahead of time for a CUDA target (triton.compile on an ASTSource, the pointers and strides
 marked 16-divisible as the JIT would mark them: without that hint loads are not vectorised nor pipelined and the
@@ -28,13 +29,14 @@ TARGET_ARCH = 90
 
 
 def _compile(fn, signature: dict[str, str], constants: dict[str, object], num_warps: int, num_stages: int,
-             maxnreg: int | None = None):
+             maxnreg: int | None = None, div16_ints: tuple[str, ...] = ()):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     names = list(signature)
-    div16 = [n for n, t in signature.items() if t.startswith("*") or (t == "i32" and n.startswith("stride"))]
+    div16 = [n for n, t in signature.items()
+             if t.startswith("*") or (t == "i32" and (n.startswith("stride") or n in div16_ints))]
     src = ASTSource(fn=fn, signature=signature, constexprs={(names.index(n),): v for n, v in constants.items()},
                     attrs={(names.index(n),): [["tt.divisibility", 16]] for n in div16})
     return triton.compile(src, target=GPUTarget("cuda", TARGET_ARCH, 32),
@@ -132,6 +134,31 @@ def conv(dtype: str, split: bool = False, heads_v: int = 16, maxnreg: int | None
     return resources(_compile(fc._fork_conv_kernel, sig, consts, fc.NUM_WARPS, 1, maxnreg))
 
 
+def questions(dtype: str, heads_v: int, block_v: int, nested: bool, stored: bool, maxnreg: int | None = None) -> str:
+    """The recurrent question kernel (`gated_delta.branches`) as a replay launches it: 128-channel heads, `heads_v`
+    value heads, `block_v` value columns a program, one warp; `nested`: with the sub-trunk phase; `stored`: leaves
+    from the stored sub-trunk states (`sub_slot`). `maxnreg` None: the kernel's own cap (`MAX_REGISTERS`); 0: none."""
+    from flide.ops.gated_delta import branches as br
+
+    ptr = f"*{dtype}"
+    # the rows' tables are int64 (the round's flat tensors); sub_lo / sub_hi / sub_slot int32; without NESTED the
+    # launcher passes seg_start as sub_lo / sub_hi, without SUB_STATES sub_lo as sub_slot and flags and h0 as subs
+    rows = "*i32" if nested else "*i64"
+    sig = {"q_ptr": ptr, "k_ptr": ptr, "v_ptr": ptr, "g_ptr": "*fp32", "beta_ptr": ptr, "o_ptr": ptr,
+           "h0_ptr": "*fp32", "start_ptr": "*i64", "len_ptr": "*i64", "index_ptr": "*i64", "scale": "fp32",
+           "ht_ptr": "*fp32", "snap_at_ptr": "*i64", "hs_ptr": "*fp32", "sub_lo_ptr": rows, "sub_hi_ptr": rows,
+           "sub_slot_ptr": rows, "subs_ptr": "*fp32", "flags_ptr": rows, "max_spins": "i32", "N": "i32"}
+    consts = {"HK": heads_v // 2 if heads_v > 16 else heads_v, "HV": heads_v, "K": 128, "V": 128, "BK": 128,
+              "BV": block_v, "L2NORM": True, "STORE_FINAL": False, "SNAPSHOT": False, "ROW_PROGRAMS": br.ROW_PROGRAMS,
+              "NESTED": nested, "SUB_STATES": stored}
+    sig.update({n: "constexpr" for n in consts})
+    sig = {n: sig[n] for n in br._branch_kernel.arg_names}
+    cap = br.MAX_REGISTERS.get(block_v) if maxnreg is None else maxnreg or None
+    # a bucket's N (tokens / 16) and MAX_SPINS are multiples of 16: the JIT marks them so
+    return resources(_compile(br._branch_kernel, sig, consts, br.NUM_WARPS, br.NUM_STAGES, cap,
+                              div16_ints=("N", "max_spins")))
+
+
 def main() -> None:
     import torch
 
@@ -141,7 +168,20 @@ def main() -> None:
     parser.add_argument("--attention", help="BLOCK_M,BLOCK_N,num_warps,num_stages: one bf16 dim-256 GQA-4 config")
     parser.add_argument("--conv-maxnreg", type=int, nargs="+",
                         help="the bf16 conv (both launches) under these register caps (ptxas's `maxnreg`)")
+    parser.add_argument("--questions", type=int, nargs="*", metavar="MAXNREG",
+                        help="only the bf16 question kernel (plain / nested / stored sub-states, 16 and 32 value "
+                             "columns): at its own cap (MAX_REGISTERS), none, and these caps")
     args = parser.parse_args()
+    if args.questions is not None:
+        for heads_v, block_v in ((16, 16), (32, 32)):
+            for cap in (None, 0, *args.questions):
+                for nested, stored in ((False, False), (True, False), (True, True)):
+                    form = "stored" if stored else "nested" if nested else "plain"
+                    label = "own cap" if cap is None else "no cap" if cap == 0 else f"maxnreg {cap}"
+                    print(f"questions bf16 Hv{heads_v} BV{block_v} {form:6s} {label:12s}: "
+                          f"{questions('bf16', heads_v, block_v, nested, stored, cap)}",
+                          flush=True)
+        return
     if args.conv_maxnreg:
         for cap in args.conv_maxnreg:
             for split in (False, True):

@@ -51,6 +51,27 @@ def label(config) -> str:
     return ",".join([*parts, f"w{config.num_warps}", f"s{config.num_stages}"])
 
 
+def parse_extra(spec: str):
+    """`h:BV16,w4,s3` -> ("h", triton.Config({"BV": 16}, num_warps=4, num_stages=3)): a config outside fla's list."""
+    import re
+
+    import triton
+
+    name, _, body = spec.partition(":")
+    if name not in KERNELS or not body:
+        raise SystemExit(f"--extra {spec!r}: want KERNEL:KEYvalue,...,wN,sN with KERNEL one of {list(KERNELS)}")
+    kwargs, warps, stages = {}, 4, 3
+    for part in body.split(","):
+        key, value = re.fullmatch(r"([A-Za-z_]+?)(\d+)", part).groups()
+        if key == "w":
+            warps = int(value)
+        elif key == "s":
+            stages = int(value)
+        else:
+            kwargs[key] = int(value)
+    return name, triton.Config(kwargs, num_warps=warps, num_stages=stages)
+
+
 def steps(q, k, v, g, beta, tables, scale):
     """The four steps of `fla.run` on laid-out inputs, each as a callable of no arguments (their inputs computed
     once here, as the previous step returns them)."""
@@ -92,7 +113,10 @@ def main() -> None:
     parser.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=list(KERNELS))
     parser.add_argument("--value-heads", type=int, default=16,
                         help="GDN value heads (16 key heads of 128): 16 is Qwen3.5-0.8B's, 32 4B / 9B's")
+    parser.add_argument("--extra", nargs="+", default=[], metavar="KERNEL:CONFIG",
+                        help="configs outside fla's lists, e.g. h:BV16,w4,s3 (timed as pinned; not in auto@stream)")
     args = parser.parse_args()
+    extra = [parse_extra(spec) for spec in args.extra]
     device = "cuda"  # fla's kernels do not all run under Triton's interpreter
     fla.PIN_CONFIGS = False  # fla's own config lists and autotuner, as shipped (Flide pins one config on sm_90)
     hk, hv, dim = 16, args.value_heads, 128
@@ -113,6 +137,7 @@ def main() -> None:
         for name in args.kernels:
             tuner, step = tuners[name], KERNELS[name][2]
             candidates = [(label(c), [c]) for c in every[name]] + [("auto@stream", every[name])]
+            candidates += [(label(c) + " (extra)", [c]) for n, c in extra if n == name]
             for tag, configs in candidates:
                 tuner.configs = configs
                 tuner.cache.clear()  # the pinned config, or the autotuner run again on this stream

@@ -642,8 +642,8 @@ def test_fla_config_pins_prune_16_bit_launches_to_one_config(monkeypatch, caplog
     """fla._pin_configs (the sm_90 pins): a kernel whose autotune list holds the pinned config prunes to it for
     16-bit keys (or none, the gate cumsum) and each value-head count measured (its own pin), and keeps every config
     for fp32 keys or other heads; a pin missing from a kernel's list (an fla upgrade) leaves those heads autotuned
-    and the log says so. Fake kernels: fla is
-    GPU-only."""
+    and the log says so; a pin flagged "added" is appended to the list and used only where pinned. Fake kernels:
+    fla is GPU-only."""
     import sys
     import types
 
@@ -673,6 +673,14 @@ def test_fla_config_pins_prune_16_bit_launches_to_one_config(monkeypatch, caplog
     assert tuner.early_config_prune(listed, {"s": torch.zeros(2)}, H=16) == [kept]  # the gate cumsum
     assert tuner.early_config_prune(listed, {}, k=torch.zeros(2), H=16, HV=16) == listed  # fp32
     assert tuner.early_config_prune(listed, {}, k=bf16, H=16, HV=24) == listed  # heads not measured
+    module.grows = kernel(listed)  # a pin outside the kernel's list, flagged "added": appended for its heads only
+    fla._pin_configs({16: {("fake_fla_kernels", "grows"): ({"BV": 128}, 4, 3, "added")}})
+    grows = fla.autotuner(module.grows)
+    assert len(grows.configs) == len(listed) + 1 and grows.configs[:-1] == listed
+    (ours,) = grows.early_config_prune(grows.configs, {}, k=bf16, H=16, HV=16)
+    assert (ours.kwargs, ours.num_warps, ours.num_stages) == ({"BV": 128}, 4, 3) and ours is grows.configs[-1]
+    assert grows.early_config_prune(grows.configs, {}, k=bf16, H=16, HV=32) == listed  # not where unpinned
+    assert grows.early_config_prune(grows.configs, {}, k=torch.zeros(2), H=16, HV=16) == listed  # fp32
     lacks = fla.autotuner(module.lacks)  # holds the 16-head pin only
     assert lacks.early_config_prune(listed[:4], {}, k=bf16, H=16, HV=16) == [listed[3]]
     assert lacks.early_config_prune(listed[:4], {}, k=bf16, H=16, HV=32) == listed[:4]

@@ -32,7 +32,7 @@ from ..tables import check_token_tables
 _LIBDEVICE = os.environ.get("TRITON_INTERPRET") != "1"
 
 # Default tiles (no spills on sm_90: benchmarks/ops/kernel_resources.py; bench_fork_conv.py --sweep times others)
-BLOCK_T = 32  # tokens per tile
+BLOCK_T = 16  # tokens per tile (H200, session 28 `--sweep`: 5-11 % under 32 for both launches)
 BLOCK_D = 128  # channels per tile: 256 contiguous bytes of a bf16 row per token
 NUM_WARPS = 4
 EPS = 1e-6  # of the q / k L2 norm in `fork_conv_qkv` (gated_delta/l2norm.py's, fla's)

@@ -61,8 +61,8 @@ def _fla_steps():
 # 1 and 2) took the kkt + solve kernel at 2 and at 1 warp, the h kernel at a config 9 % slower on QuALITY's
 # 8,192 bucket, the gate cumsum at 8 warps in the second (QuALITY's state call 0.4 ms apart). Where the op bench
 # measured (sm_90, bf16, per value-head count: `bench_fla_configs.py [--value-heads 32]`,
-# benchmarks/results/ops_fla_configs{,_hv32}_h200.md) each kernel runs one of its own configs instead: the best or
-# tied-best on every stream measured, the same on every bucket (at 16 value heads the kkt + solve kernel at 1 warp
+# benchmarks/results/ops_fla_configs{,_hv32}_h200.md) each kernel runs one config instead (one of its own, or one
+# the bench timed outside fla's list with `--extra`): the best or tied-best on every stream measured, the same on every bucket (at 16 value heads the kkt + solve kernel at 1 warp
 # on long streams: `_intra`). The pin is a pruning of fla's autotuners for the process, so fla's other callers get
 # it too; fp32 inputs keep the autotuner (their tiles need more shared memory: the h kernel's pinned config does not
 # fit in fp32), and so do head counts the bench has not measured.
@@ -73,11 +73,15 @@ _KKT = ("fla.ops.gated_delta_rule.chunk_fwd", "chunk_gated_delta_rule_fwd_kkt_so
 _W_U = ("fla.ops.gated_delta_rule.wy_fast", "recompute_w_u_fwd_kernel")
 _H = ("fla.ops.common.chunk_delta_h", "chunk_gated_delta_rule_fwd_kernel_h_blockdim64")
 _O = ("fla.ops.common.chunk_o", "chunk_fwd_kernel_o")
-# value heads (of 128 key / value dims) -> (module, kernel) -> (the config's kwargs, num_warps, num_stages)
+# value heads (of 128 key / value dims) -> (module, kernel) -> (the config's kwargs, num_warps, num_stages[, "added":
+# a config outside fla's list, appended to it and used only where pinned])
 SM90_CONFIGS = {
     # Qwen3.5-0.8B (session 23, ops_fla_configs_h200.md): kkt + solve at 2 warps is best only on RACE's 512 bucket
+    # o at 128 value columns is not among fla's configs (`added`: appended to its list for these heads only):
+    # session 28, `bench_fla_configs.py --extra`, 12-25 % under fla's best (BK64, BV64) on RACE's, sweep 1's and
+    # QuALITY's buckets (6.8 / 30.1 / 113.6 vs 9.1 / 35.6 / 129.1 us)
     16: {_CUMSUM: ({}, 2, 3), _KKT: ({"BK": 64}, 2, 3), _W_U: ({}, 4, 3), _H: ({"BV": 32}, 4, 3),
-         _O: ({"BK": 64, "BV": 64}, 4, 3)},
+         _O: ({"BK": 64, "BV": 128}, 4, 3, "added")},
     # Qwen3.5-4B / 9B (session 24, ops_fla_configs_hv32_h200.md): kkt + solve at 1 warp best on every stream (RACE's
     # bucket too: 28.0 vs 29.2 us), w / u at 2 stages (2-4 % under 3 on every stream), h at BV 64 (QuALITY-sized
     # 222 vs 320 us at BV 32); the cumsum's 1 and 2 warps tie
@@ -96,9 +100,12 @@ def autotuner(kernel):
 def _pin_configs(pins: dict) -> None:
     """`pins` ({value heads: {(module, kernel): (kwargs, warps, stages)}}): prunes each named kernel's autotune configs
     to the one pinned for the call's value heads where its inputs are 16-bit (a config no longer among the kernel's,
-    after an fla upgrade, leaves those heads autotuned, logged); marks the tuner `flide_pinned` ({heads: config})."""
+    after an fla upgrade, leaves those heads autotuned, logged; one flagged "added" is appended to the kernel's list
+    instead, for the calls it is pinned to only); marks the tuner `flide_pinned` ({heads: config})."""
     import importlib
     import logging
+
+    import triton
 
     per_kernel: dict[tuple[str, str], dict[int, tuple]] = {}
     for heads, kernels in pins.items():
@@ -108,30 +115,36 @@ def _pin_configs(pins: dict) -> None:
         tuner = autotuner(getattr(importlib.import_module(module), name))
         if getattr(tuner, "flide_pinned", None) is not None:
             continue
-        pinned = {}
-        for heads, (kwargs, warps, stages) in by_heads.items():
+        pinned, added = {}, []
+        for heads, (kwargs, warps, stages, *flags) in by_heads.items():
             found = [c for c in tuner.configs
                      if c.kwargs == kwargs and c.num_warps == warps and c.num_stages == stages]
+            if not found and "added" in flags:  # ours: appended, and pruned away wherever it is not the pin
+                found = [triton.Config(dict(kwargs), num_warps=warps, num_stages=stages)]
+                added.append(found[0])
             if found:
                 pinned[heads] = found[0]
             else:
                 logging.getLogger("flide").warning("flide: fla's %s has no config %s, %d warps, %d stages: "
                                                    "autotuned at %d value heads", name, kwargs, warps, stages, heads)
         if pinned:
-            tuner.early_config_prune = _pinned_prune(pinned, tuner.early_config_prune)
+            tuner.configs = [*tuner.configs, *added]
+            tuner.early_config_prune = _pinned_prune(pinned, tuner.early_config_prune, added)
             tuner.flide_pinned = pinned
             tuner.cache.clear()  # picks made before (fla run first by another caller) would bypass the pruning
 
 
-def _pinned_prune(pinned: dict, previous):
+def _pinned_prune(pinned: dict, previous, added: list = ()):
     """An autotuner's early_config_prune that keeps only `pinned[value heads]` for 16-bit keys `k` (or none: the gate
-    cumsum); value heads: the call's `HV` (the cumsum's `H`). fla calls its kernels by keyword: all in `kwargs`."""
+    cumsum); value heads: the call's `HV` (the cumsum's `H`). fla calls its kernels by keyword: all in `kwargs`.
+    Calls without a pin autotune over fla's own configs (`added` ones removed)."""
 
     def prune(configs, named_args, **kwargs):
         configs = previous(configs, named_args, **kwargs) if previous is not None else configs
         named = {**named_args, **kwargs}
         config = _pinned_for(pinned, named.get("k"), named.get("HV", named.get("H")))
-        return [c for c in configs if c is config] or configs
+        return ([c for c in configs if c is config]
+                or [c for c in configs if not any(c is a for a in added)] or configs)
 
     return prune
 

@@ -84,9 +84,10 @@ SM90_CONFIGS = {
          _O: ({"BK": 64, "BV": 128}, 4, 3, "added")},
     # Qwen3.5-4B / 9B (session 24, ops_fla_configs_hv32_h200.md): kkt + solve at 1 warp best on every stream (RACE's
     # bucket too: 28.0 vs 29.2 us), w / u at 2 stages (2-4 % under 3 on every stream), h at BV 64 (QuALITY-sized
-    # 222 vs 320 us at BV 32); the cumsum's 1 and 2 warps tie
+    # 222 vs 320 us at BV 32); the cumsum's 1 and 2 warps tie. o at 128 columns (session 28, added): 17-24 % under
+    # BK64 / BV64 (RACE 11.3 vs 14.9, sweep 1 53.2 vs 67.0, QuALITY 214 vs 258 us)
     32: {_CUMSUM: ({}, 2, 3), _KKT: ({"BK": 64}, 1, 3), _W_U: ({}, 4, 2), _H: ({"BV": 64}, 4, 3),
-         _O: ({"BK": 64, "BV": 64}, 4, 3)},
+         _O: ({"BK": 64, "BV": 128}, 4, 3, "added")},
 }
 
 

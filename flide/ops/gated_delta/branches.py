@@ -108,7 +108,9 @@ MAX_SPINS = 1 << 14
 # ptxas took 143 (plain) / 152 (nested) / 156 (stored sub-states): 12 one-warp programs an SM; capped at 168 it took
 # 136-140 without spills: 14. H200 replay A/B (session 27, same call, stored sub-states with / without the cap): the
 # question kernel 3-12 % faster (QuALITY 3.24 -> 3.00 ms, MultiRC 1.20 -> 1.16, RACE 0.75 -> 0.72). At 32 columns
-# (4B / 9B) ptxas takes 228-240; 168 would spill there, 200 compiles without spills but is not measured yet.
+# (4B / 9B) ptxas takes 228-240; 168 would spill there, 200 compiles without spills but is not measured yet. On the
+# H200's Triton 3.6 (`benchmarks/ops/kernel_resources.py --questions 200`, session 28): 16 columns 137-142 capped
+# (128 / 128 / 166 uncapped), 32 columns 238-255 without spills, and 200 spills 12-52 bytes there.
 MAX_REGISTERS = {16: 168}
 # Rows a sub-trunk's program reads per step when it counts its leaves (`_leaves_of`)
 LEAF_SCAN = tl.constexpr(256)

@@ -58,11 +58,11 @@ def parse_extra(spec: str):
     import triton
 
     name, _, body = spec.partition(":")
-    if name not in KERNELS or not body:
+    parts = [re.fullmatch(r"([A-Za-z_]+?)(\d+)", part) for part in body.split(",")]
+    if name not in KERNELS or not body or not all(parts):
         raise SystemExit(f"--extra {spec!r}: want KERNEL:KEYvalue,...,wN,sN with KERNEL one of {list(KERNELS)}")
     kwargs, warps, stages = {}, 4, 3
-    for part in body.split(","):
-        key, value = re.fullmatch(r"([A-Za-z_]+?)(\d+)", part).groups()
+    for key, value in (part.groups() for part in parts):
         if key == "w":
             warps = int(value)
         elif key == "s":

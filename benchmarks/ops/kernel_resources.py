@@ -148,9 +148,10 @@ def questions(dtype: str, heads_v: int, block_v: int, nested: bool, stored: bool
            "h0_ptr": "*fp32", "start_ptr": "*i64", "len_ptr": "*i64", "index_ptr": "*i64", "scale": "fp32",
            "ht_ptr": "*fp32", "snap_at_ptr": "*i64", "hs_ptr": "*fp32", "sub_lo_ptr": rows, "sub_hi_ptr": rows,
            "sub_slot_ptr": rows, "subs_ptr": "*fp32", "flags_ptr": rows, "max_spins": "i32", "N": "i32"}
-    consts = {"HK": 16, "HV": heads_v,  # Qwen3.5's 16 key heads at every size "K": 128, "V": 128, "BK": 128,
-              "BV": block_v, "L2NORM": True, "STORE_FINAL": False, "SNAPSHOT": False, "ROW_PROGRAMS": br.ROW_PROGRAMS,
-              "NESTED": nested, "SUB_STATES": stored}
+    # Qwen3.5's 16 key heads at every size
+    consts = {"HK": 16, "HV": heads_v, "K": 128, "V": 128, "BK": 128, "BV": block_v, "L2NORM": True,
+              "STORE_FINAL": False, "SNAPSHOT": False, "ROW_PROGRAMS": br.ROW_PROGRAMS, "NESTED": nested,
+              "SUB_STATES": stored}
     sig.update({n: "constexpr" for n in consts})
     sig = {n: sig[n] for n in br._branch_kernel.arg_names}
     cap = br.MAX_REGISTERS.get(block_v) if maxnreg is None else maxnreg or None

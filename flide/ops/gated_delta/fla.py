@@ -63,9 +63,10 @@ def _fla_steps():
 # measured (sm_90, bf16, per value-head count: `bench_fla_configs.py [--value-heads 32]`,
 # benchmarks/results/ops_fla_configs{,_hv32}_h200.md) each kernel runs one config instead (one of its own, or one
 # the bench timed outside fla's list with `--extra`): the best or tied-best on every stream measured, the same on
-# every bucket (at 16 value heads the kkt + solve kernel at 1 warp on long streams: `_intra`). The pin is a pruning of fla's autotuners for the process, so fla's other callers get
-# it too; fp32 inputs keep the autotuner (their tiles need more shared memory: the h kernel's pinned config does not
-# fit in fp32), and so do head counts the bench has not measured.
+# every bucket (at 16 value heads the kkt + solve kernel at 1 warp on long streams: `_intra`). The pin is a pruning
+# of fla's autotuners for the process, so fla's other callers get it too; fp32 inputs keep the autotuner (their
+# tiles need more shared memory: the h kernel's pinned config does not fit in fp32), and so do head counts the bench
+# has not measured.
 # PIN_CONFIGS False: fla's autotuners as shipped (the op bench).
 PIN_CONFIGS = True
 _CUMSUM = ("fla.ops.utils.cumsum", "chunk_local_cumsum_scalar_kernel")

@@ -284,6 +284,21 @@ def profile(fn, runs: int) -> dict:
                                 for k in sorted(top, key=lambda k: (-launches[k], -top[k]))]}
 
 
+def set_constant(assignment: str) -> None:
+    """`package.module.NAME=VALUE`: sets an existing module constant to a Python literal (ValueError otherwise)."""
+    import ast
+    import importlib
+
+    target, _, value = assignment.partition("=")
+    module_name, _, name = target.rpartition(".")
+    if not value or not module_name:
+        raise ValueError(f"--set {assignment!r}: want package.module.NAME=VALUE")
+    module = importlib.import_module(module_name)
+    if not hasattr(module, name):
+        raise ValueError(f"--set {assignment!r}: {module_name} has no {name}")
+    setattr(module, name, ast.literal_eval(value))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config-json", required=True)
@@ -309,7 +324,13 @@ def main() -> None:
                              "and dynamo's graph and cache-entry counts (report key enqueue_by_bucket)")
     parser.add_argument("--stall-dump", type=float, default=0,
                         help="every S seconds, print every thread's Python stack (finds where a capture stalls)")
+    parser.add_argument("--set", nargs="+", default=[], metavar="MODULE.NAME=VALUE",
+                        help="set a module constant before the engine starts, e.g. "
+                             "flide.ops.gated_delta.fla.FUSED_STATE_CHAIN=False (a Python literal): a same-call A/B "
+                             "of a switch that is not in the YAML config (report key `set`)")
     args = parser.parse_args()
+    for assignment in args.set:
+        set_constant(assignment)
     if args.stall_dump:
         import faulthandler
 
@@ -326,7 +347,7 @@ def main() -> None:
 
     commit = git_commit()
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": commit,
-              "kernels": str(engine.kernels),
+              "kernels": str(engine.kernels), "set": args.set,
               "start_s": round(time.perf_counter() - start, 1), "rows": []}
     if engine.runner is not None:
         report["capture_s"] = round(engine.runner.capture_seconds, 1)

@@ -27,7 +27,8 @@ if not INTERPRETED:
     from flide.testing import run_in_triton_interpreter
 
     @pytest.mark.parametrize("kernel", ["fork_conv", "fork_attention", "gated_delta_branches", "gated_delta_l2norm",
-                                        "gated_delta_questions_wy", "gated_norm", "qk_prep"])
+                                        "gated_delta_questions_wy", "gated_delta_state_chain", "gated_norm",
+                                        "qk_prep"])
     def test_in_the_triton_interpreter(kernel):
         """Runs this file's `test_<kernel>_*` checks in a child process with TRITON_INTERPRET=1."""
         run_in_triton_interpreter(__file__, f"test_{kernel}_", 4)
@@ -43,6 +44,7 @@ else:
     from flide.ops.gated_delta import l2norm as delta_l2norm
     from flide.ops.gated_delta import questions_wy as delta_wy
     from flide.ops.gated_delta import reference as delta_ref
+    from flide.ops.gated_delta import state_chain as delta_chain
     from flide.ops.gated_norm import reference as norm_ref
     from flide.ops.gated_norm import triton as norm_triton
     from flide.ops.qk_prep import reference as prep_ref
@@ -438,6 +440,47 @@ else:
 
     def test_gated_delta_questions_wy_kernel_is_interpreted():
         assert isinstance(delta_wy._chain_kernel, InterpretedFunction)
+
+    CHAIN_CASES = [  # tokens, (Hk, Hv, K, V), longest state
+        (70, (1, 1, 16, 16), 40),
+        (400, (2, 4, 16, 32), 200),  # grouped value heads; states over 1-4 64-token chunks, the last partial
+        (300, (1, 3, 32, 48), 150),  # 3 value heads per key head; V in a full and a partial 32-column tile
+    ]
+
+    @pytest.mark.parametrize("tokens,heads,longest", CHAIN_CASES,
+                             ids=[f"T{t}-Hk{h[0]}-Hv{h[1]}-K{h[2]}-V{h[3]}-S{m}" for t, h, m in CHAIN_CASES])
+    @pytest.mark.parametrize("initial", [False, True], ids=["from-zero", "from-states"])
+    def test_gated_delta_state_chain_matches_the_reference(tokens, heads, longest, initial):
+        """The fused h + o steps on a random round's states (their chunk-local WY form from `wy_reference`, as
+        fla's intra step gives it): every state row and every final state (spare sequences' included: their
+        initial state) equal to the reference's state call in fp32, and only the state rows written."""
+        from flide.ops.gated_delta import fla as delta_fla
+
+        Hk, Hv, K, V = heads
+        r = tiny_round(tokens, seed=tokens + Hv, max_state=longest)
+        q = delta_ref.l2norm(randn(tokens, Hk, K, seed=21))
+        k = delta_ref.l2norm(randn(tokens, Hk, K, seed=22))
+        v = randn(tokens, Hv, V, seed=23)
+        # mild decays: a state carries over its chunks (strong ones would leave the last chunk's terms only)
+        g = -torch.rand(tokens, Hv, generator=torch.Generator().manual_seed(24)) * 0.05
+        beta = torch.rand(tokens, Hv, generator=torch.Generator().manual_seed(25))
+        n = r.state_start.shape[0]
+        h0 = randn(n, Hv, K, V, seed=26) * 0.3 if initial else torch.zeros(0, Hv, K, V)
+        index = torch.arange(n) if initial else torch.full_like(r.state_start, -1)
+        want, want_final = delta_ref.gated_delta(q, k, v, g, beta, r.state_start, r.state_len, h0, index, 0.3, False)
+        cu = delta_fla.bounds(r.state_start, r.state_len)[:-1]  # the states' sequences (the layout: contiguous)
+        w, u, gamma = delta_wy.wy_reference(k, v, g, beta, r.state_start, r.state_len)
+        out, final = delta_chain.state_chain(q, k, w, u, gamma, cu, 0.3, h0 if initial else None)
+        rows = torch.zeros(tokens, dtype=torch.bool)
+        for start, length in zip(r.state_start.tolist(), r.state_len.tolist()):
+            rows[start:start + length] = True
+        assert rows.any() and (r.state_len.max() > 64 or longest <= 64) and (r.state_len == 0).any()
+        scale = max(1.0, want[rows].abs().max().item())
+        torch.testing.assert_close(out[rows], want[rows], atol=2e-5 * scale, rtol=1e-5)
+        torch.testing.assert_close(final, want_final, atol=2e-5 * max(1.0, want_final.abs().max().item()), rtol=1e-5)
+
+    def test_gated_delta_state_chain_kernel_is_interpreted():
+        assert isinstance(delta_chain._state_chain_kernel, InterpretedFunction)
 
     @pytest.mark.parametrize("form", delta_branches.FORMS)
     def test_gated_delta_branches_from_zero_and_empty_rows(form):

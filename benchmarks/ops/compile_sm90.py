@@ -103,7 +103,7 @@ def main() -> int:
 
     from flide.ops.fork_attention import triton_invariant as attn
     from flide.ops.fork_conv import triton as conv
-    from flide.ops.gated_delta import branches, questions_wy
+    from flide.ops.gated_delta import branches, questions_wy, state_chain
     from flide.ops.gated_norm import triton as gated_norm
     from flide.ops.qk_prep import triton as qk_prep
     from flide.ops.linear import triton as linear
@@ -166,6 +166,13 @@ def main() -> int:
                 {"g_ptr": "*fp32", "h0_ptr": "*fp32"}, "*i64", {"scale": "fp32"},
                 dict(HK=16, HV=hv, K=128, V=128, BK=128, BV=questions_wy.BLOCK_V, BT=64, PRECISION="tf32"),
                 {"num_warps": questions_wy.NUM_WARPS, "num_stages": questions_wy.NUM_STAGES})
+    for hv in (16, 32):  # the state call's fused h + o steps (bf16 inputs only: fp32 keeps fla's steps)
+        ok &= compile_one(
+            f"gated_delta state chain bf16 Hv{hv}", state_chain._state_chain_kernel,
+            {n: "*bf16" for n in ("q_ptr", "k_ptr", "w_ptr", "u_ptr", "o_ptr")} |
+            {"g_ptr": "*fp32", "h0_ptr": "*fp32", "ht_ptr": "*fp32"}, "*i64", {"scale": "fp32"},
+            dict(H=16, HV=hv, K=128, V=128, BT=64, BV=state_chain.BLOCK_V, USE_H0=False),
+            {"num_warps": state_chain.NUM_WARPS, "num_stages": state_chain.NUM_STAGES})
     cfg = linear.default_config(torch.bfloat16)
     ok &= compile_one("linear (invariant GEMM) bf16", linear._linear_kernel,
                       {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16"}, "*bf16", {},

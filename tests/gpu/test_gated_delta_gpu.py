@@ -316,6 +316,7 @@ def test_unfilled_final_state_equals_fla(dtype, monkeypatch):
 
     x, r = inputs(3072, dtype, seed=23)
     meta = (r.state_start, r.state_len, r.branch_start, r.branch_len, r.branch_state)
+    monkeypatch.setattr(fla_module, "FUSED_STATE_CHAIN", False)  # fla's h step, which this is about
     monkeypatch.setattr(fla_module, "EMPTY_FINAL_STATE", False)
     fla_module._fla_steps.cache_clear()
     want_o, want_finals = fork(kernel("fla"), *x, *meta, 128 ** -0.5, True)
@@ -329,6 +330,48 @@ def test_unfilled_final_state_equals_fla(dtype, monkeypatch):
     finally:
         fla_module._fla_steps.cache_clear()
     assert torch.equal(finals, want_finals) and torch.equal(o, want_o)
+
+
+@pytest.mark.parametrize("tokens", [500, 3600])
+@pytest.mark.parametrize("heads", [(16, 16), (16, 32)], ids=["Hk16-Hv16", "Hk16-Hv32"])
+def test_fused_state_chain_matches_fla_steps(tokens, heads, monkeypatch):
+    """fla.FUSED_STATE_CHAIN (state_chain.py, the default for 16-bit inputs): the fork with the state call's h and o
+    steps in our one launch against fla's two steps, bf16 at Qwen3.5's head counts. They compute the same
+    equations with the same bf16 roundings of S, U and A in other fp32 accumulation splits: close, not equal."""
+    from flide.ops.gated_delta import fla as fla_module
+
+    x, r = inputs(tokens, torch.bfloat16, seed=tokens + heads[1] + 5, hk=heads[0], hv=heads[1])
+    calls = []
+    from flide.ops.gated_delta import state_chain
+
+    launch = state_chain.state_chain
+    monkeypatch.setattr(state_chain, "state_chain", lambda *a, **kw: calls.append(1) or launch(*a, **kw))
+    o, final = run_fork("fla", x, r)
+    assert calls  # the fused launch ran
+    monkeypatch.setattr(fla_module, "FUSED_STATE_CHAIN", False)
+    want_o, want_final = run_fork("fla", x, r)
+    used = r.state_len > 0
+    assert rel_err(o, want_o) < 5e-3 and rel_err(final[used], want_final[used]) < 5e-3
+    pad = torch.arange(tokens, device="cuda") >= int((r.branch_start + r.branch_len).max())
+    assert (o[pad] == 0).all()
+
+
+def test_fused_state_chain_keeps_a_state_s_bits_wherever_it_lies():
+    """Each program of the fused kernel reads only its own sequence: a state's outputs and final state have the same
+    bits alone and behind other states in a longer call (batch invariance of the state call)."""
+    from flide.ops.gated_delta import state_chain
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    T, hk, hv, d = 1000, 16, 16, 128
+    q, k, w = (torch.randn(T, h, d, device="cuda", generator=g).to(torch.bfloat16) * 0.1 for h in (hk, hk, hv))
+    u = torch.randn(T, hv, d, device="cuda", generator=g).to(torch.bfloat16)
+    gamma = -torch.rand(T, hv, device="cuda", generator=g) * 4  # any log2 decays: the kernel only reads them
+    alone_cu = torch.tensor([0, 333], device="cuda", dtype=torch.int32)
+    shifted = torch.cat([torch.arange(333, 1000), torch.arange(0, 333)]).cuda()  # rows 0..332 moved to 667..999
+    o1, f1 = state_chain.state_chain(q, k, w, u, gamma, alone_cu, 0.1)
+    many_cu = torch.tensor([0, 200, 667, 1000], device="cuda", dtype=torch.int32)
+    o2, f2 = state_chain.state_chain(*(x[shifted] for x in (q, k, w, u, gamma)), many_cu, 0.1)
+    assert torch.equal(o1[:333], o2[667:]) and torch.equal(f1[0], f2[2])
 
 
 @pytest.mark.parametrize("tokens", [500, 3072])

@@ -202,6 +202,15 @@ def _fwd_h_unfilled(k, w, u, g=None, initial_state=None, output_final_state=True
 KKT_ONE_WARP_TOKENS: int | None = 2048
 
 
+# The state call's h and o steps as one launch of our own kernel (state_chain.py: the per-chunk states stay in
+# registers) for 16-bit inputs on CUDA; fp32 inputs keep fla's two steps. False: fla's steps everywhere (the A/B).
+FUSED_STATE_CHAIN = True
+
+
+def _fused_chain(k: torch.Tensor) -> bool:
+    return FUSED_STATE_CHAIN and k.is_cuda and k.element_size() == 2
+
+
 def _kkt_kernel():
     from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_kkt_solve_kernel
 
@@ -375,15 +384,23 @@ def run(q, k, v, g, beta, cu_seqlens, chunk_indices, h0, scale: float, use_qk_l2
     prep_cu, prep_chunks = prep if prep is not None else (cu_seqlens, chunk_indices)
     g = cumsum(g[None].float(), chunk_size=GDN_CHUNK, scale=rcp_ln2, cu_seqlens=prep_cu, chunk_indices=prep_chunks)
     w, u, _ = _intra(intra, k, v, g, beta, prep_cu, prep_chunks)
-    h, v_new, final = fwd_h(k=k, w=w, u=u, g=g, initial_state=h0, output_final_state=True, chunk_size=GDN_CHUNK,
-                            cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, chunk_offsets=offsets)
-    # Tried (fe56b87, reverted): the question call, which needs only `final`, on a side stream here, overlapping the
-    # output step (parallel branches in the CUDA graph). On the H200 the replays were within 1 % (0.8B: RACE 3.86 vs
-    # 3.88 ms, QuALITY 33.5 vs 33.8; `benchmarks/results/h200_profile_0_8b_overlap_questions.json`): the output step
-    # slowed by as much as the overlap saved (RACE: 0.30 vs 0.18 ms over 18 layers).
-    o = fwd_o(q=q, k=k, v=v_new, h=h, g=g, scale=scale, cu_seqlens=cu_seqlens, chunk_size=GDN_CHUNK,
-              chunk_indices=chunk_indices)
+    if _fused_chain(k):
+        # the chunk-to-chunk steps in one launch (state_chain.py): the sequences without the trailing empty one,
+        # whose only use is to give fla's chunk rows a name
+        from .state_chain import state_chain
+
+        o, final = state_chain(qn, kn, w[0], u[0], g[0], cu_seqlens[:-1], scale, None if h0 is None else h0[:-1])
+    else:
+        h, v_new, final = fwd_h(k=k, w=w, u=u, g=g, initial_state=h0, output_final_state=True,
+                                chunk_size=GDN_CHUNK, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
+                                chunk_offsets=offsets)
+        # Tried (fe56b87, reverted): the question call, which needs only `final`, on a side stream here, overlapping
+        # the output step (parallel branches in the CUDA graph). On the H200 the replays were within 1 % (0.8B: RACE
+        # 3.86 vs 3.88 ms, QuALITY 33.5 vs 33.8; `benchmarks/results/h200_profile_0_8b_overlap_questions.json`): the
+        # output step slowed by as much as the overlap saved (RACE: 0.30 vs 0.18 ms over 18 layers).
+        o = fwd_o(q=q, k=k, v=v_new, h=h, g=g, scale=scale, cu_seqlens=cu_seqlens, chunk_size=GDN_CHUNK,
+                  chunk_indices=chunk_indices)[0]
     # rows outside the call's span are left as fla leaves them (unwritten): `fork` selects each row from the call
     # that covers it (`combine`), which costs one pass instead of zeroing here and summing there
-    out = (o[0].to(q.dtype), final[:cu_seqlens.shape[0] - 2], qn, kn, vn)
+    out = (o.to(q.dtype), final[:cu_seqlens.shape[0] - 2], qn, kn, vn)
     return out if prep is None else (*out, w[0], u[0], g[0])

@@ -1,0 +1,111 @@
+"""The state call's chunk-to-chunk part: fla's h step + o step (two launches, the per-chunk states written and read
+back) against our fused kernel (`gated_delta/state_chain.py`: one launch, states in registers), per tile.
+
+    python benchmarks/ops/bench_state_chain.py [--value-heads 16] [--out benchmarks/results/ops_state_chain_h200.json]
+
+Inputs as the state call gives them (the laid-out, normalised q / k / v of bench_fla_configs.py; the gate cumsum
+and WY form from fla's own steps, computed once); times: medians of CUDA-graph replays. Each fused row also gives
+its largest difference from fla's outputs (over the states' rows) and final states, relative to their largest
+magnitude: the two compute the same equations with the same roundings of their inputs, in other accumulation
+splits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_fla_configs import STREAMS  # noqa: E402
+from bench_gated_delta import stream  # noqa: E402
+
+from flide.config import GDN_CHUNK  # noqa: E402
+from flide.ops.gated_delta import fla, fork_tables, state_chain  # noqa: E402
+from flide.ops.gated_delta.l2norm import prepare_qkv  # noqa: E402
+
+TILES = [(32, 4, 2), (32, 4, 3), (32, 4, 1), (16, 4, 2), (32, 8, 2), (64, 4, 2), (64, 8, 2), (16, 2, 2), (32, 2, 2)]
+
+
+def main() -> None:
+    from triton.testing import do_bench_cudagraph
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--streams", nargs="+", default=list(STREAMS), choices=list(STREAMS))
+    parser.add_argument("--value-heads", type=int, default=16)
+    args = parser.parse_args()
+    device = "cuda"
+    hk, hv, dim = 16, args.value_heads, 128
+    cumsum, intra, fwd_h, fwd_o, rcp_ln2 = fla._fla_steps()  # with Flide's sm_90 pins
+    rows = []
+    for name in args.streams:
+        r = stream(*STREAMS[name], bucketed=True).to(device)
+        T = r.seg_lo.shape[0]
+        gen = torch.Generator(device=device).manual_seed(0)
+        q, k = (torch.randn(T, hk, dim, device=device, generator=gen, dtype=torch.bfloat16) for _ in range(2))
+        v = torch.randn(T, hv, dim, device=device, generator=gen, dtype=torch.bfloat16)
+        q, k, v = prepare_qkv(q, k, v, True)
+        g = -torch.nn.functional.softplus(torch.randn(T, hv, device=device, generator=gen)) * 0.5
+        beta = torch.sigmoid(torch.randn(T, hv, device=device, generator=gen)).to(torch.bfloat16)
+        tables = fork_tables(r.state_start, r.state_len, r.branch_start, r.branch_len, r.state_chunks)
+        cu, chunks, offsets = tables.state_cu_seqlens, tables.state_chunks, tables.state_chunk_offsets
+        gc = cumsum(g[None].float(), chunk_size=GDN_CHUNK, scale=rcp_ln2, cu_seqlens=cu, chunk_indices=chunks)
+        w, u, _ = fla._intra(intra, k[None], v[None], gc, beta[None], cu, chunks)
+        scale = dim ** -0.5
+
+        def fla_h_o():
+            h, v_new, final = fwd_h(k=k[None], w=w, u=u, g=gc, initial_state=None, output_final_state=True,
+                                    chunk_size=GDN_CHUNK, cu_seqlens=cu, chunk_indices=chunks, chunk_offsets=offsets)
+            o = fwd_o(q=q[None], k=k[None], v=v_new, h=h, g=gc, scale=scale, cu_seqlens=cu, chunk_size=GDN_CHUNK,
+                      chunk_indices=chunks)
+            return o[0], final
+
+        want_o, want_final = fla_h_o()
+        torch.cuda.synchronize()
+        base = do_bench_cudagraph(fla_h_o, return_mode="median")
+        state_rows = torch.zeros(T, dtype=torch.bool, device=device)
+        state_rows[: int(r.state_len.sum()) + int(r.state_start[0])] = True
+        state_rows[: int(r.state_start[0])] = False
+        base_row = {"stream": name, "tokens": T, "value_heads": hv, "kernel": "fla h + o", "tiles": "", "ms": base}
+        rows.append(base_row)
+        print(json.dumps(base_row), flush=True)
+        for tiles in TILES:
+            def fused(tiles=tiles):
+                return state_chain.state_chain(q, k, w[0], u[0], gc[0], cu, scale, tiles=tiles)
+
+            try:
+                o, final = fused()
+                torch.cuda.synchronize()
+                ms = do_bench_cudagraph(fused, return_mode="median")
+            except Exception as error:  # a tile that does not compile (shared memory) is reported, not fatal
+                rows.append({"stream": name, "kernel": "fused", "tiles": str(tiles), "error": repr(error)[:300]})
+                print(json.dumps(rows[-1]), flush=True)
+                continue
+            diff_o = ((o[state_rows].float() - want_o[state_rows].float()).abs().max()
+                      / want_o[state_rows].float().abs().max()).item()
+            n = want_final.shape[0]
+            diff_final = ((final[:n] - want_final).abs().max() / want_final.abs().max()).item()
+            rows.append({"stream": name, "tokens": T, "value_heads": hv, "kernel": "fused",
+                         "tiles": f"BV{tiles[0]},w{tiles[1]},s{tiles[2]}", "ms": ms, "vs_fla": ms / base,
+                         "rel_diff_o": diff_o, "rel_diff_final": diff_final})
+            print(json.dumps(rows[-1]), flush=True)
+    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1))
+        md = ["| stream | kernel | tiles | ms | x fla | rel diff o | rel diff final |",
+              "| --- | --- | --- | ---: | ---: | ---: | ---: |"]
+        md += [f"| {r['stream']} | {r['kernel']} | {r.get('tiles', '')} | "
+               + (f"{r['ms']:.4f} | {r.get('vs_fla', 1.0):.2f} | {r.get('rel_diff_o', 0):.1e} | "
+                  f"{r.get('rel_diff_final', 0):.1e} |" if "ms" in r else f"error | | | {r['error'][:80]} |")
+               for r in rows]
+        Path(args.out).with_suffix(".md").write_text("\n".join(md) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""The state call's chunk-to-chunk steps as ONE Triton kernel: fla's h step (the state at every chunk) and o step
+(the outputs from those states) fused, the states kept in registers instead of written to and read back from memory.
+
+Why: fla's h kernel walks a sequence's chunks one after another (one program per (sequence, value head, value
+tile): 64 programs for one long state on Qwen3.5-0.8B, half the H200's SMs), stores the state before every chunk
+([chunks, Hv, K, V] in bf16: 38 MB a layer for QuALITY's 4.6k-token state) and the chunk's new values, and the o
+kernel then reads both back in a second launch. Here the program that moves the state also computes the chunk's
+outputs from it, off the chain (they feed nothing that comes after): no h tensor, no v_new tensor, one launch less.
+
+Per chunk of BT tokens (the same equations and roundings as fla-core 0.6.0's two kernels, `chunk_delta_h.py` and
+`chunk_o.py`, for 16-bit inputs), with S the fp32 state slice [K, BV] before the chunk and Sb = S in the inputs'
+dtype (as fla stores h):
+    U  = u - w Sb                                 (fp32; Ub = U in the inputs' dtype: fla's stored v_new)
+    o  = scale (e^g (q Sb)) + scale ((q k^T) * e^(g_i - g_j), j <= i) Ub
+    S <- e^g_last S + k^T (U * e^(g_last - g))    (the gated U rounded to the inputs' dtype first)
+g: the chunk-local cumulated log2 decays (fla's cumsum step), w / u: the WY form (fla's intra step). The products'
+accumulation splits over K differ from fla's (one K = 128 product where fla's o kernel sums two of 64), so
+outputs may differ from fla's in the last bits of fp32 accumulation: the same contract as every variant (checked
+against the reference). Each program's sums depend on its own sequence only: batch-invariant.
+
+Runs on CPU tensors under TRITON_INTERPRET=1 (fp32 there: the products in fp32, what the CPU tests check).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# value columns per program, warps, pipeline stages: see benchmarks/ops/bench_state_chain.py
+BLOCK_V = 32
+NUM_WARPS = 4
+NUM_STAGES = 2
+
+
+@triton.jit(do_not_specialize=["T"])
+def _state_chain_kernel(q_ptr, k_ptr, w_ptr, u_ptr, g_ptr, o_ptr, h0_ptr, ht_ptr, cu_ptr, scale, T,
+                        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                        BV: tl.constexpr, USE_H0: tl.constexpr):
+    i_v = tl.program_id(0)
+    i_nh = tl.program_id(1).to(tl.int64)
+    i_n = i_nh // HV
+    i_h = i_nh % HV
+    i_hk = i_h // (HV // H)  # grouped value heads: value head h reads key head h // (HV // H)
+    bos = tl.load(cu_ptr + i_n).to(tl.int64)
+    n = tl.load(cu_ptr + i_n + 1).to(tl.int64) - bos
+    o_k = tl.arange(0, K)
+    o_v = i_v * BV + tl.arange(0, BV)
+    o_t = tl.arange(0, BT)
+    v_ok = o_v < V
+    state_at = i_nh * K * V + o_k[:, None] * V + o_v[None, :]
+    S = tl.zeros([K, BV], dtype=tl.float32)
+    if USE_H0:
+        S += tl.load(h0_ptr + state_at, mask=v_ok[None, :], other=0.0)
+    causal = o_t[:, None] >= o_t[None, :]
+    for c0 in range(0, n, BT):
+        t = bos + c0 + o_t
+        t_ok = (c0 + o_t) < n
+        b_q = tl.load(q_ptr + (t[:, None] * H + i_hk) * K + o_k[None, :], mask=t_ok[:, None], other=0.0)
+        b_kt = tl.load(k_ptr + (t[None, :] * H + i_hk) * K + o_k[:, None], mask=t_ok[None, :], other=0.0)  # [K, BT]
+        b_w = tl.load(w_ptr + (t[:, None] * HV + i_h) * K + o_k[None, :], mask=t_ok[:, None], other=0.0)
+        p_uo = (t[:, None] * HV + i_h) * V + o_v[None, :]
+        m_uo = t_ok[:, None] & v_ok[None, :]
+        b_u = tl.load(u_ptr + p_uo, mask=m_uo, other=0.0)
+        b_g = tl.load(g_ptr + t * HV + i_h, mask=t_ok, other=0.0).to(tl.float32)
+        g_last = tl.load(g_ptr + (bos + tl.minimum(c0 + BT, n) - 1) * HV + i_h).to(tl.float32)
+        b_s = S.to(b_w.dtype)
+        # the chain: the chunk's new values from the state
+        b_v = b_u - tl.dot(b_w, b_s)
+        # the chunk's outputs (off the chain)
+        b_o = tl.dot(b_q, b_s) * tl.exp2(b_g)[:, None]
+        b_a = tl.dot(b_q, b_kt) * tl.exp2(b_g[:, None] - b_g[None, :])
+        b_a = tl.where(causal & t_ok[:, None] & t_ok[None, :], b_a, 0.0)
+        b_o = b_o * scale + tl.dot(b_a.to(b_w.dtype), b_v.to(b_w.dtype)) * scale
+        tl.store(o_ptr + p_uo, b_o.to(o_ptr.dtype.element_ty), mask=m_uo)
+        # the state after the chunk
+        b_v = b_v * tl.where(t_ok, tl.exp2(g_last - b_g), 0.0)[:, None]
+        S = S * tl.exp2(g_last)
+        S = tl.dot(b_kt, b_v.to(b_kt.dtype), S)
+    tl.store(ht_ptr + state_at, S, mask=v_ok[None, :])
+
+
+def state_chain(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, g: torch.Tensor,
+                cu_seqlens: torch.Tensor, scale: float, initial_state: torch.Tensor | None = None,
+                chunk: int = 64, tiles: tuple[int, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o [T, Hv, V] in q's dtype, final [N, Hv, K, V] float32) of every sequence of `cu_seqlens` [N + 1], from
+    `initial_state` [N, Hv, K, V] (None: zero). q, k: [T, Hk, K] contiguous (normalised as the kernels read them);
+    w [T, Hv, K], u [T, Hv, V]: fla's intra step's WY form (chunks of `chunk` tokens from each sequence's start); g
+    [T, Hv] float32: the chunk-local cumulated log2 decays (fla's cumsum step). Rows outside the sequences are left
+    unwritten. `tiles`: (value columns a program, warps, stages)."""
+    T, HK, K = k.shape
+    HV, V = u.shape[1], u.shape[2]
+    if K & (K - 1) or K < 16:
+        raise ValueError(f"the key head dim must be a power of two >= 16, not {K}")
+    if w.shape != (T, HV, K) or g.shape != (T, HV) or q.shape != k.shape:
+        raise ValueError(f"q {tuple(q.shape)} / k {tuple(k.shape)} / w {tuple(w.shape)} / g {tuple(g.shape)} do not "
+                         f"match [T={T}, Hk={HK} / Hv={HV}, K={K}]")
+    N = cu_seqlens.shape[0] - 1
+    o = torch.empty(T, HV, V, dtype=q.dtype, device=q.device)
+    final = torch.empty(N, HV, K, V, dtype=torch.float32, device=q.device)
+    if N == 0:
+        return o, final
+    BV, warps, stages = tiles or (BLOCK_V, NUM_WARPS, NUM_STAGES)
+    BV = min(BV, triton.next_power_of_2(V))
+    h0 = final if initial_state is None else initial_state.float().contiguous()  # unread without USE_H0
+    q, k, w, u, g = (x.contiguous() for x in (q, k, w, u, g.float()))  # as the kernel indexes them (no-ops here)
+    _state_chain_kernel[(triton.cdiv(V, BV), N * HV)](
+        q, k, w, u, g, o, h0, final, cu_seqlens.contiguous(), float(scale), T, H=HK, HV=HV, K=K, V=V, BT=chunk, BV=BV,
+        USE_H0=initial_state is not None, num_warps=warps, num_stages=stages)
+    return o, final

@@ -29,7 +29,9 @@ from flide.config import GDN_CHUNK  # noqa: E402
 from flide.ops.gated_delta import fla, fork_tables, state_chain  # noqa: E402
 from flide.ops.gated_delta.l2norm import prepare_qkv  # noqa: E402
 
-TILES = [(32, 4, 2), (32, 4, 3), (32, 4, 1), (16, 4, 2), (32, 8, 2), (64, 4, 2), (64, 8, 2), (16, 2, 2), (32, 2, 2)]
+# one stage (no software pipelining of the next chunk's loads) hit an illegal memory access on the H200's Triton
+# 3.6 (session 29, in this bench's first run) and is not swept (state_chain refuses it)
+TILES = [(32, 4, 2), (32, 4, 3), (16, 4, 2), (32, 8, 2), (64, 4, 2), (64, 8, 2), (16, 2, 2), (32, 2, 2)]
 
 
 def main() -> None:

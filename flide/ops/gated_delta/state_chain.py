@@ -101,6 +101,8 @@ def state_chain(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tens
     if N == 0:
         return o, final
     BV, warps, stages = tiles or (BLOCK_V, NUM_WARPS, NUM_STAGES)
+    if stages < 2:  # one stage hit an illegal memory access on the H200's Triton 3.6 (session 29): not run
+        raise ValueError(f"state_chain needs at least 2 pipeline stages, not {stages}")
     BV = min(BV, triton.next_power_of_2(V))
     h0 = final if initial_state is None else initial_state.float().contiguous()  # unread without USE_H0
     q, k, w, u, g = (x.contiguous() for x in (q, k, w, u, g.float()))  # as the kernel indexes them (no-ops here)

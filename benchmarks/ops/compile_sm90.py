@@ -169,10 +169,16 @@ def main() -> int:
     for hv in (16, 32):  # the state call's fused h + o steps (bf16 inputs only: fp32 keeps fla's steps)
         ok &= compile_one(
             f"gated_delta state chain bf16 Hv{hv}", state_chain._state_chain_kernel,
-            {n: "*bf16" for n in ("q_ptr", "k_ptr", "w_ptr", "u_ptr", "o_ptr")} |
-            {"g_ptr": "*fp32", "h0_ptr": "*fp32", "ht_ptr": "*fp32"}, "*i64", {"scale": "fp32"},
+            {n: "*bf16" for n in ("q_ptr", "k_ptr", "w_ptr", "u_ptr", "o_ptr", "h_ptr", "vn_ptr")} |
+            {"g_ptr": "*fp32", "h0_ptr": "*fp32", "ht_ptr": "*fp32"}, "*i64", {"scale": "fp32", "long_from": "i64"},
             dict(H=16, HV=hv, K=128, V=128, BT=64, BV=state_chain.BLOCK_V, USE_H0=False),
             {"num_warps": state_chain.NUM_WARPS, "num_stages": state_chain.NUM_STAGES})
+        out_v, out_warps, out_stages = state_chain.OUT_TILES
+        ok &= compile_one(
+            f"gated_delta state chain outputs bf16 Hv{hv}", state_chain._chunk_out_kernel,
+            {n: "*bf16" for n in ("q_ptr", "k_ptr", "o_ptr", "h_ptr", "vn_ptr")} | {"g_ptr": "*fp32"}, "*i64",
+            {"scale": "fp32", "long_from": "i64"}, dict(H=16, HV=hv, K=128, V=128, BT=64, BV=out_v),
+            {"num_warps": out_warps, "num_stages": out_stages})
     cfg = linear.default_config(torch.bfloat16)
     ok &= compile_one("linear (invariant GEMM) bf16", linear._linear_kernel,
                       {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16"}, "*bf16", {},

@@ -385,11 +385,11 @@ def run(q, k, v, g, beta, cu_seqlens, chunk_indices, h0, scale: float, use_qk_l2
     g = cumsum(g[None].float(), chunk_size=GDN_CHUNK, scale=rcp_ln2, cu_seqlens=prep_cu, chunk_indices=prep_chunks)
     w, u, _ = _intra(intra, k, v, g, beta, prep_cu, prep_chunks)
     if _fused_chain(k):
-        # the chunk-to-chunk steps in one launch (state_chain.py): the sequences without the trailing empty one,
-        # whose only use is to give fla's chunk rows a name
+        # the chunk-to-chunk steps in our launch, outputs included (state_chain.py; long sequences' outputs in a
+        # second one over the chunk rows)
         from .state_chain import state_chain
 
-        o, final = state_chain(qn, kn, w[0], u[0], g[0], cu_seqlens[:-1], scale, None if h0 is None else h0[:-1])
+        o, final = state_chain(qn, kn, w[0], u[0], g[0], cu_seqlens, scale, h0, chunk_indices, offsets)
     else:
         h, v_new, final = fwd_h(k=k, w=w, u=u, g=g, initial_state=h0, output_final_state=True,
                                 chunk_size=GDN_CHUNK, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,

@@ -1,6 +1,5 @@
 """The state call's chunk-to-chunk part: fla's h step + o step (two launches, the per-chunk states written and read
-back) against ours (`gated_delta/state_chain.py`): every chain fused (one launch, states in registers) per tile,
-the default (states of LONG_TOKENS or more stored, their outputs in a second launch), and every state so.
+back) against our fused kernel (`gated_delta/state_chain.py`: one launch, states in registers), per tile.
 
     python benchmarks/ops/bench_state_chain.py [--value-heads 16] [--out benchmarks/results/ops_state_chain_h200.json]
 
@@ -33,9 +32,6 @@ from flide.ops.gated_delta.l2norm import prepare_qkv  # noqa: E402
 # one stage (no software pipelining of the next chunk's loads) hit an illegal memory access on the H200's Triton
 # 3.6 (session 29, in this bench's first run) and is not swept (state_chain refuses it)
 TILES = [(32, 4, 2), (32, 4, 3), (16, 4, 2), (64, 4, 2)]
-# which states take the stored-state path and the output launch: none (every chain fused), the default
-# (state_chain.LONG_TOKENS), every non-empty one
-MODES = {"fused": None, "default": "default", "all-long": 1}
 # more state lengths between RACE's and the sweep's (requests, state tokens, questions, question tokens)
 EXTRA_STREAMS = {"state1000@bucket": (1, 1000, 4, 45), "8xMultiRC@bucket": (8, 330, 40, 25)}
 
@@ -84,31 +80,24 @@ def main() -> None:
         base_row = {"stream": name, "tokens": T, "value_heads": hv, "kernel": "fla h + o", "tiles": "", "ms": base}
         rows.append(base_row)
         print(json.dumps(base_row), flush=True)
-        cases = [(tiles, "fused") for tiles in TILES] + [(None, "default"), (None, "all-long")]
-        for tiles, mode in cases:
-            def ours(tiles=tiles, mode=mode):
-                if MODES[mode] is None:  # no chunk rows: no sequence long
-                    return state_chain.state_chain(q, k, w[0], u[0], gc[0], cu, scale, tiles=tiles)
-                long_tokens = None if MODES[mode] == "default" else MODES[mode]
-                return state_chain.state_chain(q, k, w[0], u[0], gc[0], cu, scale, None, chunks, offsets, tiles=tiles,
-                                               long_tokens=long_tokens)
+        for tiles in TILES:
+            def ours(tiles=tiles):
+                return state_chain.state_chain(q, k, w[0], u[0], gc[0], cu, scale, tiles=tiles)
 
             try:
                 o, final = ours()
                 torch.cuda.synchronize()
                 ms = do_bench_cudagraph(ours, return_mode="median")
             except Exception as error:  # a tile that does not compile (shared memory) is reported, not fatal
-                rows.append({"stream": name, "kernel": mode, "tiles": str(tiles), "error": repr(error)[:300]})
+                rows.append({"stream": name, "kernel": "fused", "tiles": str(tiles), "error": repr(error)[:300]})
                 print(json.dumps(rows[-1]), flush=True)
                 continue
             diff_o = ((o[state_rows].float() - want_o[state_rows].float()).abs().max()
                       / want_o[state_rows].float().abs().max()).item()
             n = want_final.shape[0]
             diff_final = ((final[:n] - want_final).abs().max() / want_final.abs().max()).item()
-            label = "BV{},w{},s{}".format(*(tiles or (state_chain.BLOCK_V, state_chain.NUM_WARPS,
-                                                     state_chain.NUM_STAGES)))
-            rows.append({"stream": name, "tokens": T, "value_heads": hv, "kernel": f"ours ({mode})",
-                         "tiles": label, "ms": ms, "vs_fla": ms / base, "rel_diff_o": diff_o,
+            rows.append({"stream": name, "tokens": T, "value_heads": hv, "kernel": "fused",
+                         "tiles": "BV{},w{},s{}".format(*tiles), "ms": ms, "vs_fla": ms / base, "rel_diff_o": diff_o,
                          "rel_diff_final": diff_final})
             print(json.dumps(rows[-1]), flush=True)
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}

@@ -334,17 +334,14 @@ def test_unfilled_final_state_equals_fla(dtype, monkeypatch):
 
 @pytest.mark.parametrize("tokens", [500, 3600])
 @pytest.mark.parametrize("heads", [(16, 16), (16, 32)], ids=["Hk16-Hv16", "Hk16-Hv32"])
-@pytest.mark.parametrize("long_tokens", [None, 200], ids=["default", "long-from-200"])
-def test_fused_state_chain_matches_fla_steps(tokens, heads, long_tokens, monkeypatch):
-    """fla.FUSED_STATE_CHAIN (state_chain.py, the default for 16-bit inputs): the fork with the state call's h and o
-    steps in our launches against fla's two steps, bf16 at Qwen3.5's head counts; states of at least LONG_TOKENS
-    (200 here: the random rounds' states reach 700) through the stored-state path and the output launch. They
-    compute the same equations with the same bf16 roundings of S, U and A: close (equal on the H200 op bench)."""
+def test_fused_state_chain_matches_fla_steps(tokens, heads, monkeypatch):
+    """fla.FUSED_STATE_CHAIN (state_chain.py, 16-bit inputs, calls up to FUSED_MAX_TOKENS; here every call): the fork
+    with the state call's h and o steps in our one launch against fla's two steps, bf16 at Qwen3.5's head counts.
+    They compute the same equations with the same bf16 roundings of S, U and A: close (equal on the H200 op bench)."""
     from flide.ops.gated_delta import fla as fla_module
     from flide.ops.gated_delta import state_chain
 
-    if long_tokens is not None:
-        monkeypatch.setattr(state_chain, "LONG_TOKENS", long_tokens)
+    monkeypatch.setattr(fla_module, "FUSED_MAX_TOKENS", 1 << 30)
     x, r = inputs(tokens, torch.bfloat16, seed=tokens + heads[1] + 5, hk=heads[0], hv=heads[1])
     calls = []
     launch = state_chain.state_chain
@@ -355,15 +352,18 @@ def test_fused_state_chain_matches_fla_steps(tokens, heads, long_tokens, monkeyp
     want_o, want_final = run_fork("fla", x, r)
     used = r.state_len > 0
     assert rel_err(o, want_o) < 5e-3 and rel_err(final[used], want_final[used]) < 5e-3
+    if torch.cuda.get_device_capability() == (9, 0):
+        # the same bits on the H200: the products' K steps accumulate in fla's order (one K = 128 dot where fla
+        # chains two of 64), so a request's bits do not depend on whether its bucket runs the fused call
+        assert torch.equal(o, want_o) and torch.equal(final[used], want_final[used])
     pad = torch.arange(tokens, device="cuda") >= int((r.branch_start + r.branch_len).max())
     assert (o[pad] == 0).all()
 
 
 def test_fused_state_chain_keeps_a_state_s_bits_wherever_it_lies():
     """Each program of the fused kernel reads only its own sequence: a state's outputs and final state have the same
-    bits alone and behind other states in a longer call, also one where another sequence is long (batch invariance
-    of the state call)."""
-    from flide.ops.gated_delta import fla, state_chain
+    bits alone and behind other states in a longer call (batch invariance of the state call)."""
+    from flide.ops.gated_delta import state_chain
 
     g = torch.Generator(device="cuda").manual_seed(3)
     T, hk, hv, d = 1000, 16, 16, 128
@@ -376,12 +376,6 @@ def test_fused_state_chain_keeps_a_state_s_bits_wherever_it_lies():
     many_cu = torch.tensor([0, 200, 667, 1000], device="cuda", dtype=torch.int32)
     o2, f2 = state_chain.state_chain(*(x[shifted] for x in (q, k, w, u, gamma)), many_cu, 0.1)
     assert torch.equal(o1[:333], o2[667:]) and torch.equal(f1[0], f2[2])
-    # in a call long enough to split (its 467-token sequence long, this one not): the same bits
-    cu = torch.cat([many_cu, many_cu[-1:]])  # + the empty sequence that spare chunk rows name (fla's tables)
-    chunks, offsets = fla.chunk_table(cu, 1000 // 64 + 4), fla.chunk_offsets(cu)
-    o3, f3 = state_chain.state_chain(*(x[shifted] for x in (q, k, w, u, gamma)), cu, 0.1, None, chunks, offsets,
-                                     long_tokens=400)
-    assert torch.equal(o1[:333], o3[667:]) and torch.equal(f1[0], f3[2])
 
 
 @pytest.mark.parametrize("tokens", [500, 3072])

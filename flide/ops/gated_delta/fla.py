@@ -202,13 +202,24 @@ def _fwd_h_unfilled(k, w, u, g=None, initial_state=None, output_final_state=True
 KKT_ONE_WARP_TOKENS: int | None = 2048
 
 
-# The state call's h and o steps as one launch of our own kernel (state_chain.py: the per-chunk states stay in
-# registers) for 16-bit inputs on CUDA; fp32 inputs keep fla's two steps. False: fla's steps everywhere (the A/B).
+# The state call's h and o steps as one launch of our own kernel (state_chain.py: each chunk's outputs computed by the
+# program that holds its state, no per-chunk states written and read back) for 16-bit inputs on CUDA, in calls of at
+# most FUSED_MAX_TOKENS tokens (a bucket's stream length: static per CUDA graph). H200, Qwen3.5-0.8B (session 29,
+# `ops_state_chain_h200.md`, same bits as fla's steps on every stream): faster where the states are short (RACE in its
+# 512 bucket 0.0154 vs 0.0167 ms a layer; 16 RACE states 0.124 vs 0.217, 8 MultiRC requests 0.125 vs 0.249) but
+# slower on a long state (2,000 tokens 0.093 vs 0.078, 7,900 tokens 0.343 vs 0.283): a chain step also waits on its
+# outputs' products. Replay A/B (fused in every call): RACE GPU 3.09 -> 2.98 ms, MultiRC 4.25 -> 3.99, but QuALITY
+# 29.72 -> 30.36, sweep 1 8.28 -> 8.64 (`h200_profile_0_8b_session29_{fused_chain,fla_h_o}.json`). A bucket can hold
+# a state as long as itself, so only small buckets run it. Tried (6b12ff6, reverted): long states in the same kernel
+# storing their states (as fla's h) and a second launch for their outputs, one binary with both paths: both paths
+# slowed (RACE 1.11x fla, 2,000 tokens 1.51x; `ops_state_chain_split_h200.md`).
+# FUSED_STATE_CHAIN False: fla's steps everywhere (the A/B).
 FUSED_STATE_CHAIN = True
+FUSED_MAX_TOKENS = 1024
 
 
-def _fused_chain(k: torch.Tensor) -> bool:
-    return FUSED_STATE_CHAIN and k.is_cuda and k.element_size() == 2
+def _fused_chain(k: torch.Tensor, tokens: int) -> bool:
+    return FUSED_STATE_CHAIN and k.is_cuda and k.element_size() == 2 and tokens <= FUSED_MAX_TOKENS
 
 
 def _kkt_kernel():
@@ -384,12 +395,12 @@ def run(q, k, v, g, beta, cu_seqlens, chunk_indices, h0, scale: float, use_qk_l2
     prep_cu, prep_chunks = prep if prep is not None else (cu_seqlens, chunk_indices)
     g = cumsum(g[None].float(), chunk_size=GDN_CHUNK, scale=rcp_ln2, cu_seqlens=prep_cu, chunk_indices=prep_chunks)
     w, u, _ = _intra(intra, k, v, g, beta, prep_cu, prep_chunks)
-    if _fused_chain(k):
-        # the chunk-to-chunk steps in our launch, outputs included (state_chain.py; long sequences' outputs in a
-        # second one over the chunk rows)
+    if _fused_chain(k, qn.shape[0]):
+        # the chunk-to-chunk steps in one launch, outputs included (state_chain.py): the sequences without the
+        # trailing empty one, whose only use is to give fla's chunk rows a name
         from .state_chain import state_chain
 
-        o, final = state_chain(qn, kn, w[0], u[0], g[0], cu_seqlens, scale, h0, chunk_indices, offsets)
+        o, final = state_chain(qn, kn, w[0], u[0], g[0], cu_seqlens[:-1], scale, None if h0 is None else h0[:-1])
     else:
         h, v_new, final = fwd_h(k=k, w=w, u=u, g=g, initial_state=h0, output_final_state=True,
                                 chunk_size=GDN_CHUNK, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,

@@ -348,7 +348,13 @@ def piece_cuts(text: str, every: int) -> list[int]:
 class PromptTokenizer:
     """Renders and tokenizes decision prompts exactly as `transformers.decision.prepare_inputs` does, in two parts."""
 
-    PIECE_CHARS = 2048  # a long trunk is encoded in pieces of about this size, in parallel (`encode_trunk`)
+    # a long trunk is encoded in pieces of about this size, in parallel (`encode_trunk`). H200 host, 16 CPUs (session
+    # 29, `tokenization_pieces_session29_h200.json`, `host_prepare_profile_h200.json`): QuALITY's prepare 3.36 ms at
+    # 2,048 characters, 2.80 at 512 or 1,024; the Rust batch alone on a 2,000-token state 0.93 ms at 2,048, 0.54 at
+    # 512 (more pieces than CPUs: rayon balances them). On 2 CPUs the same (1.50 vs 1.60 ms).
+    PIECE_CHARS = 512
+    # batches of up to this many characters stay in Python (`_python_is_sooner`) whatever the CPUs
+    PYTHON_BATCH_CHARS = 8192
 
     PROBE = "\u2460"  # an instruction unlike any real one from its first character on
 
@@ -620,12 +626,12 @@ class PromptTokenizer:
     def _python_is_sooner(self, texts: list[str]) -> bool:
         """Whether `ascii_bpe` would encode the batch sooner than tokenizers, which spreads a batch's items over the
         CPUs: its time is then its longest item's or an even share of the whole, whichever is longer. Batches of up
-        to a few pieces' characters stay in Python whatever the CPUs (a RACE request's, ~2k characters in ~30 items,
-        took as long in tokenizers on 2 threads as on 1 here); a long state's ~2k-character pieces go to
-        tokenizers where there are many CPUs."""
+        to PYTHON_BATCH_CHARS characters stay in Python whatever the CPUs (a RACE request's, ~2k characters in ~30
+        items, took as long in tokenizers on 2 threads as on 1 here); a long state's pieces go to tokenizers where
+        there are many CPUs."""
         lengths = list(map(len, texts))
         total = sum(lengths)
-        return (total <= 4 * self.PIECE_CHARS
+        return (total <= self.PYTHON_BATCH_CHARS
                 or total <= self.ASCII_SPEEDUP * max(max(lengths, default=0), total / _CPUS))
 
     def _has_markers(self, text: str) -> bool:

@@ -590,9 +590,9 @@ def test_batch_encode_in_python_falls_back_to_the_tokenizer_exactly(monkeypatch)
     monkeypatch.setattr(flide.requests, "_CPUS", 1)
     assert prompts._encode_batch(texts) == want() and len(encoded) == len(texts)  # all asked, non-ASCII refused
     encoded.clear()
-    # many texts of the same length on many CPUs, more characters than a few pieces': tokenizers is sooner
+    # many texts of the same length on many CPUs, more characters than PYTHON_BATCH_CHARS: tokenizers is sooner
     monkeypatch.setattr(flide.requests, "_CPUS", 1000)
-    monkeypatch.setattr(prompts, "PIECE_CHARS", 4)
+    monkeypatch.setattr(prompts, "PYTHON_BATCH_CHARS", 16)
     assert prompts._encode_batch(texts) == want() and not encoded
     monkeypatch.setattr(flide.requests, "_CPUS", 1)
     plain = want()

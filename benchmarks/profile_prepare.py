@@ -20,9 +20,7 @@ import io
 import json
 import os
 import pstats
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -33,24 +31,15 @@ from flide.loading import load_tokenizer  # noqa: E402
 from flide.models.tiny import tiny_model  # noqa: E402
 from flide.requests import piece_cuts  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tokenization import median_ms  # noqa: E402
+
 
 def requests_of(name: str, tokenizer, data: str | None, limit: int) -> list[dict]:
     """`sweep<n>`: the sweep's request of n questions; else a bench workload's first `limit` requests."""
     if name.startswith("sweep"):
         return bench_workloads.build("sweep", tokenizer, 1, data_dir=data)[f"sweep/q{name[5:]}"]
     return bench_workloads.build(name, tokenizer, limit, data_dir=data)[name]
-
-
-def median_ms(fn, items, repeat: int) -> float:
-    per_item = []
-    for item in items:
-        times = []
-        for _ in range(repeat):
-            start = time.perf_counter()
-            fn(item)
-            times.append((time.perf_counter() - start) * 1e3)
-        per_item.append(statistics.median(times))
-    return statistics.median(per_item)
 
 
 def profile_rows(fn, items, top: int) -> list[dict]:

@@ -403,6 +403,17 @@ else:
         scale = max(1.0, want[rows].abs().max().item())
         torch.testing.assert_close(out[rows], want[rows], atol=2e-5 * scale, rtol=1e-5)
 
+    def gdn_inputs(tokens: int, heads: tuple[int, int, int, int], seed: int, decay: float):
+        """Random fp32 gated-delta inputs (q, k L2-normalised; log decays in [-decay, 0]; beta in [0, 1]), each from
+        its own seed (seed, seed + 1, ...)."""
+        Hk, Hv, K, V = heads
+        q = delta_ref.l2norm(randn(tokens, Hk, K, seed=seed))
+        k = delta_ref.l2norm(randn(tokens, Hk, K, seed=seed + 1))
+        v = randn(tokens, Hv, V, seed=seed + 2)
+        g = -torch.rand(tokens, Hv, generator=torch.Generator().manual_seed(seed + 3)) * decay
+        beta = torch.rand(tokens, Hv, generator=torch.Generator().manual_seed(seed + 4))
+        return q, k, v, g, beta
+
     WY_CASES = [  # tokens, (Hk, Hv, K, V), longest question
         (70, (1, 1, 16, 16), 12),
         (300, (2, 4, 16, 32), 150),  # grouped value heads; questions over 1-3 64-token chunks, the last partial
@@ -417,11 +428,7 @@ else:
         question call (fp32), and only those rows written (NaN-poisoned output)."""
         Hk, Hv, K, V = heads
         r = tiny_round(tokens, seed=tokens + Hv, max_question=longest)
-        q = delta_ref.l2norm(randn(tokens, Hk, K, seed=11))
-        k = delta_ref.l2norm(randn(tokens, Hk, K, seed=12))
-        v = randn(tokens, Hv, V, seed=13)
-        g = -torch.rand(tokens, Hv, generator=torch.Generator().manual_seed(14)) * 0.7
-        beta = torch.rand(tokens, Hv, generator=torch.Generator().manual_seed(15))
+        q, k, v, g, beta = gdn_inputs(tokens, heads, seed=11, decay=0.7)
         none = torch.full_like(r.state_start, -1)
         _, finals = delta_ref.gated_delta(q, k, v, g, beta, r.state_start, r.state_len, torch.zeros(0, Hv, K, V),
                                           none, 0.3, False)
@@ -458,12 +465,8 @@ else:
 
         Hk, Hv, K, V = heads
         r = tiny_round(tokens, seed=tokens + Hv, max_state=longest)
-        q = delta_ref.l2norm(randn(tokens, Hk, K, seed=21))
-        k = delta_ref.l2norm(randn(tokens, Hk, K, seed=22))
-        v = randn(tokens, Hv, V, seed=23)
         # mild decays: a state carries over its chunks (strong ones would leave the last chunk's terms only)
-        g = -torch.rand(tokens, Hv, generator=torch.Generator().manual_seed(24)) * 0.05
-        beta = torch.rand(tokens, Hv, generator=torch.Generator().manual_seed(25))
+        q, k, v, g, beta = gdn_inputs(tokens, heads, seed=21, decay=0.05)
         n = r.state_start.shape[0]
         h0 = randn(n, Hv, K, V, seed=26) * 0.3 if initial else torch.zeros(0, Hv, K, V)
         index = torch.arange(n) if initial else torch.full_like(r.state_start, -1)

@@ -72,6 +72,21 @@ def parse_extra(spec: str):
     return name, triton.Config(kwargs, num_warps=warps, num_stages=stages)
 
 
+def state_call_inputs(shape: tuple, hk: int, hv: int, dim: int, device: str):
+    """A bucketed stream's round (`stream(*shape)`), random laid-out state-call inputs (q, k, v normalised as the
+    GDN layer's fused conv writes them, log decays g, beta) and the round's fork tables."""
+    r = stream(*shape, bucketed=True).to(device)
+    T = r.seg_lo.shape[0]
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, k = (torch.randn(T, hk, dim, device=device, generator=gen, dtype=torch.bfloat16) for _ in range(2))
+    v = torch.randn(T, hv, dim, device=device, generator=gen, dtype=torch.bfloat16)
+    q, k, v = prepare_qkv(q, k, v, True)
+    g = -torch.nn.functional.softplus(torch.randn(T, hv, device=device, generator=gen)) * 0.5
+    beta = torch.sigmoid(torch.randn(T, hv, device=device, generator=gen)).to(torch.bfloat16)
+    tables = fork_tables(r.state_start, r.state_len, r.branch_start, r.branch_len, r.state_chunks)
+    return r, (q, k, v, g, beta), tables
+
+
 def steps(q, k, v, g, beta, tables, scale):
     """The four steps of `fla.run` on laid-out inputs, each as a callable of no arguments (their inputs computed
     once here, as the previous step returns them)."""
@@ -125,15 +140,8 @@ def main() -> None:
     every = {name: list(t.configs) for name, t in tuners.items()}
     rows = []
     for stream_name in args.streams:
-        r = stream(*STREAMS[stream_name], bucketed=True).to(device)
+        r, (q, k, v, g, beta), tables = state_call_inputs(STREAMS[stream_name], hk, hv, dim, device)
         T = r.seg_lo.shape[0]
-        gen = torch.Generator(device=device).manual_seed(0)
-        q, k = (torch.randn(T, hk, dim, device=device, generator=gen, dtype=torch.bfloat16) for _ in range(2))
-        v = torch.randn(T, hv, dim, device=device, generator=gen, dtype=torch.bfloat16)
-        q, k, v = prepare_qkv(q, k, v, True)
-        g = -torch.nn.functional.softplus(torch.randn(T, hv, device=device, generator=gen)) * 0.5
-        beta = torch.sigmoid(torch.randn(T, hv, device=device, generator=gen)).to(torch.bfloat16)
-        tables = fork_tables(r.state_start, r.state_len, r.branch_start, r.branch_len, r.state_chunks)
         for name in args.kernels:
             tuner, step = tuners[name], KERNELS[name][2]
             candidates = [(label(c), [c]) for c in every[name]] + [("auto@stream", every[name])]

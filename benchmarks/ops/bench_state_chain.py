@@ -22,12 +22,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_fla_configs import STREAMS  # noqa: E402
-from bench_gated_delta import stream  # noqa: E402
+from bench_fla_configs import STREAMS, state_call_inputs  # noqa: E402
 
 from flide.config import GDN_CHUNK  # noqa: E402
-from flide.ops.gated_delta import fla, fork_tables, state_chain  # noqa: E402
-from flide.ops.gated_delta.l2norm import prepare_qkv  # noqa: E402
+from flide.ops.gated_delta import fla, state_chain  # noqa: E402
 
 # one stage (no software pipelining of the next chunk's loads) hit an illegal memory access on the H200's Triton
 # 3.6 (session 29, in this bench's first run) and is not swept (state_chain refuses it)
@@ -50,15 +48,8 @@ def main() -> None:
     cumsum, intra, fwd_h, fwd_o, rcp_ln2 = fla._fla_steps()  # with Flide's sm_90 pins
     rows = []
     for name in args.streams:
-        r = stream(*streams[name], bucketed=True).to(device)
+        r, (q, k, v, g, beta), tables = state_call_inputs(streams[name], hk, hv, dim, device)
         T = r.seg_lo.shape[0]
-        gen = torch.Generator(device=device).manual_seed(0)
-        q, k = (torch.randn(T, hk, dim, device=device, generator=gen, dtype=torch.bfloat16) for _ in range(2))
-        v = torch.randn(T, hv, dim, device=device, generator=gen, dtype=torch.bfloat16)
-        q, k, v = prepare_qkv(q, k, v, True)
-        g = -torch.nn.functional.softplus(torch.randn(T, hv, device=device, generator=gen)) * 0.5
-        beta = torch.sigmoid(torch.randn(T, hv, device=device, generator=gen)).to(torch.bfloat16)
-        tables = fork_tables(r.state_start, r.state_len, r.branch_start, r.branch_len, r.state_chunks)
         cu, chunks, offsets = tables.state_cu_seqlens, tables.state_chunks, tables.state_chunk_offsets
         gc = cumsum(g[None].float(), chunk_size=GDN_CHUNK, scale=rcp_ln2, cu_seqlens=cu, chunk_indices=chunks)
         w, u, _ = fla._intra(intra, k[None], v[None], gc, beta[None], cu, chunks)

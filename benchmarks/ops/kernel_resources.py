@@ -5,6 +5,7 @@ fast fork attention and the batch-invariant one (the CUDA default).
     python benchmarks/ops/kernel_resources.py --attention 128,32,8,3  # one bf16 dim-256 attention tile config
     python benchmarks/ops/kernel_resources.py --conv-maxnreg 128 96   # the bf16 conv under register caps
     python benchmarks/ops/kernel_resources.py --questions 200         # the question kernel: own cap, none, 200
+    python benchmarks/ops/kernel_resources.py --state-chain           # the state call's fused h + o kernel, per tile
 
 Compiles each kernel ahead of time for a CUDA target (triton.compile on an ASTSource, the pointers and strides
 marked 16-divisible as the JIT would mark them: without that hint loads are not vectorised nor pipelined and the
@@ -160,6 +161,20 @@ def questions(dtype: str, heads_v: int, block_v: int, nested: bool, stored: bool
                               div16_ints=("N", "max_spins")))
 
 
+def state_chain(heads_v: int, tiles: tuple[int, int, int]) -> str:
+    """The state call's fused h + o kernel (`gated_delta.state_chain`) on bf16 inputs: 16 key heads of 128,
+    `heads_v` value heads, tiles (value columns, warps, stages)."""
+    from flide.ops.gated_delta import state_chain as sc
+
+    ptr = "*bf16"
+    sig = {"q_ptr": ptr, "k_ptr": ptr, "w_ptr": ptr, "u_ptr": ptr, "g_ptr": "*fp32", "o_ptr": ptr, "h0_ptr": "*fp32",
+           "ht_ptr": "*fp32", "cu_ptr": "*i64", "scale": "fp32", "T": "i32"}
+    consts = {"H": 16, "HV": heads_v, "K": 128, "V": 128, "BT": 64, "BV": tiles[0], "USE_H0": False}
+    sig.update({n: "constexpr" for n in consts})
+    sig = {n: sig[n] for n in sc._state_chain_kernel.arg_names}
+    return resources(_compile(sc._state_chain_kernel, sig, consts, tiles[1], tiles[2]))
+
+
 def main() -> None:
     import torch
 
@@ -172,7 +187,17 @@ def main() -> None:
     parser.add_argument("--questions", type=int, nargs="*", metavar="MAXNREG",
                         help="only the bf16 question kernel (plain / nested / stored sub-states, 16 and 32 value "
                              "columns): at its own cap (MAX_REGISTERS), none, and these caps")
+    parser.add_argument("--state-chain", action="store_true",
+                        help="only the state call's fused h + o kernel, bf16, at 16 and 32 value heads, per tile")
     args = parser.parse_args()
+    if args.state_chain:
+        from flide.ops.gated_delta import state_chain as sc
+
+        for heads_v in (16, 32):
+            for tiles in ((sc.BLOCK_V, sc.NUM_WARPS, sc.NUM_STAGES), (32, 4, 3), (16, 4, 2), (64, 4, 2)):
+                print(f"state chain bf16 Hv{heads_v} BV{tiles[0]} w{tiles[1]} s{tiles[2]}: "
+                      f"{state_chain(heads_v, tiles)}", flush=True)
+        return
     if args.questions is not None:
         for heads_v, block_v in ((16, 16), (32, 32)):
             for cap in (None, 0, *args.questions):

@@ -166,19 +166,13 @@ def main() -> int:
                 {"g_ptr": "*fp32", "h0_ptr": "*fp32"}, "*i64", {"scale": "fp32"},
                 dict(HK=16, HV=hv, K=128, V=128, BK=128, BV=questions_wy.BLOCK_V, BT=64, PRECISION="tf32"),
                 {"num_warps": questions_wy.NUM_WARPS, "num_stages": questions_wy.NUM_STAGES})
-    for hv in (16, 32):  # the state call's fused h + o steps (bf16 inputs only: fp32 keeps fla's steps)
+    for hv, h0 in ((16, False), (32, False), (16, True)):  # the state call's fused h + o steps (bf16 only)
         ok &= compile_one(
-            f"gated_delta state chain bf16 Hv{hv}", state_chain._state_chain_kernel,
-            {n: "*bf16" for n in ("q_ptr", "k_ptr", "w_ptr", "u_ptr", "o_ptr", "h_ptr", "vn_ptr")} |
-            {"g_ptr": "*fp32", "h0_ptr": "*fp32", "ht_ptr": "*fp32"}, "*i64", {"scale": "fp32", "long_from": "i64"},
-            dict(H=16, HV=hv, K=128, V=128, BT=64, BV=state_chain.BLOCK_V, USE_H0=False),
+            f"gated_delta state chain bf16 Hv{hv} initial states={h0}", state_chain._state_chain_kernel,
+            {n: "*bf16" for n in ("q_ptr", "k_ptr", "w_ptr", "u_ptr", "o_ptr")} |
+            {"g_ptr": "*fp32", "h0_ptr": "*fp32", "ht_ptr": "*fp32"}, "*i64", {"scale": "fp32"},
+            dict(H=16, HV=hv, K=128, V=128, BT=64, BV=state_chain.BLOCK_V, USE_H0=h0),
             {"num_warps": state_chain.NUM_WARPS, "num_stages": state_chain.NUM_STAGES})
-        out_v, out_warps, out_stages = state_chain.OUT_TILES
-        ok &= compile_one(
-            f"gated_delta state chain outputs bf16 Hv{hv}", state_chain._chunk_out_kernel,
-            {n: "*bf16" for n in ("q_ptr", "k_ptr", "o_ptr", "h_ptr", "vn_ptr")} | {"g_ptr": "*fp32"}, "*i64",
-            {"scale": "fp32", "long_from": "i64"}, dict(H=16, HV=hv, K=128, V=128, BT=64, BV=out_v),
-            {"num_warps": out_warps, "num_stages": out_stages})
     cfg = linear.default_config(torch.bfloat16)
     ok &= compile_one("linear (invariant GEMM) bf16", linear._linear_kernel,
                       {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16"}, "*bf16", {},

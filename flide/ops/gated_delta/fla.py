@@ -213,6 +213,9 @@ KKT_ONE_WARP_TOKENS: int | None = 2048
 # a state as long as itself, so only small buckets run it. Tried (6b12ff6, reverted): long states in the same kernel
 # storing their states (as fla's h) and a second launch for their outputs, one binary with both paths: both paths
 # slowed (RACE 1.11x fla, 2,000 tokens 1.51x; `ops_state_chain_split_h200.md`).
+# Only for calls from zero states (the fork's state call, what was measured): a call with initial states (a
+# checkpoint round's resumed states) keeps fla's steps until tests/gpu/test_checkpoints_gpu.py has run with it (the
+# kernel's initial-state path passes the interpreter tests and compiles for sm_90, not run on a GPU yet).
 # FUSED_STATE_CHAIN False: fla's steps everywhere (the A/B).
 FUSED_STATE_CHAIN = True
 FUSED_MAX_TOKENS = 1024
@@ -395,7 +398,7 @@ def run(q, k, v, g, beta, cu_seqlens, chunk_indices, h0, scale: float, use_qk_l2
     prep_cu, prep_chunks = prep if prep is not None else (cu_seqlens, chunk_indices)
     g = cumsum(g[None].float(), chunk_size=GDN_CHUNK, scale=rcp_ln2, cu_seqlens=prep_cu, chunk_indices=prep_chunks)
     w, u, _ = _intra(intra, k, v, g, beta, prep_cu, prep_chunks)
-    if _fused_chain(k, qn.shape[0]):
+    if _fused_chain(k, qn.shape[0]) and h0 is None:
         # the chunk-to-chunk steps in one launch, outputs included (state_chain.py): the sequences without the
         # trailing empty one, whose only use is to give fla's chunk rows a name
         from .state_chain import state_chain

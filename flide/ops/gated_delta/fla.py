@@ -403,7 +403,7 @@ def run(q, k, v, g, beta, cu_seqlens, chunk_indices, h0, scale: float, use_qk_l2
         # trailing empty one, whose only use is to give fla's chunk rows a name
         from .state_chain import state_chain
 
-        o, final = state_chain(qn, kn, w[0], u[0], g[0], cu_seqlens[:-1], scale, None if h0 is None else h0[:-1])
+        o, final = state_chain(qn, kn, w[0], u[0], g[0], cu_seqlens[:-1], scale)
     else:
         h, v_new, final = fwd_h(k=k, w=w, u=u, g=g, initial_state=h0, output_final_state=True,
                                 chunk_size=GDN_CHUNK, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,

@@ -221,8 +221,9 @@ FUSED_STATE_CHAIN = True
 FUSED_MAX_TOKENS = 1024
 
 
-def _fused_chain(k: torch.Tensor, tokens: int) -> bool:
-    return FUSED_STATE_CHAIN and k.is_cuda and k.element_size() == 2 and tokens <= FUSED_MAX_TOKENS
+def _fused_chain(k: torch.Tensor, tokens: int, h0: torch.Tensor | None) -> bool:
+    return (FUSED_STATE_CHAIN and h0 is None and k.is_cuda and k.element_size() == 2
+            and tokens <= FUSED_MAX_TOKENS)
 
 
 def _kkt_kernel():
@@ -389,8 +390,6 @@ def run(q, k, v, g, beta, cu_seqlens, chunk_indices, h0, scale: float, use_qk_l2
         from .l2norm import prepare_qkv
 
         q, k, v = prepare_qkv(q, k, v, use_qk_l2norm)
-    if offsets is None:
-        offsets = chunk_offsets(cu_seqlens)
     qn, kn, vn = q, k, v
     q, k, v, beta = q[None], k[None], v[None], beta[None].to(q.dtype)
     # as chunk_gated_delta_rule_fwd: gates cumulated per chunk in log2 units, the WY form within chunks, the states
@@ -398,13 +397,15 @@ def run(q, k, v, g, beta, cu_seqlens, chunk_indices, h0, scale: float, use_qk_l2
     prep_cu, prep_chunks = prep if prep is not None else (cu_seqlens, chunk_indices)
     g = cumsum(g[None].float(), chunk_size=GDN_CHUNK, scale=rcp_ln2, cu_seqlens=prep_cu, chunk_indices=prep_chunks)
     w, u, _ = _intra(intra, k, v, g, beta, prep_cu, prep_chunks)
-    if _fused_chain(k, qn.shape[0]) and h0 is None:
+    if _fused_chain(k, qn.shape[0], h0):
         # the chunk-to-chunk steps in one launch, outputs included (state_chain.py): the sequences without the
         # trailing empty one, whose only use is to give fla's chunk rows a name
         from .state_chain import state_chain
 
         o, final = state_chain(qn, kn, w[0], u[0], g[0], cu_seqlens[:-1], scale)
     else:
+        if offsets is None:
+            offsets = chunk_offsets(cu_seqlens)
         h, v_new, final = fwd_h(k=k, w=w, u=u, g=g, initial_state=h0, output_final_state=True,
                                 chunk_size=GDN_CHUNK, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
                                 chunk_offsets=offsets)

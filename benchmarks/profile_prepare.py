@@ -15,11 +15,13 @@ in the environment sets it; it is read once per process).
 from __future__ import annotations
 
 import argparse
+import ast
 import cProfile
 import io
 import json
 import os
 import pstats
+import statistics
 import sys
 from pathlib import Path
 
@@ -56,6 +58,31 @@ def profile_rows(fn, items, top: int) -> list[dict]:
     return sorted(rows, key=lambda r: -r["own_ms"])[:top]
 
 
+def ab_rounds(prepare, items, args) -> list[dict]:
+    """Medians of `prepare` with the class defaults and with `args.ab`'s settings, alternating round by round."""
+    from flide.requests import PromptTokenizer
+
+    settings = {}
+    for pair in args.ab:
+        name, _, value = pair.partition("=")
+        if not hasattr(PromptTokenizer, name):
+            raise ValueError(f"--ab: PromptTokenizer has no setting {name!r}")
+        settings[name] = ast.literal_eval(value)
+    defaults = {name: getattr(PromptTokenizer, name) for name in settings}
+    rounds = []
+    for _ in range(args.ab_rounds):
+        row = {"default": median_ms(prepare, items, args.repeat)}
+        for name, value in settings.items():
+            setattr(PromptTokenizer, name, value)
+        try:
+            row["set"] = median_ms(prepare, items, args.repeat)
+        finally:
+            for name, value in defaults.items():
+                setattr(PromptTokenizer, name, value)
+        rounds.append(row)
+    return rounds
+
+
 def main() -> None:
     here = Path(__file__).resolve().parents[1]
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -67,6 +94,10 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--rust-pieces", action="store_true")
     parser.add_argument("--piece-chars", nargs="+", type=int, default=[512, 1024, 2048, 4096])
+    parser.add_argument("--ab", nargs="+", default=[], metavar="NAME=VALUE",
+                        help="also time prepare with these PromptTokenizer class settings (e.g. SPLIT_BATCHES=False), "
+                             "interleaved with the defaults in the same process: prepare_ms_ab, ab_rounds")
+    parser.add_argument("--ab-rounds", type=int, default=5)
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     args = parser.parse_args()
 
@@ -85,6 +116,11 @@ def main() -> None:
                "prepare_ms": median_ms(engine.prepare, items, args.repeat),
                "profile": profile_rows(engine.prepare, items * args.repeat, args.top)}
         print(f"\n{name}: prepare {row['prepare_ms']:.2f} ms (median of {len(items)} requests)")
+        if args.ab:
+            row["ab"], row["ab_rounds"] = " ".join(args.ab), ab_rounds(engine.prepare, items, args)
+            a, b = (statistics.median(r[k] for r in row["ab_rounds"]) for k in ("default", "set"))
+            row["prepare_ms_default"], row["prepare_ms_ab"] = a, b
+            print(f"  A/B over {args.ab_rounds} interleaved rounds: default {a:.3f} ms, {row['ab']} {b:.3f} ms")
         for r in row["profile"]:
             print(f"  {r['own_ms']:7.3f} own {r['cumulative_ms']:7.3f} cum ms {r['calls']:6d} calls  {r['function']}")
         if args.rust_pieces:

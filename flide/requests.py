@@ -361,6 +361,11 @@ class PromptTokenizer:
     # tokenizers' pipeline spends ~2.5x what `ascii_bpe` does on a character on one thread (0.5 vs 0.2 us on RACE
     # passages, 2-core EPYC); it runs a batch's items on every CPU (`_python_is_sooner`)
     ASCII_SPEEDUP = 2.5
+    # a batch split between Python and tokenizers runs both at once when each has at least this many characters
+    # (a worker thread's hand-off costs ~30-60 us; ascii_bpe encodes ~5 characters a microsecond)
+    CONCURRENT_CHARS = 1024
+    # False: a batch goes to tokenizers whole unless Python is sooner for all of it (before session 30; the A/B)
+    SPLIT_BATCHES = True
 
     def __init__(self, tokenizer, decision_config, mode: str = "auto", resolved: bool = False,
                  piece_cache: PieceCache | None = None,
@@ -403,6 +408,7 @@ class PromptTokenizer:
         self.newline_ids = tok.encode("\n", add_special_tokens=False)
         # ASCII pieces encoded in Python where that provably gives the tokenizer's ids (~3x faster); None: all Rust
         self.ascii_bpe = AsciiByteLevelBPE.of(tok)
+        self._worker = None  # `_ascii_worker`
         if not resolved:
             from .split_check import resolve_tokenization
 
@@ -634,10 +640,38 @@ class PromptTokenizer:
         return (total <= self.PYTHON_BATCH_CHARS
                 or total <= self.ASCII_SPEEDUP * max(max(lengths, default=0), total / _CPUS))
 
+    def _python_share(self, texts: list[str]) -> list[int]:
+        """The items of a batch that `ascii_bpe` encodes (the rest go to tokenizers): every ASCII item where Python
+        is sooner for the whole batch (`_python_is_sooner`), else the shortest ASCII items, as many as Python
+        encodes while tokenizers runs the others on every CPU (`_encode_batch` runs both at once): a long state's
+        pieces go to tokenizers, its questions' short lines stay here, where tokenizers spent ~1 us an item more on
+        converting its results (sweep 64 on the H200's 16-CPU host: 900 items, 1.5 ms in the batch call + 0.7 in
+        reading its ids back)."""
+        ascii_items = [i for i, text in enumerate(texts) if text.isascii()]
+        if not ascii_items or self._python_is_sooner(texts):
+            return ascii_items
+        if not self.SPLIT_BATCHES:
+            return []
+        lengths = list(map(len, texts))
+        longest, rest = max(lengths), sum(lengths)
+        share, chars = [], 0
+        for i in sorted(ascii_items, key=lengths.__getitem__):
+            n = lengths[i]
+            # tokenizers' time for the items left to it, in characters of Python's time
+            if chars + n > self.ASCII_SPEEDUP * max(longest, (rest - n) / _CPUS):
+                break
+            share.append(i)
+            chars += n
+            rest -= n
+        return share
+
     def _has_markers(self, text: str) -> bool:
         """`markers_re.search(text)`: every match of transformers' markers regex holds a marker character, and the
         C-level `in` checks for them cost a fraction of the regex's scan (which ran on every piece of every prompt)."""
         return (_CONTROL_TOKEN_START in text or _CONTROL_TOKEN_END in text) and self.markers_re.search(text) is not None
+
+    def _ascii_ids(self, texts: list[str]) -> list[list[int] | None]:
+        return [self.ascii_bpe.encode(text) for text in texts]
 
     def _encode_batch(self, texts: list[str]) -> list[list[int]]:
         """`tokenizer(texts, add_special_tokens=False)["input_ids"]`. A fast tokenizer's Rust backend is called
@@ -645,20 +679,46 @@ class PromptTokenizer:
         backend, its special-token splitting as the tokenizer's): transformers then only converts each encoding to
         Python dicts, ~5 us an item, and a request's tails are dozens of items. `encode_batch_fast` skips offsets.
         There, ASCII texts are encoded in Python (`ascii_bpe`, the same ids) where that is sooner than the backend's
-        parallel batch (`_python_is_sooner`), and the backend encodes the rest."""
+        parallel batch (`_python_share`), and the backend encodes the rest. When both have at least
+        CONCURRENT_CHARS characters to encode they run at once: Python's share on a worker thread while this thread
+        waits in the backend's batch call, which releases the GIL (the other way round, the worker would wait for
+        the GIL until this thread's Python work is done: CPython hands it over after `sys.getswitchinterval()`)."""
         backend = getattr(self.tokenizer, "_tokenizer", None)
         if (backend is not None and backend.truncation is None and backend.padding is None
                 and backend.encode_special_tokens == bool(getattr(self.tokenizer, "split_special_tokens", False))):
+            encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
             out: list[list[int] | None] = [None] * len(texts)
-            if self.ascii_bpe is not None and self._python_is_sooner(texts) and self.ascii_bpe.current():
-                out = [self.ascii_bpe.encode(text) for text in texts]  # None where the tokenizer must encode it
-            rest = [i for i, ids in enumerate(out) if ids is None]
+            python = self._python_share(texts) if self.ascii_bpe is not None and self.ascii_bpe.current() else []
+            rest = sorted(set(range(len(texts))).difference(python)) if python else list(range(len(texts)))
+            python_texts = [texts[i] for i in python]
+            rest_texts = [texts[i] for i in rest]
+            if rest and sum(map(len, python_texts)) >= self.CONCURRENT_CHARS and sum(
+                    map(len, rest_texts)) >= self.CONCURRENT_CHARS:
+                ascii_ids = self._ascii_worker().submit(self._ascii_ids, python_texts)
+                encodings = encode(rest_texts, add_special_tokens=False)
+                for i, encoding in zip(rest, encodings):
+                    out[i] = encoding.ids
+                rest = []
+                python_ids = ascii_ids.result()
+            else:
+                python_ids = self._ascii_ids(python_texts)
+            for i, ids in zip(python, python_ids):
+                if ids is None:  # ASCII text the Python BPE leaves to the tokenizer (`AsciiByteLevelBPE.encode`)
+                    rest.append(i)
+                out[i] = ids
             if rest:
-                encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
                 for i, encoding in zip(rest, encode([texts[i] for i in rest], add_special_tokens=False)):
                     out[i] = encoding.ids
             return out
         return self.tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+
+    def _ascii_worker(self):
+        """This tokenizer's thread for Python's share of a batch (`_encode_batch`), started on first use."""
+        if self._worker is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="flide-ascii-bpe")
+        return self._worker
 
     def _trunk_prefixes(self, state: Any, groups: list[list[Question]], texts: list[str], head: int = 0) -> list[str]:
         """Per prompt, a prefix it shares with every prompt of the same question type(s) in this request: their

@@ -570,8 +570,10 @@ def test_ascii_byte_level_bpe_only_for_the_structure_it_reproduces(monkeypatch):
 
 def test_batch_encode_in_python_falls_back_to_the_tokenizer_exactly(monkeypatch):
     """`_encode_batch` takes ASCII texts through Python while that is sooner and the tokenizer unchanged; non-ASCII
-    texts, batches the CPUs' tokenizers would finish sooner, tokens added later and special tokens encoded as text go
-    to tokenizers. Every way gives transformers' ids."""
+    texts, the longer texts of batches the CPUs' tokenizers would finish sooner, tokens added later and special tokens
+    encoded as text go to tokenizers. Every way gives transformers' ids."""
+    import threading
+
     from transformers.decision import DecisionConfig
 
     import flide.requests
@@ -580,20 +582,41 @@ def test_batch_encode_in_python_falls_back_to_the_tokenizer_exactly(monkeypatch)
     tok = tiny_tokenizer()
     prompts = PromptTokenizer(tok, DecisionConfig())
     texts = ["Plain text.\nTwo lines  <|im_end|>\n", "caf\u00e9 \u6771\u4eac\n", "\n", "", "a'S b'LL 12345"] * 3
+    ascii_texts = [text for text in texts if text.isascii()]
 
     def want():
         return tok(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
 
-    encoded = []
+    encoded, threads = [], set()
     real = prompts.ascii_bpe.encode
-    monkeypatch.setattr(prompts.ascii_bpe, "encode", lambda text: encoded.append(text) or real(text))
+
+    def spy(text):
+        encoded.append(text)
+        threads.add(threading.current_thread().name)
+        return real(text)
+
+    monkeypatch.setattr(prompts.ascii_bpe, "encode", spy)
     monkeypatch.setattr(flide.requests, "_CPUS", 1)
-    assert prompts._encode_batch(texts) == want() and len(encoded) == len(texts)  # all asked, non-ASCII refused
+    assert prompts._encode_batch(texts) == want() and sorted(encoded) == sorted(ascii_texts)  # non-ASCII: tokenizers
     encoded.clear()
-    # many texts of the same length on many CPUs, more characters than PYTHON_BATCH_CHARS: tokenizers is sooner
+    # many texts on many CPUs, more characters than PYTHON_BATCH_CHARS: tokenizers is sooner for the batch, Python
+    # keeps its shortest texts (as many as it encodes in tokenizers' time for the rest: here its longest text's)
     monkeypatch.setattr(flide.requests, "_CPUS", 1000)
     monkeypatch.setattr(prompts, "PYTHON_BATCH_CHARS", 16)
+    assert prompts._encode_batch(texts) == want()
+    longest = max(map(len, texts))
+    assert encoded and len(encoded) < len(ascii_texts) and sum(map(len, encoded)) <= prompts.ASCII_SPEEDUP * longest
+    assert sorted(map(len, encoded)) == sorted(map(len, ascii_texts))[:len(encoded)]  # the shortest
+    encoded.clear()
+    monkeypatch.setattr(prompts, "SPLIT_BATCHES", False)  # the whole batch to tokenizers
     assert prompts._encode_batch(texts) == want() and not encoded
+    monkeypatch.setattr(prompts, "SPLIT_BATCHES", True)
+    # both shares large enough: Python's on the worker thread while tokenizers encodes the rest, the same ids
+    monkeypatch.setattr(prompts, "CONCURRENT_CHARS", 1)
+    threads.clear()
+    assert prompts._encode_batch(texts) == want() and encoded
+    assert threads and all(name.startswith("flide-ascii-bpe") for name in threads)
+    encoded.clear()
     monkeypatch.setattr(flide.requests, "_CPUS", 1)
     plain = want()
     tok.split_special_tokens = tok._tokenizer.encode_special_tokens = True  # "<|im_end|>" encoded as text

@@ -360,6 +360,40 @@ def test_fused_state_chain_matches_fla_steps(tokens, heads, monkeypatch):
     assert (o[pad] == 0).all()
 
 
+@pytest.mark.parametrize("tokens", [300, 1000])
+def test_fused_state_chain_from_initial_states_matches_fla_steps(tokens, monkeypatch):
+    """fla.FUSED_INITIAL_STATES: a call with initial states (a checkpoint round's resumed states, `gated_delta` with
+    `initial_index`; -1: from zero) through the fused launch against fla's h and o steps from the same states."""
+    from flide.ops.gated_delta import fla as fla_module
+    from flide.ops.gated_delta import state_chain
+
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    hk = hv = 16
+    q, k = (torch.randn(tokens, hk, 128, device="cuda", generator=g).to(torch.bfloat16) for _ in range(2))
+    v = torch.randn(tokens, hv, 128, device="cuda", generator=g).to(torch.bfloat16)
+    decay = -F.softplus(torch.randn(tokens, hv, device="cuda", generator=g)) * 0.5
+    beta = torch.sigmoid(torch.randn(tokens, hv, device="cuda", generator=g)).to(torch.bfloat16)
+    lens = [tokens // 3, 1, tokens // 2 - 70, 64]  # the rest of the stream in no sequence
+    seg_len = torch.tensor(lens, device="cuda", dtype=torch.int32)
+    seg_start = torch.tensor([0, *torch.tensor(lens).cumsum(0)[:-1].tolist()], device="cuda", dtype=torch.int32)
+    states = torch.randn(3, hv, 128, 128, device="cuda", generator=g) * 0.05
+    index = torch.tensor([2, -1, 0, 1], device="cuda", dtype=torch.int32)
+    args = (q, k, v, decay, beta, seg_start, seg_len, states, index, 128 ** -0.5, True)
+    calls = []
+    launch = state_chain.state_chain
+    monkeypatch.setattr(state_chain, "state_chain", lambda *a, **kw: calls.append(kw) or launch(*a, **kw))
+    monkeypatch.setattr(fla_module, "FUSED_INITIAL_STATES", True)
+    o, final = fla_module.gated_delta(*args)
+    assert calls and calls[0]["initial_state"] is not None
+    monkeypatch.setattr(fla_module, "FUSED_STATE_CHAIN", False)
+    want_o, want_final = fla_module.gated_delta(*args)
+    rows = int(seg_len.sum())
+    assert final.shape == want_final.shape == (4, hv, 128, 128)
+    assert rel_err(o[:rows], want_o[:rows]) < 5e-3 and rel_err(final, want_final) < 5e-3
+    if torch.cuda.get_device_capability() == (9, 0):
+        assert torch.equal(o[:rows], want_o[:rows]) and torch.equal(final, want_final)
+
+
 def test_fused_state_chain_keeps_a_state_s_bits_wherever_it_lies():
     """Each program of the fused kernel reads only its own sequence: a state's outputs and final state have the same
     bits alone and behind other states in a longer call (batch invariance of the state call)."""

@@ -213,16 +213,17 @@ KKT_ONE_WARP_TOKENS: int | None = 2048
 # a state as long as itself, so only small buckets run it. Tried (6b12ff6, reverted): long states in the same kernel
 # storing their states (as fla's h) and a second launch for their outputs, one binary with both paths: both paths
 # slowed (RACE 1.11x fla, 2,000 tokens 1.51x; `ops_state_chain_split_h200.md`).
-# Only for calls from zero states (the fork's state call, what was measured): a call with initial states (a
-# checkpoint round's resumed states) keeps fla's steps until tests/gpu/test_checkpoints_gpu.py has run with it (the
-# kernel's initial-state path passes the interpreter tests and compiles for sm_90, not run on a GPU yet).
+# Calls with initial states (a checkpoint round's resumed states) run it only with FUSED_INITIAL_STATES, until
+# tests/gpu/test_checkpoints_gpu.py and test_gated_delta_gpu.py's initial-state test have passed with it on a GPU (the
+# kernel's initial-state path passes the interpreter tests and compiles for sm_90).
 # FUSED_STATE_CHAIN False: fla's steps everywhere (the A/B).
 FUSED_STATE_CHAIN = True
 FUSED_MAX_TOKENS = 1024
+FUSED_INITIAL_STATES = False
 
 
 def _fused_chain(k: torch.Tensor, tokens: int, h0: torch.Tensor | None) -> bool:
-    return (FUSED_STATE_CHAIN and h0 is None and k.is_cuda and k.element_size() == 2
+    return (FUSED_STATE_CHAIN and (h0 is None or FUSED_INITIAL_STATES) and k.is_cuda and k.element_size() == 2
             and tokens <= FUSED_MAX_TOKENS)
 
 
@@ -402,7 +403,8 @@ def run(q, k, v, g, beta, cu_seqlens, chunk_indices, h0, scale: float, use_qk_l2
         # trailing empty one, whose only use is to give fla's chunk rows a name
         from .state_chain import state_chain
 
-        o, final = state_chain(qn, kn, w[0], u[0], g[0], cu_seqlens[:-1], scale)
+        o, final = state_chain(qn, kn, w[0], u[0], g[0], cu_seqlens[:-1], scale,
+                               initial_state=None if h0 is None else h0[:cu_seqlens.shape[0] - 2])
     else:
         if offsets is None:
             offsets = chunk_offsets(cu_seqlens)

@@ -213,13 +213,14 @@ KKT_ONE_WARP_TOKENS: int | None = 2048
 # a state as long as itself, so only small buckets run it. Tried (6b12ff6, reverted): long states in the same kernel
 # storing their states (as fla's h) and a second launch for their outputs, one binary with both paths: both paths
 # slowed (RACE 1.11x fla, 2,000 tokens 1.51x; `ops_state_chain_split_h200.md`).
-# Calls with initial states (a checkpoint round's resumed states) run it only with FUSED_INITIAL_STATES, until
-# tests/gpu/test_checkpoints_gpu.py and test_gated_delta_gpu.py's initial-state test have passed with it on a GPU (the
-# kernel's initial-state path passes the interpreter tests and compiles for sm_90).
+# Calls with initial states (a checkpoint round's resumed states) too (FUSED_INITIAL_STATES): on the H200 (session 30)
+# tests/gpu/test_checkpoints_gpu.py passed with it (9) and the fused call from initial states gave fla's steps' bits
+# (test_gated_delta_gpu.py::test_fused_state_chain_from_initial_states_matches_fla_steps); its speed in checkpoint
+# rounds (eager) is not measured apart. False: fla's steps for them (the fused path from zero states only).
 # FUSED_STATE_CHAIN False: fla's steps everywhere (the A/B).
 FUSED_STATE_CHAIN = True
 FUSED_MAX_TOKENS = 1024
-FUSED_INITIAL_STATES = False
+FUSED_INITIAL_STATES = True
 
 
 def _fused_chain(k: torch.Tensor, tokens: int, h0: torch.Tensor | None) -> bool:

@@ -629,13 +629,12 @@ class PromptTokenizer:
             out[i] = out[seen]
         return out
 
-    def _python_is_sooner(self, texts: list[str]) -> bool:
-        """Whether `ascii_bpe` would encode the batch sooner than tokenizers, which spreads a batch's items over the
-        CPUs: its time is then its longest item's or an even share of the whole, whichever is longer. Batches of up
-        to PYTHON_BATCH_CHARS characters stay in Python whatever the CPUs (a RACE request's, ~2k characters in ~30
-        items, took as long in tokenizers on 2 threads as on 1 here); a long state's pieces go to tokenizers where
-        there are many CPUs."""
-        lengths = list(map(len, texts))
+    def _python_is_sooner(self, lengths: list[int]) -> bool:
+        """Whether `ascii_bpe` would encode a batch of texts of these lengths sooner than tokenizers, which spreads a
+        batch's items over the CPUs: its time is then its longest item's or an even share of the whole, whichever is
+        longer. Batches of up to PYTHON_BATCH_CHARS characters stay in Python whatever the CPUs (a RACE request's,
+        ~2k characters in ~30 items, took as long in tokenizers on 2 threads as on 1 here); a long state's pieces go
+        to tokenizers where there are many CPUs."""
         total = sum(lengths)
         return (total <= self.PYTHON_BATCH_CHARS
                 or total <= self.ASCII_SPEEDUP * max(max(lengths, default=0), total / _CPUS))
@@ -648,11 +647,13 @@ class PromptTokenizer:
         converting its results (sweep 64 on the H200's 16-CPU host: 900 items, 1.5 ms in the batch call + 0.7 in
         reading its ids back)."""
         ascii_items = [i for i, text in enumerate(texts) if text.isascii()]
-        if not ascii_items or self._python_is_sooner(texts):
+        if not ascii_items:
+            return ascii_items
+        lengths = list(map(len, texts))
+        if self._python_is_sooner(lengths):
             return ascii_items
         if not self.SPLIT_BATCHES:
             return []
-        lengths = list(map(len, texts))
         longest, rest = max(lengths), sum(lengths)
         share, chars = [], 0
         for i in sorted(ascii_items, key=lengths.__getitem__):
@@ -689,7 +690,8 @@ class PromptTokenizer:
             encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
             out: list[list[int] | None] = [None] * len(texts)
             python = self._python_share(texts) if self.ascii_bpe is not None and self.ascii_bpe.current() else []
-            rest = sorted(set(range(len(texts))).difference(python)) if python else list(range(len(texts)))
+            taken = set(python)
+            rest = [i for i in range(len(texts)) if i not in taken]
             python_texts = [texts[i] for i in python]
             rest_texts = [texts[i] for i in rest]
             if rest and sum(map(len, python_texts)) >= self.CONCURRENT_CHARS and sum(

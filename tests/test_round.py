@@ -524,6 +524,35 @@ def test_fork_tables_equal_what_each_layer_derived(seed):
     assert torch.equal(tables.branches_end, r.branch_start[:1] + r.branch_len.sum(0, keepdim=True))
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_split_tables_list_the_long_states_chunks(seed):
+    """A split state call (fla.FUSED_SPLIT, buckets over FUSED_MAX_TOKENS): `split_tables` lists every chunk of the
+    states longer than the split once, in stream order, spare rows naming the trailing empty sequence, and each long
+    state's offset is its first row there (where the LONG chain stores its states and fla's o step reads them). On
+    the CPU `fork_tables` derives none (no call splits there)."""
+    import random
+
+    from flide.ops.gated_delta import fork_tables
+    from flide.ops.gated_delta.fla import bounds, split_tables
+    from flide.testing import random_round_tensors
+
+    tokens, split = [2048, 1024, 4096, 640][seed], [100, 64, 250, 150][seed]
+    r = random_round_tensors(random.Random(seed), tokens, max_state=300)
+    NS = r.state_start.shape[0]
+    cu = bounds(r.state_start, r.state_len)
+    chunks, offsets = split_tables(cu, r.state_chunks.shape[0], split)
+    assert chunks.shape == r.state_chunks.shape and offsets.shape == (NS + 2,)
+    long = [s for s in range(NS) if r.state_len[s] > split]
+    assert long and len(long) < int((r.state_len > 0).sum())  # some states on each side
+    want = [(s, c) for s in long for c in range((int(r.state_len[s]) + GDN_CHUNK - 1) // GDN_CHUNK)]
+    rows = [tuple(row) for row in chunks.tolist()]
+    assert rows[:len(want)] == want and all(row == (NS, 0) for row in rows[len(want):])
+    for s in long:
+        assert rows[int(offsets[s])] == (s, 0)
+    tables = fork_tables(r.state_start, r.state_len, r.branch_start, r.branch_len, r.state_chunks)
+    assert tables.long_chunks.numel() == 0 and tables.long_chunk_offsets.numel() == 0
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_combined_tables_cover_states_then_questions(seed):
     """`fla_wy`'s chunk-local call runs over the states and the questions at once: its cu_seqlens holds every state's

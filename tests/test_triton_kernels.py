@@ -482,6 +482,70 @@ else:
         torch.testing.assert_close(out[rows], want[rows], atol=2e-5 * scale, rtol=1e-5)
         torch.testing.assert_close(final, want_final, atol=2e-5 * max(1.0, want_final.abs().max().item()), rtol=1e-5)
 
+    def chunk_outputs_reference(q, k, v_new, h, gamma, cu, chunks, scale):
+        """fla's o step in torch (fp32): each chunk row r = (sequence, chunk) of `chunks` takes the state h[r] before
+        its chunk and the chunk's new values, o_i = scale (2^g_i q_i h + sum_{j <= i} 2^(g_i - g_j) (q_i . k_j)
+        v_j); rows of no chunk row stay NaN."""
+        T, Hk, K = q.shape
+        Hv = v_new.shape[1]
+        o = torch.full_like(v_new, float("nan"))
+        kq = q.repeat_interleave(Hv // Hk, dim=1)
+        kk = k.repeat_interleave(Hv // Hk, dim=1)
+        for r, (n, c) in enumerate(chunks.tolist()):
+            lo, hi = int(cu[n]) + c * 64, min(int(cu[n]) + (c + 1) * 64, int(cu[n + 1]))
+            if lo >= hi:
+                continue
+            qc, kc, vc, gc = kq[lo:hi], kk[lo:hi], v_new[lo:hi], gamma[lo:hi]  # [L, Hv, *], [L, Hv]
+            inter = torch.einsum("lhk,hkv->lhv", qc, h[r]) * torch.exp2(gc)[..., None]
+            a = torch.einsum("ihk,jhk->hij", qc, kc) * torch.exp2(gc.T[:, :, None] - gc.T[:, None, :])
+            a = a.tril()
+            o[lo:hi] = (inter + torch.einsum("hij,jhv->ihv", a, vc)) * scale
+        return o
+
+    @pytest.mark.parametrize("split", [40, 100])
+    def test_gated_delta_state_chain_split_matches_the_reference(split):
+        """`state_chain_split`: sequences over `split` tokens through the LONG chain (states and new values stored at
+        the rows of `fla.split_tables`) and an o step over their chunk rows (here fla's in torch), the others
+        through the SHORT fused chain into the same output: every state row and final state equal to the reference's
+        state call in fp32, the LONG part's states and new values those of the one-step chain."""
+        from flide.ops.gated_delta import fla as delta_fla
+
+        Hk, Hv, K, V = 2, 4, 16, 32
+        tokens = 600
+        r = tiny_round(tokens, seed=split, max_state=220)
+        q, k, v, g, beta = gdn_inputs(tokens, (Hk, Hv, K, V), seed=33, decay=0.05)
+        n = r.state_start.shape[0]
+        want, want_final = delta_ref.gated_delta(q, k, v, g, beta, r.state_start, r.state_len, torch.zeros(0, Hv, K, V),
+                                                 torch.full_like(r.state_start, -1), 0.3, False)
+        cu_all = delta_fla.bounds(r.state_start, r.state_len)  # the states, then the trailing empty sequence
+        long_chunks, long_offsets = delta_fla.split_tables(cu_all, tokens // 64 + n + 1, split)
+        lens = r.state_len
+        assert ((lens > split).any() and ((lens > 0) & (lens <= split)).any() and (lens == 0).any())
+        w, u, gamma = delta_wy.wy_reference(k, v, g, beta, r.state_start, r.state_len)
+        stored = {}
+
+        def outputs(h, v_new):
+            stored.update(h=h.clone(), v_new=v_new.clone())
+            return chunk_outputs_reference(q, k, v_new, h, gamma, cu_all, long_chunks, 0.3)
+
+        out, final = delta_chain.state_chain_split(q, k, w, u, gamma, cu_all[:-1], 0.3, split, long_offsets,
+                                                   long_chunks.shape[0], outputs)
+        rows = torch.zeros(tokens, dtype=torch.bool)
+        for start, length in zip(r.state_start.tolist(), r.state_len.tolist()):
+            rows[start:start + length] = True
+        scale = max(1.0, want[rows].abs().max().item())
+        torch.testing.assert_close(out[rows], want[rows], atol=2e-5 * scale, rtol=1e-5)
+        torch.testing.assert_close(final, want_final, atol=2e-5 * max(1.0, want_final.abs().max().item()), rtol=1e-5)
+        # the LONG part stored, for each long sequence's chunk, the state the reference has before it
+        for s_i in torch.nonzero(lens > split).flatten().tolist():
+            start, length = int(r.state_start[s_i]), int(lens[s_i])
+            for c in range(0, (length + 63) // 64):
+                _, before = delta_ref.gated_delta(q, k, v, g, beta, r.state_start[s_i:s_i + 1],
+                                                  torch.tensor([c * 64]), torch.zeros(0, Hv, K, V),
+                                                  torch.tensor([-1]), 0.3, False)
+                torch.testing.assert_close(stored["h"][int(long_offsets[s_i]) + c], before[0], atol=2e-5 * scale,
+                                           rtol=1e-5)
+
     def test_gated_delta_state_chain_kernel_is_interpreted():
         assert isinstance(delta_chain._state_chain_kernel, InterpretedFunction)
 

@@ -2,6 +2,7 @@
 back) against our fused kernel (`gated_delta/state_chain.py`: one launch, states in registers), per tile.
 
     python benchmarks/ops/bench_state_chain.py [--value-heads 16] [--out benchmarks/results/ops_state_chain_h200.json]
+        [--split-tokens 1024 512] [--long-tiles 32,4,3 64,4,2] [--tiles 32,4,2]
 
 Inputs as the state call gives them (the laid-out, normalised q / k / v of bench_fla_configs.py; the gate cumsum
 and WY form from fla's own steps, computed once); times: medians of CUDA-graph replays. Each fused row also gives
@@ -42,7 +43,16 @@ def main() -> None:
     streams = {**STREAMS, **EXTRA_STREAMS}
     parser.add_argument("--streams", nargs="+", default=list(streams), choices=list(streams))
     parser.add_argument("--value-heads", type=int, default=16)
+    parser.add_argument("--tiles", nargs="*", default=None, metavar="BV,WARPS,STAGES",
+                        help="the fused chain's tiles to time (default: TILES)")
+    parser.add_argument("--split-tokens", type=int, nargs="*", default=[],
+                        help="also time the split call (`state_chain_split`: sequences over N tokens through the "
+                             "LONG chain + fla's o step, the rest fused), for each N")
+    parser.add_argument("--long-tiles", nargs="*", default=[], metavar="BV,WARPS,STAGES",
+                        help="the LONG part's tiles for the split rows (default: the fused chain's)")
     args = parser.parse_args()
+    tiles_swept = [tuple(int(x) for x in t.split(",")) for t in args.tiles] if args.tiles is not None else TILES
+    long_tiles = [None, *(tuple(int(x) for x in t.split(",")) for t in args.long_tiles)]
     device = "cuda"
     hk, hv, dim = 16, args.value_heads, 128
     cumsum, intra, fwd_h, fwd_o, rcp_ln2 = fla._fla_steps()  # with Flide's sm_90 pins
@@ -71,7 +81,31 @@ def main() -> None:
         base_row = {"stream": name, "tokens": T, "value_heads": hv, "kernel": "fla h + o", "tiles": "", "ms": base}
         rows.append(base_row)
         print(json.dumps(base_row), flush=True)
-        for tiles in TILES:
+        for split in args.split_tokens:
+            long_chunks, long_offsets = fla.split_tables(cu, chunks.shape[0], split)
+            for lt in long_tiles:
+                def outputs(h, v_new, long_chunks=long_chunks):
+                    return fwd_o(q=q[None], k=k[None], v=v_new[None], h=h[None], g=gc, scale=scale, cu_seqlens=cu,
+                                 chunk_size=GDN_CHUNK, chunk_indices=long_chunks)[0]
+
+                def split_call(split=split, lt=lt, long_chunks=long_chunks, long_offsets=long_offsets,
+                               outputs=outputs):
+                    return state_chain.state_chain_split(q, k, w[0], u[0], gc[0], cu[:-1], scale, split, long_offsets,
+                                                         long_chunks.shape[0], outputs, long_tiles=lt)
+
+                o, final = split_call()
+                torch.cuda.synchronize()
+                ms = do_bench_cudagraph(split_call, return_mode="median")
+                n = want_final.shape[0]
+                rows.append({"stream": name, "tokens": T, "value_heads": hv, "kernel": f"split@{split}",
+                             "tiles": "long " + ("BV{},w{},s{}".format(*lt) if lt else "default"), "ms": ms,
+                             "vs_fla": ms / base,
+                             "rel_diff_o": ((o[state_rows].float() - want_o[state_rows].float()).abs().max()
+                                            / want_o[state_rows].float().abs().max()).item(),
+                             "rel_diff_final": ((final[:n] - want_final).abs().max()
+                                                / want_final.abs().max()).item()})
+                print(json.dumps(rows[-1]), flush=True)
+        for tiles in tiles_swept:
             def ours(tiles=tiles):
                 return state_chain.state_chain(q, k, w[0], u[0], gc[0], cu, scale, tiles=tiles)
 

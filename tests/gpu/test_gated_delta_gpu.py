@@ -304,7 +304,8 @@ def test_laid_out_fork_equals_the_fork_that_lays_out_itself(dtype, variant):
     assert torch.equal(parts.finals, finals)
     assert torch.equal(select_rows(*parts[:5]), o)
     torch.library.opcheck(LAID_OUT_STATE_KERNELS[delta], (qn, kn, vn, decay, beta, tables.state_cu_seqlens,
-                                                          tables.state_chunks, tables.state_chunk_offsets, 128 ** -0.5),
+                                                          tables.state_chunks, tables.state_chunk_offsets,
+                                                          tables.long_chunks, tables.long_chunk_offsets, 128 ** -0.5),
                           test_utils=("test_schema", "test_faketensor"))
 
 
@@ -358,6 +359,43 @@ def test_fused_state_chain_matches_fla_steps(tokens, heads, monkeypatch):
         assert torch.equal(o, want_o) and torch.equal(final[used], want_final[used])
     pad = torch.arange(tokens, device="cuda") >= int((r.branch_start + r.branch_len).max())
     assert (o[pad] == 0).all()
+
+
+@pytest.mark.parametrize("tokens", [3600, 8192])
+@pytest.mark.parametrize("heads", [(16, 16), (16, 32)], ids=["Hk16-Hv16", "Hk16-Hv32"])
+def test_split_state_chain_matches_fla_steps(tokens, heads, monkeypatch):
+    """fla.FUSED_SPLIT: in a bucket over FUSED_MAX_TOKENS (here 300, so that a random round holds states on both
+    sides) the state call from the round's tables runs its short states through the fused chain and its long ones
+    through the LONG chain + fla's o step over their chunk rows (`split_tables`): the fork's outputs and final states
+    against fla's h and o steps for every state, bf16 at Qwen3.5's head counts; the same bits on sm_90."""
+    from flide.ops.gated_delta import STATE_KERNELS, fork_tables
+    from flide.ops.gated_delta import fla as fla_module
+    from flide.ops.gated_delta import state_chain
+
+    monkeypatch.setattr(fla_module, "FUSED_MAX_TOKENS", 300)
+    x, r = inputs(tokens, torch.bfloat16, seed=tokens + heads[1] + 11, hk=heads[0], hv=heads[1])
+    lens = r.state_len
+    assert (lens > 300).any() and ((lens > 0) & (lens <= 300)).any()
+    delta = kernel("fla")
+    meta = (r.state_start, r.state_len, r.branch_start, r.branch_len, r.branch_state, 128 ** -0.5, True)
+    calls = []
+    launch = state_chain.state_chain_split
+    monkeypatch.setattr(state_chain, "state_chain_split", lambda *a, **kw: calls.append(1) or launch(*a, **kw))
+
+    def run():
+        tables = fork_tables(r.state_start, r.state_len, r.branch_start, r.branch_len, r.state_chunks)
+        return plain_fork(delta, *x, *meta, branch_kernel=BRANCH_KERNELS[delta], state_kernel=STATE_KERNELS[delta],
+                          tables=tables), tables
+
+    (o, final), tables = run()
+    assert calls and tables.long_chunks.numel() > 0
+    monkeypatch.setattr(fla_module, "FUSED_SPLIT", False)
+    (want_o, want_final), plain = run()
+    assert len(calls) == 1 and plain.long_chunks.numel() == 0
+    used = lens > 0
+    assert rel_err(o, want_o) < 5e-3 and rel_err(final[used], want_final[used]) < 5e-3
+    if torch.cuda.get_device_capability() == (9, 0):
+        assert torch.equal(o, want_o) and torch.equal(final[used], want_final[used])
 
 
 @pytest.mark.parametrize("tokens", [300, 1000])

@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 import torch
 
+from ...config import GDN_CHUNK
 from ..registry import register, register_nested, register_resumable
 from ..resume import gated_delta_with_snapshot
 from . import fla, reference
@@ -131,27 +132,34 @@ gated_delta_fla_resumable = register_resumable("gated_delta", "fla")(
 @torch.library.custom_op("flide::gated_delta_fla_states", mutates_args=(), device_types="cuda")
 def gated_delta_fla_states(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                            cu_seqlens: torch.Tensor, chunk_indices: torch.Tensor, chunk_offsets: torch.Tensor,
-                           scale: float, use_qk_l2norm: bool
+                           long_chunks: torch.Tensor, long_chunk_offsets: torch.Tensor, scale: float,
+                           use_qk_l2norm: bool
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return fla.gated_delta_states(q, k, v, g, beta, cu_seqlens, chunk_indices, chunk_offsets, scale, use_qk_l2norm)
+    return fla.gated_delta_states(q, k, v, g, beta, cu_seqlens, chunk_indices, chunk_offsets, scale, use_qk_l2norm,
+                                  split=(long_chunks, long_chunk_offsets))
 
 
 @gated_delta_fla_states.register_fake
-def _fake_states(q, k, v, g, beta, cu_seqlens, chunk_indices, chunk_offsets, scale, use_qk_l2norm):
+def _fake_states(q, k, v, g, beta, cu_seqlens, chunk_indices, chunk_offsets, long_chunks, long_chunk_offsets, scale,
+                 use_qk_l2norm):
     # (o, final) as the laid-out form's, then q, k and v, which come back contiguous whatever the inputs' strides
-    return (*_fake_states_laid_out(q, k, v, g, beta, cu_seqlens, chunk_indices, chunk_offsets, scale),
+    return (*_fake_states_laid_out(q, k, v, g, beta, cu_seqlens, chunk_indices, chunk_offsets, long_chunks,
+                                   long_chunk_offsets, scale),
             q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape))
 
 
 @torch.library.custom_op("flide::gated_delta_fla_states_laid_out", mutates_args=(), device_types="cuda")
 def gated_delta_fla_states_laid_out(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                     beta: torch.Tensor, cu_seqlens: torch.Tensor, chunk_indices: torch.Tensor,
-                                    chunk_offsets: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    return fla.gated_delta_states_laid_out(q, k, v, g, beta, cu_seqlens, chunk_indices, chunk_offsets, scale)
+                                    chunk_offsets: torch.Tensor, long_chunks: torch.Tensor,
+                                    long_chunk_offsets: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return fla.gated_delta_states_laid_out(q, k, v, g, beta, cu_seqlens, chunk_indices, chunk_offsets, scale,
+                                           split=(long_chunks, long_chunk_offsets))
 
 
 @gated_delta_fla_states_laid_out.register_fake
-def _fake_states_laid_out(q, k, v, g, beta, cu_seqlens, chunk_indices, chunk_offsets, scale):
+def _fake_states_laid_out(q, k, v, g, beta, cu_seqlens, chunk_indices, chunk_offsets, long_chunks, long_chunk_offsets,
+                          scale):
     T, Hv, V = v.shape
     return q.new_empty(T, Hv, V), q.new_empty(cu_seqlens.shape[0] - 2, Hv, k.shape[2], V, dtype=torch.float32)
 
@@ -317,6 +325,8 @@ class ForkTables(NamedTuple):
     branches_end: torch.Tensor  # [1]: the end of the questions' span
     all_cu_seqlens: torch.Tensor  # [NS + NB + 2]: the states, then the questions, as one varlen call (`fla_wy`)
     all_chunks: torch.Tensor  # [Cs + Cb, 2]: their chunk rows (fla.combined_tables); both empty without fla_wy
+    long_chunks: torch.Tensor  # [Cs, 2]: the chunk rows of the states over fla.FUSED_MAX_TOKENS (fla.split_tables)
+    long_chunk_offsets: torch.Tensor  # [NS + 2]: each state's first row in them; both empty where no call splits
 
 
 def fork_tables(state_start: torch.Tensor, state_len: torch.Tensor, branch_start: torch.Tensor,
@@ -330,10 +340,17 @@ def fork_tables(state_start: torch.Tensor, state_len: torch.Tensor, branch_start
         all_cu_seqlens, all_chunks = fla.combined_tables(cu_seqlens, state_chunks, branch_len, branch_chunks)
     else:
         all_cu_seqlens, all_chunks = cu_seqlens.new_empty(0), state_chunks.new_empty(0, 2)
+    # a bucket whose state call splits its sequences (fla.split_call; its stream length from the chunk rows'
+    # capacity, Shape.state_chunks): the long states' chunk rows for fla's o step
+    tokens = (state_chunks.shape[0] - state_start.shape[0]) * GDN_CHUNK
+    if fla.split_call(tokens, state_chunks.is_cuda):
+        long_chunks, long_offsets = fla.split_tables(cu_seqlens, state_chunks.shape[0])
+    else:
+        long_chunks, long_offsets = state_chunks.new_empty(0, 2), cu_seqlens.new_empty(0)
     # the ends are tensors of their own, not views of cu_seqlens: compile regions take them as separate inputs,
     # which must not alias
     return ForkTables(cu_seqlens, state_chunks, fla.chunk_offsets(cu_seqlens), fla.span_end(state_start, state_len),
-                      fla.span_end(branch_start, branch_len), all_cu_seqlens, all_chunks)
+                      fla.span_end(branch_start, branch_len), all_cu_seqlens, all_chunks, long_chunks, long_offsets)
 
 
 # Nested forks: at most this many sub-trunks of a round store their state after their tokens for their leaves to start
@@ -455,12 +472,14 @@ def fork_parts(kernel, q, k, v, g, beta, state_start, state_len, branch_start, b
             raise ValueError("a laid-out fork needs the round's tables, the laid-out state kernel and q / k "
                              "normalised already (use_qk_l2norm False)")
         o_states, finals = state_kernel(q, k, v, g, beta, tables.state_cu_seqlens, tables.state_chunks,
-                                        tables.state_chunk_offsets, scale)
+                                        tables.state_chunk_offsets, tables.long_chunks, tables.long_chunk_offsets,
+                                        scale)
     elif state_kernel is not None and tables is not None:
         # q and k come back normalised: the question call reads them so (one normalisation per token, not one in
         # every step of every (branch, head, value tile) program of the question kernel), and v laid out once
         o_states, finals, q, k, v = state_kernel(q, k, v, g, beta, tables.state_cu_seqlens, tables.state_chunks,
-                                                 tables.state_chunk_offsets, scale, use_qk_l2norm)
+                                                 tables.state_chunk_offsets, tables.long_chunks,
+                                                 tables.long_chunk_offsets, scale, use_qk_l2norm)
         use_qk_l2norm = False
     else:
         no_initial = q.new_zeros(0, v.shape[1], k.shape[2], v.shape[2], dtype=torch.float32)

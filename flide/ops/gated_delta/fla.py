@@ -221,11 +221,33 @@ KKT_ONE_WARP_TOKENS: int | None = 2048
 FUSED_STATE_CHAIN = True
 FUSED_MAX_TOKENS = 1024
 FUSED_INITIAL_STATES = True
+# Larger buckets (a round of many short states, e.g. 16 RACE requests in the 8,192 bucket, or short states beside a
+# long one) split the call by sequence instead (`state_chain.state_chain_split`): sequences of at most
+# FUSED_MAX_TOKENS tokens take the fused chain, the longer ones a chain that stores h and the new values as fla's h
+# step does, then fla's own o step over their chunks (`split_tables`: the round's long-sequence chunk rows, derived
+# once per forward in `fork_tables`). Each part is a binary of its own. False: fla's h and o steps in those buckets.
+FUSED_SPLIT = True
 
 
 def _fused_chain(k: torch.Tensor, tokens: int, h0: torch.Tensor | None) -> bool:
     return (FUSED_STATE_CHAIN and (h0 is None or FUSED_INITIAL_STATES) and k.is_cuda and k.element_size() == 2
             and tokens <= FUSED_MAX_TOKENS)
+
+
+def split_call(tokens: int, on_cuda: bool) -> bool:
+    """Whether the state call of a `tokens`-token bucket splits its sequences (FUSED_SPLIT): where the fused chain
+    does not take the whole call."""
+    return FUSED_STATE_CHAIN and FUSED_SPLIT and on_cuda and tokens > FUSED_MAX_TOKENS
+
+
+def split_tables(cu_seqlens: torch.Tensor, rows: int, split: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chunk rows [rows, 2], offsets [N + 2]) of the sequences of `cu_seqlens` [N + 2] longer than `split` tokens
+    (default FUSED_MAX_TOKENS; the others count as empty): what fla's o step runs over in a split state call
+    (`chunk_table`'s form, spare rows naming the trailing empty sequence), and each sequence's first row in it, where
+    the LONG chain stores its states. Device ops only."""
+    lens = cu_seqlens[1:] - cu_seqlens[:-1]
+    long_lens = torch.where(lens > (FUSED_MAX_TOKENS if split is None else split), lens, torch.zeros_like(lens))
+    return _chunk_rows(long_lens, rows).to(cu_seqlens.dtype), _offsets(long_lens).to(cu_seqlens.dtype)
 
 
 def _kkt_kernel():
@@ -269,8 +291,12 @@ def bounds(seg_start: torch.Tensor, seg_len: torch.Tensor) -> torch.Tensor:
 def chunk_offsets(cu_seqlens: torch.Tensor) -> torch.Tensor:
     """[N + 1]: the first 64-token chunk of each sequence of `cu_seqlens` in fla's per-chunk state buffer (what fla's
     `prepare_chunk_offsets` computes). Device ops only."""
-    chunks = (cu_seqlens[1:] - cu_seqlens[:-1] + GDN_CHUNK - 1) // GDN_CHUNK
-    return torch.cat([chunks.new_zeros(1), chunks.cumsum(0)])
+    return _offsets(cu_seqlens[1:] - cu_seqlens[:-1])
+
+
+def _offsets(lens: torch.Tensor) -> torch.Tensor:
+    """[N + 1]: where each of N sequences of `lens` tokens starts in a table of their 64-token chunks."""
+    return torch.cat([lens.new_zeros(1), ((lens + GDN_CHUNK - 1) // GDN_CHUNK).cumsum(0)])
 
 
 def available() -> str | None:
@@ -287,15 +313,19 @@ def chunk_table(cu_seqlens: torch.Tensor, rows: int) -> torch.Tensor:
     """[rows, 2] (sequence, chunk) of every 64-token chunk of the sequences of `cu_seqlens`, in order; the rows past
     the real chunks name the last sequence's chunk 0. The last sequence must be empty (see the module docstring).
     Device ops only: no host sync, recorded by CUDA graphs."""
-    lens = cu_seqlens[1:] - cu_seqlens[:-1]
-    chunk_offsets = torch.cat([lens.new_zeros(1), ((lens + GDN_CHUNK - 1) // GDN_CHUNK).cumsum(0)])
-    slots = torch.arange(rows, device=cu_seqlens.device, dtype=chunk_offsets.dtype)
+    return _chunk_rows(cu_seqlens[1:] - cu_seqlens[:-1], rows).to(cu_seqlens.dtype)
+
+
+def _chunk_rows(lens: torch.Tensor, rows: int) -> torch.Tensor:
+    """`chunk_table` of sequences of `lens` tokens (the last one empty)."""
+    chunk_offsets = _offsets(lens)
+    slots = torch.arange(rows, device=lens.device, dtype=chunk_offsets.dtype)
     seq = torch.searchsorted(chunk_offsets, slots, right=True) - 1
     valid = slots < chunk_offsets[-1]
     empty = lens.shape[0] - 1
     chunk = torch.where(valid, slots - chunk_offsets[seq.clamp(max=empty)], torch.zeros_like(slots))
     seq = torch.where(valid, seq, torch.full_like(seq, empty))
-    return torch.stack([seq, chunk], 1).to(cu_seqlens.dtype)
+    return torch.stack([seq, chunk], 1)
 
 
 def combined_tables(state_cu_seqlens: torch.Tensor, state_chunks: torch.Tensor, branch_len: torch.Tensor,
@@ -344,14 +374,15 @@ def gated_delta(q, k, v, g, beta, seg_start, seg_len, initial_state, initial_ind
     return run(q, k, v, g, beta, cu_seqlens, chunk_indices, h0, scale, use_qk_l2norm, offsets)[:2]
 
 
-def gated_delta_states(q, k, v, g, beta, cu_seqlens, chunk_indices, offsets, scale: float, use_qk_l2norm: bool):
+def gated_delta_states(q, k, v, g, beta, cu_seqlens, chunk_indices, offsets, scale: float, use_qk_l2norm: bool,
+                       split: tuple[torch.Tensor, torch.Tensor] | None = None):
     """The fork's state call from tables derived once per round (`gated_delta.fork_tables`): every sequence of
     `cu_seqlens` [N + 2] (the states, then the empty sequence that spare chunk rows name) from zero; `chunk_indices`:
     the round's `state_chunks`; `offsets`: `chunk_offsets(cu_seqlens)`. Returns (o [T, Hv, V], final [N, Hv, K, V]
     float32, q, k, v): q, k and v as the kernels read them (contiguous; q and k L2-normalised over the whole stream
     with `use_qk_l2norm`), so the question call reads them as they are instead of normalising every token again in
-    its recurrence or laying v out again."""
-    return run(q, k, v, g, beta, cu_seqlens, chunk_indices, None, scale, use_qk_l2norm, offsets)
+    its recurrence or laying v out again. `split`: the round's `split_tables` (see `run`)."""
+    return run(q, k, v, g, beta, cu_seqlens, chunk_indices, None, scale, use_qk_l2norm, offsets, split=split)
 
 
 def gated_delta_states_wy(q, k, v, g, beta, all_cu_seqlens, all_chunks, cu_seqlens, chunk_indices, offsets,
@@ -366,24 +397,28 @@ def gated_delta_states_wy(q, k, v, g, beta, all_cu_seqlens, all_chunks, cu_seqle
     return out[:4] + out[5:]  # the questions' WY form replaces v
 
 
-def gated_delta_states_laid_out(q, k, v, g, beta, cu_seqlens, chunk_indices, offsets, scale: float):
+def gated_delta_states_laid_out(q, k, v, g, beta, cu_seqlens, chunk_indices, offsets, scale: float,
+                                split: tuple[torch.Tensor, torch.Tensor] | None = None):
     """`gated_delta_states` on q, k and v already laid out as fla's kernels read them (contiguous [T, H, D]; q and k
     normalised: the GDN layer's fused conv, `fork_conv_qkv`, writes them so), which the question call then reads
     too. Returns (o [T, Hv, V], final [N, Hv, K, V] float32)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not x.is_contiguous():
             raise ValueError(f"{name} must be contiguous [T, H, D] (laid out as fla's kernels read it)")
-    return run(q, k, v, g, beta, cu_seqlens, chunk_indices, None, scale, False, offsets, laid_out=True)[:2]
+    return run(q, k, v, g, beta, cu_seqlens, chunk_indices, None, scale, False, offsets, laid_out=True,
+               split=split)[:2]
 
 
 def run(q, k, v, g, beta, cu_seqlens, chunk_indices, h0, scale: float, use_qk_l2norm: bool,
         offsets: torch.Tensor | None = None, prep: tuple[torch.Tensor, torch.Tensor] | None = None,
-        laid_out: bool = False):
+        laid_out: bool = False, split: tuple[torch.Tensor, torch.Tensor] | None = None):
     """fla's forward over the sequences of `cu_seqlens` -> (o [T, Hv, V], final [N, Hv, K, V] float32, q, k, v as the
     kernels read them: new contiguous tensors, q and k normalised with `use_qk_l2norm`). With `prep` (cu_seqlens,
     chunk rows of a superset of the sequences, each chunk computed on its own) the chunk-local steps run over those
     sequences and their w, u and gate cumsums ([T, Hv, K], [T, Hv, V], [T, Hv] float32, log2 units) come back too.
-    `laid_out`: q, k and v are already as the kernels read them (and returned as they are)."""
+    `laid_out`: q, k and v are already as the kernels read them (and returned as they are). `split`: the call's
+    `split_tables` (empty tensors: none), with which a call from zero states in a bucket over FUSED_MAX_TOKENS splits
+    its sequences between the fused chain and fla's o step (FUSED_SPLIT)."""
     cumsum, intra, fwd_h, fwd_o, rcp_ln2 = _fla_steps()
     # q, k and v as fla's kernels index them (contiguous [T, H, D]), q / k normalised by ours, not fla's: one launch
     # configuration for every stream (see l2norm.py); they may be column slices of the conv's output (the model
@@ -406,6 +441,17 @@ def run(q, k, v, g, beta, cu_seqlens, chunk_indices, h0, scale: float, use_qk_l2
 
         o, final = state_chain(qn, kn, w[0], u[0], g[0], cu_seqlens[:-1], scale,
                                initial_state=None if h0 is None else h0[:cu_seqlens.shape[0] - 2])
+    elif h0 is None and split is not None and split[0].numel() > 0 and split_call(qn.shape[0], k.is_cuda):
+        from .state_chain import state_chain_split
+
+        long_chunks, long_offsets = split
+
+        def outputs(h, v_new):  # fla's o step over the long sequences' chunks (its h rows: the split table's)
+            return fwd_o(q=q, k=k, v=v_new[None], h=h[None], g=g, scale=scale, cu_seqlens=cu_seqlens,
+                         chunk_size=GDN_CHUNK, chunk_indices=long_chunks)[0]
+
+        o, final = state_chain_split(qn, kn, w[0], u[0], g[0], cu_seqlens[:-1], scale, FUSED_MAX_TOKENS, long_offsets,
+                                     long_chunks.shape[0], outputs)
     else:
         if offsets is None:
             offsets = chunk_offsets(cu_seqlens)

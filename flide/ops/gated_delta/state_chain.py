@@ -25,6 +25,8 @@ Runs on CPU tensors under TRITON_INTERPRET=1 (fp32 there: the products in fp32, 
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import triton
 import triton.language as tl
@@ -36,10 +38,18 @@ NUM_WARPS = 4
 NUM_STAGES = 2
 
 
-@triton.jit(do_not_specialize=["T"])
-def _state_chain_kernel(q_ptr, k_ptr, w_ptr, u_ptr, g_ptr, o_ptr, h0_ptr, ht_ptr, cu_ptr, scale, T,
-                        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                        BV: tl.constexpr, USE_H0: tl.constexpr):
+# What a launch of `_state_chain_kernel` does (its PART, a compile-time constant: each a binary of its own, so the
+# chain of one part never carries the other's registers or code; a launch of one part alone was measured faster than
+# one binary holding both, session 29's 6b12ff6)
+EVERY = 0  # every sequence, outputs included (the fused chain)
+SHORT = 1  # the sequences of at most `split` tokens, outputs included; the others' programs return at once
+LONG = 2  # the longer ones: the state before each chunk and the chunk's new values stored, as fla's h step stores them
+
+
+@triton.jit(do_not_specialize=["T", "split"])
+def _state_chain_kernel(q_ptr, k_ptr, w_ptr, u_ptr, g_ptr, o_ptr, h0_ptr, ht_ptr, cu_ptr, h_ptr, vn_ptr, rows_ptr,
+                        scale, T, split, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                        BT: tl.constexpr, BV: tl.constexpr, USE_H0: tl.constexpr, PART: tl.constexpr):
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1).to(tl.int64)
     i_n = i_nh // HV
@@ -47,6 +57,13 @@ def _state_chain_kernel(q_ptr, k_ptr, w_ptr, u_ptr, g_ptr, o_ptr, h0_ptr, ht_ptr
     i_hk = i_h // (HV // H)  # grouped value heads: value head h reads key head h // (HV // H)
     bos = tl.load(cu_ptr + i_n).to(tl.int64)
     n = tl.load(cu_ptr + i_n + 1).to(tl.int64) - bos
+    if PART == SHORT:
+        if n > split:
+            return
+    if PART == LONG:
+        if n <= split:
+            return
+        row0 = tl.load(rows_ptr + i_n).to(tl.int64)  # the sequence's first chunk row of h (`split_tables`)
     o_k = tl.arange(0, K)
     o_v = i_v * BV + tl.arange(0, BV)
     o_t = tl.arange(0, BT)
@@ -59,7 +76,6 @@ def _state_chain_kernel(q_ptr, k_ptr, w_ptr, u_ptr, g_ptr, o_ptr, h0_ptr, ht_ptr
     for c0 in range(0, n, BT):
         t = bos + c0 + o_t
         t_ok = (c0 + o_t) < n
-        b_q = tl.load(q_ptr + (t[:, None] * H + i_hk) * K + o_k[None, :], mask=t_ok[:, None], other=0.0)
         b_kt = tl.load(k_ptr + (t[None, :] * H + i_hk) * K + o_k[:, None], mask=t_ok[None, :], other=0.0)  # [K, BT]
         b_w = tl.load(w_ptr + (t[:, None] * HV + i_h) * K + o_k[None, :], mask=t_ok[:, None], other=0.0)
         p_uo = (t[:, None] * HV + i_h) * V + o_v[None, :]
@@ -70,17 +86,56 @@ def _state_chain_kernel(q_ptr, k_ptr, w_ptr, u_ptr, g_ptr, o_ptr, h0_ptr, ht_ptr
         b_s = S.to(b_w.dtype)
         # the chain: the chunk's new values from the state
         b_v = b_u - tl.dot(b_w, b_s)
-        # the chunk's outputs (off the chain)
-        b_o = tl.dot(b_q, b_s) * tl.exp2(b_g)[:, None]
-        b_a = tl.dot(b_q, b_kt) * tl.exp2(b_g[:, None] - b_g[None, :])
-        b_a = tl.where(causal & t_ok[:, None] & t_ok[None, :], b_a, 0.0)
-        b_o = b_o * scale + tl.dot(b_a.to(b_w.dtype), b_v.to(b_w.dtype)) * scale
-        tl.store(o_ptr + p_uo, b_o.to(o_ptr.dtype.element_ty), mask=m_uo)
+        if PART == LONG:
+            # the state before the chunk and its new values, where fla's h step puts them (h row: the chunk's row of
+            # the call's long-sequence chunk table), for fla's o step to compute the outputs from
+            h_at = ((row0 + c0 // BT) * HV + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
+            tl.store(h_ptr + h_at, b_s, mask=v_ok[None, :])
+            tl.store(vn_ptr + p_uo, b_v.to(vn_ptr.dtype.element_ty), mask=m_uo)
+        else:
+            # the chunk's outputs (off the chain)
+            b_q = tl.load(q_ptr + (t[:, None] * H + i_hk) * K + o_k[None, :], mask=t_ok[:, None], other=0.0)
+            b_o = tl.dot(b_q, b_s) * tl.exp2(b_g)[:, None]
+            b_a = tl.dot(b_q, b_kt) * tl.exp2(b_g[:, None] - b_g[None, :])
+            b_a = tl.where(causal & t_ok[:, None] & t_ok[None, :], b_a, 0.0)
+            b_o = b_o * scale + tl.dot(b_a.to(b_w.dtype), b_v.to(b_w.dtype)) * scale
+            tl.store(o_ptr + p_uo, b_o.to(o_ptr.dtype.element_ty), mask=m_uo)
         # the state after the chunk
         b_v = b_v * tl.where(t_ok, tl.exp2(g_last - b_g), 0.0)[:, None]
         S = S * tl.exp2(g_last)
         S = tl.dot(b_kt, b_v.to(b_kt.dtype), S)
     tl.store(ht_ptr + state_at, S, mask=v_ok[None, :])
+
+
+def _check(q, k, w, u, g) -> None:
+    T, HK, K = k.shape
+    HV = u.shape[1]
+    if K & (K - 1) or K < 16:
+        raise ValueError(f"the key head dim must be a power of two >= 16, not {K}")
+    if w.shape != (T, HV, K) or g.shape != (T, HV) or q.shape != k.shape:
+        raise ValueError(f"q {tuple(q.shape)} / k {tuple(k.shape)} / w {tuple(w.shape)} / g {tuple(g.shape)} do not "
+                         f"match [T={T}, Hk={HK} / Hv={HV}, K={K}]")
+
+
+def _launch(q, k, w, u, g, cu_seqlens, scale, o, final, initial_state, chunk, tiles, part=EVERY, split=0,
+            h=None, v_new=None, rows=None) -> None:
+    T, HK, K = k.shape
+    HV, V = u.shape[1], u.shape[2]
+    N = cu_seqlens.shape[0] - 1
+    if N == 0:
+        return
+    BV, warps, stages = tiles or (BLOCK_V, NUM_WARPS, NUM_STAGES)
+    if stages < 2:  # one stage hit an illegal memory access on the H200's Triton 3.6 (session 29): not run
+        raise ValueError(f"state_chain needs at least 2 pipeline stages, not {stages}")
+    BV = min(BV, triton.next_power_of_2(V))
+    h0 = final if initial_state is None else initial_state.float().contiguous()  # unread without USE_H0
+    q, k, w, u, g = (x.contiguous() for x in (q, k, w, u, g.float()))  # as the kernel indexes them (no-ops here)
+    cu_seqlens = cu_seqlens.contiguous()
+    # h / v_new / rows: read and written by the LONG part only (any valid pointer otherwise)
+    _state_chain_kernel[(triton.cdiv(V, BV), N * HV)](
+        q, k, w, u, g, o, h0, final, cu_seqlens, o if h is None else h, o if v_new is None else v_new,
+        cu_seqlens if rows is None else rows.contiguous(), float(scale), T, int(split), H=HK, HV=HV, K=K, V=V,
+        BT=chunk, BV=BV, USE_H0=initial_state is not None, PART=part, num_warps=warps, num_stages=stages)
 
 
 def state_chain(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, g: torch.Tensor,
@@ -91,25 +146,35 @@ def state_chain(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tens
     w [T, Hv, K], u [T, Hv, V]: fla's intra step's WY form (chunks of `chunk` tokens from each sequence's start); g
     [T, Hv] float32: the chunk-local cumulated log2 decays (fla's cumsum step). Rows outside the sequences are left
     unwritten. `tiles`: (value columns a program, warps, stages)."""
-    T, HK, K = k.shape
-    HV, V = u.shape[1], u.shape[2]
-    if K & (K - 1) or K < 16:
-        raise ValueError(f"the key head dim must be a power of two >= 16, not {K}")
-    if w.shape != (T, HV, K) or g.shape != (T, HV) or q.shape != k.shape:
-        raise ValueError(f"q {tuple(q.shape)} / k {tuple(k.shape)} / w {tuple(w.shape)} / g {tuple(g.shape)} do not "
-                         f"match [T={T}, Hk={HK} / Hv={HV}, K={K}]")
-    N = cu_seqlens.shape[0] - 1
+    _check(q, k, w, u, g)
+    T, HV, V, K = k.shape[0], u.shape[1], u.shape[2], k.shape[2]
     o = torch.empty(T, HV, V, dtype=q.dtype, device=q.device)
-    final = torch.empty(N, HV, K, V, dtype=torch.float32, device=q.device)
-    if N == 0:
-        return o, final
-    BV, warps, stages = tiles or (BLOCK_V, NUM_WARPS, NUM_STAGES)
-    if stages < 2:  # one stage hit an illegal memory access on the H200's Triton 3.6 (session 29): not run
-        raise ValueError(f"state_chain needs at least 2 pipeline stages, not {stages}")
-    BV = min(BV, triton.next_power_of_2(V))
-    h0 = final if initial_state is None else initial_state.float().contiguous()  # unread without USE_H0
-    q, k, w, u, g = (x.contiguous() for x in (q, k, w, u, g.float()))  # as the kernel indexes them (no-ops here)
-    _state_chain_kernel[(triton.cdiv(V, BV), N * HV)](
-        q, k, w, u, g, o, h0, final, cu_seqlens.contiguous(), float(scale), T, H=HK, HV=HV, K=K, V=V, BT=chunk, BV=BV,
-        USE_H0=initial_state is not None, num_warps=warps, num_stages=stages)
+    final = torch.empty(cu_seqlens.shape[0] - 1, HV, K, V, dtype=torch.float32, device=q.device)
+    _launch(q, k, w, u, g, cu_seqlens, scale, o, final, initial_state, chunk, tiles)
+    return o, final
+
+
+def state_chain_split(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, g: torch.Tensor,
+                      cu_seqlens: torch.Tensor, scale: float, split: int, long_rows: torch.Tensor,
+                      long_chunk_rows: int, outputs: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                      chunk: int = 64, tiles: tuple[int, int, int] | None = None,
+                      long_tiles: tuple[int, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`state_chain` (from zero states) with the sequences of more than `split` tokens run as fla runs them: the
+    chain stores the state before each chunk (h [long_chunk_rows, Hv, K, V] in q's dtype, row `long_rows[n] + c` for
+    chunk c of sequence n) and each chunk's new values (v_new [T, Hv, V]), and `outputs(h, v_new)` computes their
+    outputs from those, chunk by chunk in parallel (fla's o step over the long sequences' chunk rows: `fla.run`),
+    returning o [T, Hv, V]; then the other sequences' fused chain writes their rows of that o. Same results as
+    `state_chain` (fla's o step takes the products' K steps in the order the fused chain does: the same bits on the
+    H200), but a long sequence's chain step no longer waits on its outputs' products, and the short ones keep the
+    fused launch (no h round trip). `long_rows` [N + 1]: `fla.split_tables`' offsets. `long_tiles`: the LONG part's
+    (value columns, warps, stages)."""
+    _check(q, k, w, u, g)
+    T, HV, V, K = k.shape[0], u.shape[1], u.shape[2], k.shape[2]
+    final = torch.empty(cu_seqlens.shape[0] - 1, HV, K, V, dtype=torch.float32, device=q.device)
+    h = torch.empty(long_chunk_rows, HV, K, V, dtype=q.dtype, device=q.device)
+    v_new = torch.empty(T, HV, V, dtype=q.dtype, device=q.device)
+    _launch(q, k, w, u, g, cu_seqlens, scale, v_new, final, None, chunk, long_tiles or tiles, part=LONG, split=split,
+            h=h, v_new=v_new, rows=long_rows)
+    o = outputs(h, v_new)
+    _launch(q, k, w, u, g, cu_seqlens, scale, o, final, None, chunk, tiles, part=SHORT, split=split)
     return o, final

@@ -20,6 +20,12 @@ order on the H200's tensor cores, and the outputs and final states had fla's bit
 so a request's bits do not depend on whether its bucket runs this (`fla.FUSED_MAX_TOKENS`). Each program's sums
 depend on its own sequence only: batch-invariant.
 
+On a long sequence the fused step is slower than fla's two (a chain step also waits on its outputs' products:
+QuALITY's state 0.343 vs 0.283 ms a layer), on short ones faster (16 RACE states 0.124 vs 0.217). A call that may
+hold both (`fla.FUSED_SPLIT`, buckets over FUSED_MAX_TOKENS) splits by sequence (`state_chain_split`): the short ones
+in the fused binary (SHORT), the long ones in a chain-only binary (LONG) that stores what fla's h step stores, where
+fla's o step then reads it. A sequence's part depends on its own length only.
+
 Runs on CPU tensors under TRITON_INTERPRET=1 (fp32 there: the products in fp32, what the CPU tests check).
 """
 

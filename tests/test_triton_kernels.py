@@ -877,7 +877,8 @@ else:
         from flide.models.tiny import tiny_model, tiny_tokenizer
         from flide.testing import max_difference, random_request
 
-        def laid_out_states(q, k, v, g, beta, cu_seqlens, chunk_indices, chunk_offsets, scale):
+        def laid_out_states(q, k, v, g, beta, cu_seqlens, chunk_indices, chunk_offsets, long_chunks,
+                            long_chunk_offsets, scale):
             assert all(x.is_contiguous() for x in (q, k, v))
             n = cu_seqlens.shape[0] - 2
             start, length = cu_seqlens[:n], cu_seqlens[1:n + 1] - cu_seqlens[:n]

@@ -166,12 +166,15 @@ def main() -> int:
                 {"g_ptr": "*fp32", "h0_ptr": "*fp32"}, "*i64", {"scale": "fp32"},
                 dict(HK=16, HV=hv, K=128, V=128, BK=128, BV=questions_wy.BLOCK_V, BT=64, PRECISION="tf32"),
                 {"num_warps": questions_wy.NUM_WARPS, "num_stages": questions_wy.NUM_STAGES})
-    for hv, h0 in ((16, False), (32, False), (16, True)):  # the state call's fused h + o steps (bf16 only)
+    # the state call's fused h + o steps (bf16 only), and the split call's parts (state_chain.SHORT / LONG)
+    for hv, h0, part in ((16, False, "EVERY"), (32, False, "EVERY"), (16, True, "EVERY"), (16, False, "SHORT"),
+                         (16, False, "LONG"), (32, False, "LONG")):
         ok &= compile_one(
-            f"gated_delta state chain bf16 Hv{hv} initial states={h0}", state_chain._state_chain_kernel,
-            {n: "*bf16" for n in ("q_ptr", "k_ptr", "w_ptr", "u_ptr", "o_ptr")} |
-            {"g_ptr": "*fp32", "h0_ptr": "*fp32", "ht_ptr": "*fp32"}, "*i64", {"scale": "fp32"},
-            dict(H=16, HV=hv, K=128, V=128, BT=64, BV=state_chain.BLOCK_V, USE_H0=h0),
+            f"gated_delta state chain bf16 Hv{hv} initial states={h0} part {part}", state_chain._state_chain_kernel,
+            {n: "*bf16" for n in ("q_ptr", "k_ptr", "w_ptr", "u_ptr", "o_ptr", "h_ptr", "vn_ptr")} |
+            {"g_ptr": "*fp32", "h0_ptr": "*fp32", "ht_ptr": "*fp32"}, "*i64", {"scale": "fp32", "split": "i32"},
+            dict(H=16, HV=hv, K=128, V=128, BT=64, BV=state_chain.BLOCK_V, USE_H0=h0,
+                 PART=getattr(state_chain, part).value),
             {"num_warps": state_chain.NUM_WARPS, "num_stages": state_chain.NUM_STAGES})
     cfg = linear.default_config(torch.bfloat16)
     ok &= compile_one("linear (invariant GEMM) bf16", linear._linear_kernel,

@@ -234,7 +234,7 @@ def gated_delta_fla_states_wy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def _fake_states_wy(q, k, v, g, beta, all_cu_seqlens, all_chunks, cu_seqlens, chunk_indices, chunk_offsets, scale,
                     use_qk_l2norm):
     T, Hv, V = v.shape
-    o, final, qn, kn, _ = _fake_states(q, k, v, g, beta, cu_seqlens, chunk_indices, chunk_offsets, scale,
+    o, final, qn, kn, _ = _fake_states(q, k, v, g, beta, cu_seqlens, chunk_indices, chunk_offsets, None, None, scale,
                                        use_qk_l2norm)
     return (o, final, qn, kn, k.new_empty(T, Hv, k.shape[2]), v.new_empty(T, Hv, V),
             q.new_empty(T, Hv, dtype=torch.float32))

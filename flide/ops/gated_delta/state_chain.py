@@ -47,9 +47,11 @@ NUM_STAGES = 2
 # What a launch of `_state_chain_kernel` does (its PART, a compile-time constant: each a binary of its own, so the
 # chain of one part never carries the other's registers or code; a launch of one part alone was measured faster than
 # one binary holding both, session 29's 6b12ff6)
-EVERY = 0  # every sequence, outputs included (the fused chain)
-SHORT = 1  # the sequences of at most `split` tokens, outputs included; the others' programs return at once
-LONG = 2  # the longer ones: the state before each chunk and the chunk's new values stored, as fla's h step stores them
+# (tl.constexpr: compiled Triton reads module globals only as such; plain ints work in the interpreter alone)
+EVERY = tl.constexpr(0)  # every sequence, outputs included (the fused chain)
+SHORT = tl.constexpr(1)  # the sequences of at most `split` tokens, outputs included; the others return at once
+LONG = tl.constexpr(2)  # the longer ones: the state before each chunk and the chunk's new values stored, as fla's h
+#                         step stores them
 
 
 @triton.jit(do_not_specialize=["T", "split"])
@@ -141,7 +143,7 @@ def _launch(q, k, w, u, g, cu_seqlens, scale, o, final, initial_state, chunk, ti
     _state_chain_kernel[(triton.cdiv(V, BV), N * HV)](
         q, k, w, u, g, o, h0, final, cu_seqlens, o if h is None else h, o if v_new is None else v_new,
         cu_seqlens if rows is None else rows.contiguous(), float(scale), T, int(split), H=HK, HV=HV, K=K, V=V,
-        BT=chunk, BV=BV, USE_H0=initial_state is not None, PART=part, num_warps=warps, num_stages=stages)
+        BT=chunk, BV=BV, USE_H0=initial_state is not None, PART=part.value, num_warps=warps, num_stages=stages)
 
 
 def state_chain(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, g: torch.Tensor,

@@ -528,14 +528,19 @@ else:
             stored.update(h=h.clone(), v_new=v_new.clone())
             return chunk_outputs_reference(q, k, v_new, h, gamma, cu_all, long_chunks, 0.3)
 
-        out, final = delta_chain.state_chain_split(q, k, w, u, gamma, cu_all[:-1], 0.3, split, long_offsets,
-                                                   long_chunks.shape[0], outputs)
+        out, final = delta_chain.state_chain_split(q, k, w, u, gamma, cu_all, 0.3, split, long_chunks, long_offsets,
+                                                   outputs)
+        # and with its own outputs kernel (the default): the same outputs as the oracle's o step
+        own, own_final = delta_chain.state_chain_split(q, k, w, u, gamma, cu_all, 0.3, split, long_chunks,
+                                                       long_offsets)
         rows = torch.zeros(tokens, dtype=torch.bool)
         for start, length in zip(r.state_start.tolist(), r.state_len.tolist()):
             rows[start:start + length] = True
         scale = max(1.0, want[rows].abs().max().item())
         torch.testing.assert_close(out[rows], want[rows], atol=2e-5 * scale, rtol=1e-5)
         torch.testing.assert_close(final, want_final, atol=2e-5 * max(1.0, want_final.abs().max().item()), rtol=1e-5)
+        torch.testing.assert_close(own[rows], out[rows], atol=2e-5 * scale, rtol=1e-5)
+        torch.testing.assert_close(own_final, final, atol=0, rtol=0)
         # the LONG part stored, for each long sequence's chunk, the state the reference has before it
         for s_i in torch.nonzero(lens > split).flatten().tolist():
             start, length = int(r.state_start[s_i]), int(lens[s_i])
@@ -545,6 +550,30 @@ else:
                                                   torch.tensor([-1]), 0.3, False)
                 torch.testing.assert_close(stored["h"][int(long_offsets[s_i]) + c], before[0], atol=2e-5 * scale,
                                            rtol=1e-5)
+
+    def test_gated_delta_chunk_outputs_match_the_reference_and_skip_spare_rows():
+        """`chunk_outputs` (the split call's o step): each chunk row's outputs from a given state before the chunk and
+        the chunk's new values, as fla's o step computes them (fp32 here); rows naming the trailing empty sequence
+        (a bucket's spare rows) and tokens of no listed chunk are left as they were."""
+        from flide.ops.gated_delta import fla as delta_fla
+
+        Hk, Hv, K, V = 2, 4, 16, 32
+        lens = torch.tensor([150, 0, 70, 200, 0])  # the last one: the trailing empty sequence
+        cu = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)])
+        tokens = int(cu[-1]) + 30  # a tail in no sequence
+        chunks = delta_fla._chunk_rows(torch.where(lens > 100, lens, 0), 12)  # sequences 0 and 3, then 5 spare rows
+        assert (chunks[:, 0] == 4).sum() == 5
+        q, k = randn(tokens, Hk, K, seed=40), randn(tokens, Hk, K, seed=41)
+        v_new = randn(tokens, Hv, V, seed=42)
+        h = randn(chunks.shape[0], Hv, K, V, seed=43) * 0.2
+        gamma = -torch.rand(tokens, Hv, generator=torch.Generator().manual_seed(44)).cumsum(0) % 3
+        want = chunk_outputs_reference(q, k, v_new, h, gamma, cu, chunks, 0.3)
+        got = delta_chain.chunk_outputs(q, k, v_new, h, gamma, cu, chunks, 0.3, torch.full_like(v_new, float("nan")))
+        listed = ~want[:, 0, 0].isnan()
+        assert listed.sum() == 350 and listed[:150].all() and listed[220:420].all()
+        torch.testing.assert_close(got[listed], want[listed], atol=2e-5 * max(1.0, want[listed].abs().max().item()),
+                                   rtol=1e-5)
+        assert got[~listed].isnan().all()
 
     def test_gated_delta_state_chain_kernel_is_interpreted():
         assert isinstance(delta_chain._state_chain_kernel, InterpretedFunction)

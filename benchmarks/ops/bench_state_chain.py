@@ -47,12 +47,20 @@ def main() -> None:
                         help="the fused chain's tiles to time (default: TILES)")
     parser.add_argument("--split-tokens", type=int, nargs="*", default=[],
                         help="also time the split call (`state_chain_split`: sequences over N tokens through the "
-                             "LONG chain + fla's o step, the rest fused), for each N")
+                             "LONG chain + the outputs kernel, the rest fused), for each N; with --fla-outputs also with "
+                             "fla's o step in place of the outputs kernel")
     parser.add_argument("--long-tiles", nargs="*", default=[], metavar="BV,WARPS,STAGES",
-                        help="the LONG part's tiles for the split rows (default: the fused chain's)")
+                        help="the LONG part's tiles for the split rows (default: state_chain.LONG_TILES)")
+    parser.add_argument("--output-tiles", nargs="*", default=[], metavar="BV,WARPS,STAGES",
+                        help="the outputs kernel's tiles (default: state_chain.OUTPUT_TILES)")
+    parser.add_argument("--fla-outputs", action="store_true", help="also the split call with fla's o step")
     args = parser.parse_args()
     tiles_swept = [tuple(int(x) for x in t.split(",")) for t in args.tiles] if args.tiles is not None else TILES
     long_tiles = [None, *(tuple(int(x) for x in t.split(",")) for t in args.long_tiles)]
+    output_tiles = [None, *(tuple(int(x) for x in t.split(",")) for t in args.output_tiles)]
+    # (LONG tiles, outputs tiles, fla's o step): each variant with the other's default
+    variants = [(lt, None, False) for lt in long_tiles] + [(None, ot, False) for ot in output_tiles[1:]]
+    variants += [(None, None, True)] if args.fla_outputs else []
     device = "cuda"
     hk, hv, dim = 16, args.value_heads, 128
     cumsum, intra, fwd_h, fwd_o, rcp_ln2 = fla._fla_steps()  # with Flide's sm_90 pins
@@ -83,23 +91,25 @@ def main() -> None:
         print(json.dumps(base_row), flush=True)
         for split in args.split_tokens:
             long_chunks, long_offsets = fla.split_tables(cu, chunks.shape[0], split)
-            for lt in long_tiles:
+            for lt, ot, fla_o in variants:
                 def outputs(h, v_new, long_chunks=long_chunks):
                     return fwd_o(q=q[None], k=k[None], v=v_new[None], h=h[None], g=gc, scale=scale, cu_seqlens=cu,
                                  chunk_size=GDN_CHUNK, chunk_indices=long_chunks)[0]
 
-                def split_call(split=split, lt=lt, long_chunks=long_chunks, long_offsets=long_offsets,
-                               outputs=outputs):
-                    return state_chain.state_chain_split(q, k, w[0], u[0], gc[0], cu[:-1], scale, split, long_offsets,
-                                                         long_chunks.shape[0], outputs, long_tiles=lt)
+                def split_call(split=split, lt=lt, ot=ot, fla_o=fla_o, long_chunks=long_chunks,
+                               long_offsets=long_offsets, outputs=outputs):
+                    return state_chain.state_chain_split(q, k, w[0], u[0], gc[0], cu, scale, split, long_chunks,
+                                                         long_offsets, outputs if fla_o else None, long_tiles=lt,
+                                                         output_tiles=ot)
 
                 o, final = split_call()
                 torch.cuda.synchronize()
                 ms = do_bench_cudagraph(split_call, return_mode="median")
-                n = final.shape[0]  # the split call drops the trailing empty sequence (cu[:-1]), as in the engine
+                n = final.shape[0]  # the split call's sequences: without the trailing empty one, as in the engine
+                tiles_name = ("fla o" if fla_o else "long " + ("BV{},w{},s{}".format(*lt) if lt else "default")
+                              + (", out BV{},w{},s{}".format(*ot) if ot else ""))
                 rows.append({"stream": name, "tokens": T, "value_heads": hv, "kernel": f"split@{split}",
-                             "tiles": "long " + ("BV{},w{},s{}".format(*lt) if lt else "default"), "ms": ms,
-                             "vs_fla": ms / base,
+                             "tiles": tiles_name, "ms": ms, "vs_fla": ms / base,
                              "rel_diff_o": ((o[state_rows].float() - want_o[state_rows].float()).abs().max()
                                             / want_o[state_rows].float().abs().max()).item(),
                              "rel_diff_final": ((final - want_final[:n]).abs().max()

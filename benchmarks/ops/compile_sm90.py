@@ -173,9 +173,18 @@ def main() -> int:
             f"gated_delta state chain bf16 Hv{hv} initial states={h0} part {part}", state_chain._state_chain_kernel,
             {n: "*bf16" for n in ("q_ptr", "k_ptr", "w_ptr", "u_ptr", "o_ptr", "h_ptr", "vn_ptr")} |
             {"g_ptr": "*fp32", "h0_ptr": "*fp32", "ht_ptr": "*fp32"}, "*i64", {"scale": "fp32", "split": "i32"},
-            dict(H=16, HV=hv, K=128, V=128, BT=64, BV=state_chain.BLOCK_V, USE_H0=h0,
+            dict(H=16, HV=hv, K=128, V=128, BT=64, BV=(state_chain.LONG_TILES if part == "LONG" else
+                                                       (state_chain.BLOCK_V,))[0], USE_H0=h0,
                  PART=getattr(state_chain, part).value),
+            dict(zip(("num_warps", "num_stages"), state_chain.LONG_TILES[1:])) if part == "LONG" else
             {"num_warps": state_chain.NUM_WARPS, "num_stages": state_chain.NUM_STAGES})
+    for hv in (16, 32):  # the split call's outputs kernel
+        bv, warps, stages = state_chain.OUTPUT_TILES
+        ok &= compile_one(
+            f"gated_delta split call outputs bf16 Hv{hv}", state_chain._chunk_outputs_kernel,
+            {n: "*bf16" for n in ("q_ptr", "k_ptr", "vn_ptr", "h_ptr", "o_ptr")} | {"g_ptr": "*fp32"}, "*i64",
+            {"scale": "fp32"}, dict(H=16, HV=hv, K=128, V=128, BT=64, BV=bv),
+            {"num_warps": warps, "num_stages": stages})
     cfg = linear.default_config(torch.bfloat16)
     ok &= compile_one("linear (invariant GEMM) bf16", linear._linear_kernel,
                       {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16"}, "*bf16", {},

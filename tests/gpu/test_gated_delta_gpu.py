@@ -366,7 +366,7 @@ def test_fused_state_chain_matches_fla_steps(tokens, heads, monkeypatch):
 def test_split_state_chain_matches_fla_steps(tokens, heads, monkeypatch):
     """fla.FUSED_SPLIT: in a bucket over FUSED_MAX_TOKENS (here 300, so that a random round holds states on both
     sides) the state call from the round's tables runs its short states through the fused chain and its long ones
-    through the LONG chain + fla's o step over their chunk rows (`split_tables`): the fork's outputs and final states
+    through the LONG chain + the outputs kernel over their chunk rows (`split_tables`): the fork's outputs and final states
     against fla's h and o steps for every state, bf16 at Qwen3.5's head counts; the same bits on sm_90."""
     from flide.ops.gated_delta import STATE_KERNELS, fork_tables
     from flide.ops.gated_delta import fla as fla_module

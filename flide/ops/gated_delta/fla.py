@@ -224,8 +224,13 @@ FUSED_INITIAL_STATES = True
 # Larger buckets (a round of many short states, e.g. 16 RACE requests in the 8,192 bucket, or short states beside a
 # long one) split the call by sequence instead (`state_chain.state_chain_split`): sequences of at most
 # FUSED_MAX_TOKENS tokens take the fused chain, the longer ones a chain that stores h and the new values as fla's h
-# step does, then fla's own o step over their chunks (`split_tables`: the round's long-sequence chunk rows, derived
-# once per forward in `fork_tables`). Each part is a binary of its own. False: fla's h and o steps in those buckets.
+# step does, then an o step over their chunks (`split_tables`: the round's long-sequence chunk rows, derived once per
+# forward in `fork_tables`; `state_chain.chunk_outputs`: fla's o step, but a spare row returns at once). Each part is
+# a binary of its own. False: fla's h and o steps in those buckets.
+# Session 31 (H200, replay GPU ms split vs not, with fla's own o step for the long rows): race@16 26.88 vs 26.87,
+# race@32 52.82 vs 52.50, MultiRC@8 44.65 vs 44.49, QuALITY 31.49 vs 29.53, sweep 1 8.95 vs 8.25: fla's o kernel
+# computed every spare row of the bucket's chunk table as a masked chunk (1.29 of its 1.53 ms on race@16, where no
+# state is long), and the LONG chain at 2 stages was 1.8x fla's h on QuALITY (`h200_profile_0_8b_session31_*`).
 FUSED_SPLIT = True
 
 
@@ -445,13 +450,8 @@ def run(q, k, v, g, beta, cu_seqlens, chunk_indices, h0, scale: float, use_qk_l2
         from .state_chain import state_chain_split
 
         long_chunks, long_offsets = split
-
-        def outputs(h, v_new):  # fla's o step over the long sequences' chunks (its h rows: the split table's)
-            return fwd_o(q=q, k=k, v=v_new[None], h=h[None], g=g, scale=scale, cu_seqlens=cu_seqlens,
-                         chunk_size=GDN_CHUNK, chunk_indices=long_chunks)[0]
-
-        o, final = state_chain_split(qn, kn, w[0], u[0], g[0], cu_seqlens[:-1], scale, FUSED_MAX_TOKENS, long_offsets,
-                                     long_chunks.shape[0], outputs)
+        o, final = state_chain_split(qn, kn, w[0], u[0], g[0], cu_seqlens, scale, FUSED_MAX_TOKENS, long_chunks,
+                                     long_offsets)
     else:
         if offsets is None:
             offsets = chunk_offsets(cu_seqlens)

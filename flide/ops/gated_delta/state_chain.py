@@ -24,7 +24,8 @@ On a long sequence the fused step is slower than fla's two (a chain step also wa
 QuALITY's state 0.343 vs 0.283 ms a layer), on short ones faster (16 RACE states 0.124 vs 0.217). A call that may
 hold both (`fla.FUSED_SPLIT`, buckets over FUSED_MAX_TOKENS) splits by sequence (`state_chain_split`): the short ones
 in the fused binary (SHORT), the long ones in a chain-only binary (LONG) that stores what fla's h step stores, where
-fla's o step then reads it. A sequence's part depends on its own length only.
+an o step (`chunk_outputs`: fla's, with the fused chain's products) then reads it. A sequence's part depends on its
+own length only.
 
 Runs on CPU tensors under TRITON_INTERPRET=1 (fp32 there: the products in fp32, what the CPU tests check).
 """
@@ -115,6 +116,50 @@ def _state_chain_kernel(q_ptr, k_ptr, w_ptr, u_ptr, g_ptr, o_ptr, h0_ptr, ht_ptr
     tl.store(ht_ptr + state_at, S, mask=v_ok[None, :])
 
 
+
+# the outputs kernel's (value columns, warps, stages), and the LONG chain's (bench_state_chain.py on the H200, session
+# 31: the LONG chain at 3 stages 0.093 vs 0.114 ms a layer on a 2,000-token state, 0.343 vs 0.421 on QuALITY's)
+OUTPUT_TILES = (64, 4, 2)
+LONG_TILES = (32, 4, 3)
+
+
+@triton.jit
+def _chunk_outputs_kernel(q_ptr, k_ptr, vn_ptr, h_ptr, g_ptr, o_ptr, cu_ptr, chunks_ptr, scale, H: tl.constexpr,
+                          HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr):
+    """fla's o step for the chunk rows of a split call's long sequences: one program per (value tile, chunk row,
+    value head), the state before the chunk read from h's row, the products those of the fused chain (so the bits of
+    fla's o kernel). Unlike fla's kernel, a spare row (naming the trailing empty sequence: most of a bucket's rows
+    when its states are short) returns at once instead of computing a masked chunk."""
+    i_v = tl.program_id(0)
+    i_r = tl.program_id(1).to(tl.int64)
+    i_h = tl.program_id(2)
+    i_hk = i_h // (HV // H)
+    i_n = tl.load(chunks_ptr + i_r * 2).to(tl.int64)
+    c0 = tl.load(chunks_ptr + i_r * 2 + 1).to(tl.int64) * BT
+    bos = tl.load(cu_ptr + i_n).to(tl.int64)
+    n = tl.load(cu_ptr + i_n + 1).to(tl.int64) - bos
+    if c0 >= n:
+        return
+    o_k = tl.arange(0, K)
+    o_v = i_v * BV + tl.arange(0, BV)
+    o_t = tl.arange(0, BT)
+    v_ok = o_v < V
+    t = bos + c0 + o_t
+    t_ok = (c0 + o_t) < n
+    b_q = tl.load(q_ptr + (t[:, None] * H + i_hk) * K + o_k[None, :], mask=t_ok[:, None], other=0.0)
+    b_kt = tl.load(k_ptr + (t[None, :] * H + i_hk) * K + o_k[:, None], mask=t_ok[None, :], other=0.0)
+    b_s = tl.load(h_ptr + (i_r * HV + i_h) * K * V + o_k[:, None] * V + o_v[None, :], mask=v_ok[None, :], other=0.0)
+    p_vo = (t[:, None] * HV + i_h) * V + o_v[None, :]
+    m_vo = t_ok[:, None] & v_ok[None, :]
+    b_v = tl.load(vn_ptr + p_vo, mask=m_vo, other=0.0)
+    b_g = tl.load(g_ptr + t * HV + i_h, mask=t_ok, other=0.0).to(tl.float32)
+    b_o = tl.dot(b_q, b_s) * tl.exp2(b_g)[:, None]
+    b_a = tl.dot(b_q, b_kt) * tl.exp2(b_g[:, None] - b_g[None, :])
+    b_a = tl.where((o_t[:, None] >= o_t[None, :]) & t_ok[:, None] & t_ok[None, :], b_a, 0.0)
+    b_o = b_o * scale + tl.dot(b_a.to(b_v.dtype), b_v) * scale
+    tl.store(o_ptr + p_vo, b_o.to(o_ptr.dtype.element_ty), mask=m_vo)
+
+
 def _check(q, k, w, u, g) -> None:
     T, HK, K = k.shape
     HV = u.shape[1]
@@ -162,27 +207,56 @@ def state_chain(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tens
     return o, final
 
 
+def chunk_outputs(q: torch.Tensor, k: torch.Tensor, v_new: torch.Tensor, h: torch.Tensor, g: torch.Tensor,
+                  cu_seqlens: torch.Tensor, chunks: torch.Tensor, scale: float, o: torch.Tensor, chunk: int = 64,
+                  tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """Writes into `o` [T, Hv, V] the outputs of the chunk rows `chunks` [R, 2] ((sequence of `cu_seqlens`, chunk);
+    rows past a sequence's end, such as spare rows naming an empty sequence, write nothing) from h [R, Hv, K, V] (the
+    state before each row's chunk, q's dtype) and v_new [T, Hv, V] (the chunks' new values): fla's o step (see
+    `_chunk_outputs_kernel`). q, k [T, Hk, K]; g [T, Hv] float32 log2 cumsums. Returns o."""
+    T, HK, K = k.shape
+    HV, V = v_new.shape[1], v_new.shape[2]
+    R = chunks.shape[0]
+    if R == 0:
+        return o
+    BV, warps, stages = tiles or OUTPUT_TILES
+    BV = min(BV, triton.next_power_of_2(V))
+    _chunk_outputs_kernel[(triton.cdiv(V, BV), R, HV)](
+        q.contiguous(), k.contiguous(), v_new.contiguous(), h.contiguous(), g.float().contiguous(), o,
+        cu_seqlens.contiguous(), chunks.contiguous(), float(scale), H=HK, HV=HV, K=K, V=V, BT=chunk, BV=BV,
+        num_warps=warps, num_stages=stages)
+    return o
+
+
 def state_chain_split(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, g: torch.Tensor,
-                      cu_seqlens: torch.Tensor, scale: float, split: int, long_rows: torch.Tensor,
-                      long_chunk_rows: int, outputs: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                      cu_seqlens: torch.Tensor, scale: float, split: int, long_chunks: torch.Tensor,
+                      long_rows: torch.Tensor,
+                      outputs: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
                       chunk: int = 64, tiles: tuple[int, int, int] | None = None,
-                      long_tiles: tuple[int, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`state_chain` (from zero states) with the sequences of more than `split` tokens run as fla runs them: the
-    chain stores the state before each chunk (h [long_chunk_rows, Hv, K, V] in q's dtype, row `long_rows[n] + c` for
-    chunk c of sequence n) and each chunk's new values (v_new [T, Hv, V]), and `outputs(h, v_new)` computes their
-    outputs from those, chunk by chunk in parallel (fla's o step over the long sequences' chunk rows: `fla.run`),
-    returning o [T, Hv, V]; then the other sequences' fused chain writes their rows of that o. Same results as
-    `state_chain` (fla's o step takes the products' K steps in the order the fused chain does: the same bits on the
-    H200), but a long sequence's chain step no longer waits on its outputs' products, and the short ones keep the
-    fused launch (no h round trip). `long_rows` [N + 1]: `fla.split_tables`' offsets. `long_tiles`: the LONG part's
-    (value columns, warps, stages)."""
+                      long_tiles: tuple[int, int, int] | None = None,
+                      output_tiles: tuple[int, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`state_chain` (from zero states) of the N sequences of `cu_seqlens` [N + 2] (the last one empty: the one that
+    spare chunk rows name), with those of more than `split` tokens run as fla runs them: the chain stores the state
+    before each chunk (h [R, Hv, K, V] in q's dtype, row `long_rows[n] + c` for chunk c of sequence n) and each
+    chunk's new values (v_new [T, Hv, V]), then their outputs are computed from those, chunk by chunk in parallel,
+    over `long_chunks` [R, 2] (`fla.split_tables`; its offsets are `long_rows` [N + 2]): `chunk_outputs`, or
+    `outputs(h, v_new)` returning o [T, Hv, V] where given (a test's oracle); then the other sequences' fused chain
+    writes their rows of that o. Same results as `state_chain` (the same products in the same order: the same bits
+    on the H200), but a long sequence's chain step no longer waits on its outputs' products, and the short ones keep
+    the fused launch (no h round trip). Final states: [N, Hv, K, V]. `long_tiles`, `output_tiles`: the LONG chain's
+    and the outputs kernel's (value columns, warps, stages)."""
     _check(q, k, w, u, g)
     T, HV, V, K = k.shape[0], u.shape[1], u.shape[2], k.shape[2]
-    final = torch.empty(cu_seqlens.shape[0] - 1, HV, K, V, dtype=torch.float32, device=q.device)
-    h = torch.empty(long_chunk_rows, HV, K, V, dtype=q.dtype, device=q.device)
+    sequences = cu_seqlens[:-1]  # the chains' sequences, without the trailing empty one
+    final = torch.empty(sequences.shape[0] - 1, HV, K, V, dtype=torch.float32, device=q.device)
+    h = torch.empty(long_chunks.shape[0], HV, K, V, dtype=q.dtype, device=q.device)
     v_new = torch.empty(T, HV, V, dtype=q.dtype, device=q.device)
-    _launch(q, k, w, u, g, cu_seqlens, scale, v_new, final, None, chunk, long_tiles or tiles, part=LONG, split=split,
-            h=h, v_new=v_new, rows=long_rows)
-    o = outputs(h, v_new)
-    _launch(q, k, w, u, g, cu_seqlens, scale, o, final, None, chunk, tiles, part=SHORT, split=split)
+    _launch(q, k, w, u, g, sequences, scale, v_new, final, None, chunk, long_tiles or LONG_TILES, part=LONG,
+            split=split, h=h, v_new=v_new, rows=long_rows)
+    if outputs is None:
+        o = chunk_outputs(q, k, v_new, h, g, cu_seqlens, long_chunks, scale, torch.empty_like(v_new), chunk,
+                          output_tiles)
+    else:
+        o = outputs(h, v_new)
+    _launch(q, k, w, u, g, sequences, scale, o, final, None, chunk, tiles, part=SHORT, split=split)
     return o, final

@@ -117,9 +117,11 @@ def _state_chain_kernel(q_ptr, k_ptr, w_ptr, u_ptr, g_ptr, o_ptr, h0_ptr, ht_ptr
 
 
 
-# the outputs kernel's (value columns, warps, stages), and the LONG chain's (bench_state_chain.py on the H200, session
-# 31: the LONG chain at 3 stages 0.093 vs 0.114 ms a layer on a 2,000-token state, 0.343 vs 0.421 on QuALITY's)
-OUTPUT_TILES = (64, 4, 2)
+# the outputs kernel's (value columns, warps, stages), and the LONG chain's (bench_state_chain.py, session 31: on the
+# H200 the LONG chain at 3 stages 0.093 vs 0.114 ms a layer on a 2,000-token state, 0.343 vs 0.421 on QuALITY's; on an
+# H100 the split call with outputs at BV 128 / 8 warps 0.0846 vs 0.0864-0.0912 ms for the other tiles on the
+# 2,000-token state, 0.306 vs 0.315-0.347 on QuALITY's, against fla's h + o 0.081 / 0.302; the same bits)
+OUTPUT_TILES = (128, 8, 2)
 LONG_TILES = (32, 4, 3)
 
 

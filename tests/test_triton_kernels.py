@@ -502,16 +502,15 @@ else:
             o[lo:hi] = (inter + torch.einsum("hij,jhv->ihv", a, vc)) * scale
         return o
 
-    @pytest.mark.parametrize("split, K, halves", [(40, 16, False), (100, 16, False), (40, 32, True), (100, 32, True)])
-    def test_gated_delta_state_chain_split_matches_the_reference(split, K, halves):
+    @pytest.mark.parametrize("split", [40, 100])
+    def test_gated_delta_state_chain_split_matches_the_reference(split):
         """`state_chain_split`: sequences over `split` tokens through the LONG chain (states and new values stored at
         the rows of `fla.split_tables`) and an o step over their chunk rows (here fla's in torch), the others
         through the SHORT fused chain into the same output: every state row and final state equal to the reference's
-        state call in fp32, the LONG part's states and new values those of the one-step chain. `halves`: the LONG part
-        as the kernel that holds the state in two K halves."""
+        state call in fp32, the LONG part's states and new values those of the one-step chain."""
         from flide.ops.gated_delta import fla as delta_fla
 
-        Hk, Hv, V = 2, 4, 32
+        Hk, Hv, K, V = 2, 4, 16, 32
         tokens = 600
         r = tiny_round(tokens, seed=split, max_state=220)
         q, k, v, g, beta = gdn_inputs(tokens, (Hk, Hv, K, V), seed=33, decay=0.05)
@@ -530,10 +529,10 @@ else:
             return chunk_outputs_reference(q, k, v_new, h, gamma, cu_all, long_chunks, 0.3)
 
         out, final = delta_chain.state_chain_split(q, k, w, u, gamma, cu_all, 0.3, split, long_chunks, long_offsets,
-                                                   outputs, long_halves=halves)
+                                                   outputs)
         # and with its own outputs kernel (the default): the same outputs as the oracle's o step
         own, own_final = delta_chain.state_chain_split(q, k, w, u, gamma, cu_all, 0.3, split, long_chunks,
-                                                       long_offsets, long_halves=halves)
+                                                       long_offsets)
         rows = torch.zeros(tokens, dtype=torch.bool)
         for start, length in zip(r.state_start.tolist(), r.state_len.tolist()):
             rows[start:start + length] = True

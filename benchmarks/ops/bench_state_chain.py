@@ -54,9 +54,6 @@ def main() -> None:
     parser.add_argument("--output-tiles", nargs="*", default=[], metavar="BV,WARPS,STAGES",
                         help="the outputs kernel's tiles (default: state_chain.OUTPUT_TILES)")
     parser.add_argument("--fla-outputs", action="store_true", help="also the split call with fla's o step")
-    parser.add_argument("--long-halves", nargs="*", default=None, metavar="BV,WARPS,STAGES",
-                        help="also the split call with the LONG part holding the state in two K halves "
-                             "(`_long_chain_halves_kernel`), at these tiles (none given: LONG_TILES)")
     args = parser.parse_args()
     tiles_swept = [tuple(int(x) for x in t.split(",")) for t in args.tiles] if args.tiles is not None else TILES
     long_tiles = [None, *(tuple(int(x) for x in t.split(",")) for t in args.long_tiles)]
@@ -64,9 +61,6 @@ def main() -> None:
     # (LONG tiles, outputs tiles, fla's o step): each variant with the other's default
     variants = [(lt, None, False) for lt in long_tiles] + [(None, ot, False) for ot in output_tiles[1:]]
     variants += [(None, None, True)] if args.fla_outputs else []
-    # (LONG tiles, halves): the LONG part as the halves kernel
-    halves = [] if args.long_halves is None else [None, *(tuple(int(x) for x in t.split(",")) for t in args.long_halves)]
-    variants = [(*v, False) for v in variants] + [(lt, None, False, True) for lt in halves]
     device = "cuda"
     hk, hv, dim = 16, args.value_heads, 128
     cumsum, intra, fwd_h, fwd_o, rcp_ln2 = fla._fla_steps()  # with Flide's sm_90 pins
@@ -97,23 +91,22 @@ def main() -> None:
         print(json.dumps(base_row), flush=True)
         for split in args.split_tokens:
             long_chunks, long_offsets = fla.split_tables(cu, chunks.shape[0], split)
-            for lt, ot, fla_o, long_halves in variants:
+            for lt, ot, fla_o in variants:
                 def outputs(h, v_new, long_chunks=long_chunks):
                     return fwd_o(q=q[None], k=k[None], v=v_new[None], h=h[None], g=gc, scale=scale, cu_seqlens=cu,
                                  chunk_size=GDN_CHUNK, chunk_indices=long_chunks)[0]
 
-                def split_call(split=split, lt=lt, ot=ot, fla_o=fla_o, long_halves=long_halves,
-                               long_chunks=long_chunks, long_offsets=long_offsets, outputs=outputs):
+                def split_call(split=split, lt=lt, ot=ot, fla_o=fla_o, long_chunks=long_chunks,
+                               long_offsets=long_offsets, outputs=outputs):
                     return state_chain.state_chain_split(q, k, w[0], u[0], gc[0], cu, scale, split, long_chunks,
                                                          long_offsets, outputs if fla_o else None, long_tiles=lt,
-                                                         output_tiles=ot, long_halves=long_halves)
+                                                         output_tiles=ot)
 
                 o, final = split_call()
                 torch.cuda.synchronize()
                 ms = do_bench_cudagraph(split_call, return_mode="median")
                 n = final.shape[0]  # the split call's sequences: without the trailing empty one, as in the engine
-                tiles_name = ("fla o" if fla_o else "long " + ("halves " if long_halves else "")
-                              + ("BV{},w{},s{}".format(*lt) if lt else "default")
+                tiles_name = ("fla o" if fla_o else "long " + ("BV{},w{},s{}".format(*lt) if lt else "default")
                               + (", out BV{},w{},s{}".format(*ot) if ot else ""))
                 rows.append({"stream": name, "tokens": T, "value_heads": hv, "kernel": f"split@{split}",
                              "tiles": tiles_name, "ms": ms, "vs_fla": ms / base,

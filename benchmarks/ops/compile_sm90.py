@@ -178,13 +178,6 @@ def main() -> int:
                  PART=getattr(state_chain, part).value),
             dict(zip(("num_warps", "num_stages"), state_chain.LONG_TILES[1:])) if part == "LONG" else
             {"num_warps": state_chain.NUM_WARPS, "num_stages": state_chain.NUM_STAGES})
-    for hv in (16, 32):  # the split call's LONG part with the state in two K halves
-        bv, warps, stages = state_chain.LONG_TILES
-        ok &= compile_one(
-            f"gated_delta split call LONG (K halves) bf16 Hv{hv}", state_chain._long_chain_halves_kernel,
-            {n: "*bf16" for n in ("k_ptr", "w_ptr", "u_ptr", "h_ptr", "vn_ptr")} | {"g_ptr": "*fp32", "ht_ptr": "*fp32"},
-            "*i64", {"T": "i32", "split": "i32"}, dict(H=16, HV=hv, K=128, V=128, BT=64, BV=bv),
-            {"num_warps": warps, "num_stages": stages})
     for hv in (16, 32):  # the split call's outputs kernel
         bv, warps, stages = state_chain.OUTPUT_TILES
         ok &= compile_one(

@@ -117,70 +117,12 @@ def _state_chain_kernel(q_ptr, k_ptr, w_ptr, u_ptr, g_ptr, o_ptr, h0_ptr, ht_ptr
 
 
 
-
-@triton.jit(do_not_specialize=["T", "split"])
-def _long_chain_halves_kernel(k_ptr, w_ptr, u_ptr, g_ptr, ht_ptr, cu_ptr, h_ptr, vn_ptr, rows_ptr, T, split,
-                              H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                              BV: tl.constexpr):
-    """The LONG part with the state held as two [K / 2, BV] halves, as fla's h kernel holds it in 64-row blocks:
-    the halves' update products are independent of each other (two shorter dependency chains a step instead of one
-    K-deep one). The new values take the halves' products chained through one accumulator (fla's order; the single
-    K product of `_state_chain_kernel` takes the same K steps), so the stored h, v_new and final states are the same."""
-    i_v = tl.program_id(0)
-    i_nh = tl.program_id(1).to(tl.int64)
-    i_n = i_nh // HV
-    i_h = i_nh % HV
-    i_hk = i_h // (HV // H)
-    bos = tl.load(cu_ptr + i_n).to(tl.int64)
-    n = tl.load(cu_ptr + i_n + 1).to(tl.int64) - bos
-    if n <= split:
-        return
-    row0 = tl.load(rows_ptr + i_n).to(tl.int64)
-    KH: tl.constexpr = K // 2
-    o_k = tl.arange(0, KH)
-    o_v = i_v * BV + tl.arange(0, BV)
-    o_t = tl.arange(0, BT)
-    v_ok = o_v < V
-    half_at = o_k[:, None] * V + o_v[None, :]  # a half's [KH, BV] offsets within a [K, V] state
-    S1 = tl.zeros([KH, BV], dtype=tl.float32)
-    S2 = tl.zeros([KH, BV], dtype=tl.float32)
-    for c0 in range(0, n, BT):
-        t = bos + c0 + o_t
-        t_ok = (c0 + o_t) < n
-        p_kt = k_ptr + (t[None, :] * H + i_hk) * K + o_k[:, None]  # [KH, BT]
-        b_k1t = tl.load(p_kt, mask=t_ok[None, :], other=0.0)
-        b_k2t = tl.load(p_kt + KH, mask=t_ok[None, :], other=0.0)
-        p_w = w_ptr + (t[:, None] * HV + i_h) * K + o_k[None, :]  # [BT, KH]
-        b_w1 = tl.load(p_w, mask=t_ok[:, None], other=0.0)
-        b_w2 = tl.load(p_w + KH, mask=t_ok[:, None], other=0.0)
-        p_uo = (t[:, None] * HV + i_h) * V + o_v[None, :]
-        m_uo = t_ok[:, None] & v_ok[None, :]
-        b_u = tl.load(u_ptr + p_uo, mask=m_uo, other=0.0)
-        b_g = tl.load(g_ptr + t * HV + i_h, mask=t_ok, other=0.0).to(tl.float32)
-        g_last = tl.load(g_ptr + (bos + tl.minimum(c0 + BT, n) - 1) * HV + i_h).to(tl.float32)
-        b_s1 = S1.to(b_w1.dtype)
-        b_s2 = S2.to(b_w1.dtype)
-        h_at = ((row0 + c0 // BT) * HV + i_h) * K * V + half_at
-        tl.store(h_ptr + h_at, b_s1, mask=v_ok[None, :])
-        tl.store(h_ptr + h_at + KH * V, b_s2, mask=v_ok[None, :])
-        b_v = b_u - tl.dot(b_w2, b_s2, tl.dot(b_w1, b_s1))
-        tl.store(vn_ptr + p_uo, b_v.to(vn_ptr.dtype.element_ty), mask=m_uo)
-        b_v = (b_v * tl.where(t_ok, tl.exp2(g_last - b_g), 0.0)[:, None]).to(b_k1t.dtype)
-        decay = tl.exp2(g_last)
-        S1 = tl.dot(b_k1t, b_v, S1 * decay)
-        S2 = tl.dot(b_k2t, b_v, S2 * decay)
-    tl.store(ht_ptr + i_nh * K * V + half_at, S1, mask=v_ok[None, :])
-    tl.store(ht_ptr + i_nh * K * V + KH * V + half_at, S2, mask=v_ok[None, :])
-
-
 # the outputs kernel's (value columns, warps, stages), and the LONG chain's (bench_state_chain.py, session 31: on the
 # H200 the LONG chain at 3 stages 0.093 vs 0.114 ms a layer on a 2,000-token state, 0.343 vs 0.421 on QuALITY's; on an
 # H100 the split call with outputs at BV 128 / 8 warps 0.0846 vs 0.0864-0.0912 ms for the other tiles on the
 # 2,000-token state, 0.306 vs 0.315-0.347 on QuALITY's, against fla's h + o 0.081 / 0.302; the same bits)
 OUTPUT_TILES = (128, 8, 2)
 LONG_TILES = (32, 4, 3)
-# the LONG part as `_long_chain_halves_kernel` (key head dims of 32 and more)
-LONG_K_HALVES = False
 
 
 @triton.jit
@@ -294,8 +236,7 @@ def state_chain_split(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torc
                       outputs: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
                       chunk: int = 64, tiles: tuple[int, int, int] | None = None,
                       long_tiles: tuple[int, int, int] | None = None,
-                      output_tiles: tuple[int, int, int] | None = None,
-                      long_halves: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      output_tiles: tuple[int, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`state_chain` (from zero states) of the N sequences of `cu_seqlens` [N + 2] (the last one empty: the one that
     spare chunk rows name), with those of more than `split` tokens run as fla runs them: the chain stores the state
     before each chunk (h [R, Hv, K, V] in q's dtype, row `long_rows[n] + c` for chunk c of sequence n) and each
@@ -305,24 +246,15 @@ def state_chain_split(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torc
     writes their rows of that o. Same results as `state_chain` (the same products in the same order: the same bits
     on the H200), but a long sequence's chain step no longer waits on its outputs' products, and the short ones keep
     the fused launch (no h round trip). Final states: [N, Hv, K, V]. `long_tiles`, `output_tiles`: the LONG chain's
-    and the outputs kernel's (value columns, warps, stages). `long_halves`: the LONG part as the halves kernel (None:
-    LONG_K_HALVES)."""
+    and the outputs kernel's (value columns, warps, stages)."""
     _check(q, k, w, u, g)
     T, HV, V, K = k.shape[0], u.shape[1], u.shape[2], k.shape[2]
     sequences = cu_seqlens[:-1]  # the chains' sequences, without the trailing empty one
     final = torch.empty(sequences.shape[0] - 1, HV, K, V, dtype=torch.float32, device=q.device)
     h = torch.empty(long_chunks.shape[0], HV, K, V, dtype=q.dtype, device=q.device)
     v_new = torch.empty(T, HV, V, dtype=q.dtype, device=q.device)
-    if (LONG_K_HALVES if long_halves is None else long_halves) and K >= 32:
-        BV, warps, stages = long_tiles or LONG_TILES
-        BV = min(BV, triton.next_power_of_2(V))
-        _long_chain_halves_kernel[(triton.cdiv(V, BV), (sequences.shape[0] - 1) * HV)](
-            k.contiguous(), w.contiguous(), u.contiguous(), g.float().contiguous(), final, sequences.contiguous(), h,
-            v_new, long_rows.contiguous(), T, int(split), H=k.shape[1], HV=HV, K=K, V=V, BT=chunk, BV=BV,
-            num_warps=warps, num_stages=stages)
-    else:
-        _launch(q, k, w, u, g, sequences, scale, v_new, final, None, chunk, long_tiles or LONG_TILES, part=LONG,
-                split=split, h=h, v_new=v_new, rows=long_rows)
+    _launch(q, k, w, u, g, sequences, scale, v_new, final, None, chunk, long_tiles or LONG_TILES, part=LONG,
+            split=split, h=h, v_new=v_new, rows=long_rows)
     if outputs is None:
         o = chunk_outputs(q, k, v_new, h, g, cu_seqlens, long_chunks, scale, torch.empty_like(v_new), chunk,
                           output_tiles)

@@ -55,6 +55,17 @@ LONG = tl.constexpr(2)  # the longer ones: the state before each chunk and the c
 #                         step stores them
 
 
+@triton.jit
+def _chunk_output(b_q, b_s, b_kt, b_v, b_g, t_ok, causal, scale):
+    """One chunk's outputs [BT, BV] float32 from the state before it (b_s [K, BV], in the inputs' dtype) and its new
+    values (b_v [BT, BV], rounded to the inputs' dtype here, as fla stores them): fla's o step's products, shared by
+    the fused chain and the split call's outputs kernel so that both keep fla's bits."""
+    b_o = tl.dot(b_q, b_s) * tl.exp2(b_g)[:, None]
+    b_a = tl.dot(b_q, b_kt) * tl.exp2(b_g[:, None] - b_g[None, :])
+    b_a = tl.where(causal & t_ok[:, None] & t_ok[None, :], b_a, 0.0)
+    return b_o * scale + tl.dot(b_a.to(b_q.dtype), b_v.to(b_q.dtype)) * scale
+
+
 @triton.jit(do_not_specialize=["T", "split"])
 def _state_chain_kernel(q_ptr, k_ptr, w_ptr, u_ptr, g_ptr, o_ptr, h0_ptr, ht_ptr, cu_ptr, h_ptr, vn_ptr, rows_ptr,
                         scale, T, split, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -104,17 +115,13 @@ def _state_chain_kernel(q_ptr, k_ptr, w_ptr, u_ptr, g_ptr, o_ptr, h0_ptr, ht_ptr
         else:
             # the chunk's outputs (off the chain)
             b_q = tl.load(q_ptr + (t[:, None] * H + i_hk) * K + o_k[None, :], mask=t_ok[:, None], other=0.0)
-            b_o = tl.dot(b_q, b_s) * tl.exp2(b_g)[:, None]
-            b_a = tl.dot(b_q, b_kt) * tl.exp2(b_g[:, None] - b_g[None, :])
-            b_a = tl.where(causal & t_ok[:, None] & t_ok[None, :], b_a, 0.0)
-            b_o = b_o * scale + tl.dot(b_a.to(b_w.dtype), b_v.to(b_w.dtype)) * scale
+            b_o = _chunk_output(b_q, b_s, b_kt, b_v, b_g, t_ok, causal, scale)
             tl.store(o_ptr + p_uo, b_o.to(o_ptr.dtype.element_ty), mask=m_uo)
         # the state after the chunk
         b_v = b_v * tl.where(t_ok, tl.exp2(g_last - b_g), 0.0)[:, None]
         S = S * tl.exp2(g_last)
         S = tl.dot(b_kt, b_v.to(b_kt.dtype), S)
     tl.store(ht_ptr + state_at, S, mask=v_ok[None, :])
-
 
 
 # the outputs kernel's (value columns, warps, stages), and the LONG chain's (bench_state_chain.py, session 31: on the
@@ -155,10 +162,7 @@ def _chunk_outputs_kernel(q_ptr, k_ptr, vn_ptr, h_ptr, g_ptr, o_ptr, cu_ptr, chu
     m_vo = t_ok[:, None] & v_ok[None, :]
     b_v = tl.load(vn_ptr + p_vo, mask=m_vo, other=0.0)
     b_g = tl.load(g_ptr + t * HV + i_h, mask=t_ok, other=0.0).to(tl.float32)
-    b_o = tl.dot(b_q, b_s) * tl.exp2(b_g)[:, None]
-    b_a = tl.dot(b_q, b_kt) * tl.exp2(b_g[:, None] - b_g[None, :])
-    b_a = tl.where((o_t[:, None] >= o_t[None, :]) & t_ok[:, None] & t_ok[None, :], b_a, 0.0)
-    b_o = b_o * scale + tl.dot(b_a.to(b_v.dtype), b_v) * scale
+    b_o = _chunk_output(b_q, b_s, b_kt, b_v, b_g, t_ok, o_t[:, None] >= o_t[None, :], scale)
     tl.store(o_ptr + p_vo, b_o.to(o_ptr.dtype.element_ty), mask=m_vo)
 
 

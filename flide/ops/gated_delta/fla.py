@@ -234,8 +234,8 @@ FUSED_INITIAL_STATES = True
 # With `chunk_outputs` (spare rows skipped) and the LONG chain at 3 stages, on an H100 (same-call A/B, split vs not,
 # `h100_profile_0_8b_session31_{split_own_o_bv128,nosplit_2}.json`): race@16 26.78 vs 28.02, MultiRC@8 44.45 vs
 # 46.24, sweep 64 15.95 vs 16.07, but QuALITY 31.08 vs 30.76 and sweep 1 8.71 vs 8.43: the outputs kernel beats
-# fla's o (sweep 1 0.50 vs 0.69 ms over 18 layers), the LONG chain is still ~1.4x fla's h (1.15 vs 0.83). On while
-# rounds of many short states gain more than single long states lose; the LONG chain's speed is the open part.
+# fla's o (sweep 1 0.50 vs 0.69 ms over 18 layers), the LONG chain is still ~1.4x fla's h (1.15 vs 0.83). On
+# because rounds of many short states gain more than single long states lose; the LONG chain's speed is open.
 FUSED_SPLIT = True
 
 

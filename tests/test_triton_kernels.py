@@ -502,16 +502,14 @@ else:
             o[lo:hi] = (inter + torch.einsum("hij,jhv->ihv", a, vc)) * scale
         return o
 
-    @pytest.mark.parametrize("ordered", [True, False], ids=["long-ordered", "long-part"])
     @pytest.mark.parametrize("split", [40, 100])
-    def test_gated_delta_state_chain_split_matches_the_reference(split, ordered, monkeypatch):
+    def test_gated_delta_state_chain_split_matches_the_reference(split):
         """`state_chain_split`: sequences over `split` tokens through the LONG chain (states and new values stored at
         the rows of `fla.split_tables`) and an o step over their chunk rows (here fla's in torch), the others
         through the SHORT fused chain into the same output: every state row and final state equal to the reference's
         state call in fp32, the LONG part's states and new values those of the one-step chain."""
         from flide.ops.gated_delta import fla as delta_fla
 
-        monkeypatch.setattr(delta_chain, "ORDERED_LONG", ordered)  # the long chain's two kernels
         Hk, Hv, K, V = 2, 4, 16, 32
         tokens = 600
         r = tiny_round(tokens, seed=split, max_state=220)

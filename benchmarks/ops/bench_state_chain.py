@@ -54,18 +54,13 @@ def main() -> None:
     parser.add_argument("--output-tiles", nargs="*", default=[], metavar="BV,WARPS,STAGES",
                         help="the outputs kernel's tiles (default: state_chain.OUTPUT_TILES)")
     parser.add_argument("--fla-outputs", action="store_true", help="also the split call with fla's o step")
-    parser.add_argument("--long-kernels", nargs="+", default=["ordered"], choices=["ordered", "part"],
-                        help="the long chain's kernels timed with each --long-tiles: `_long_chain_kernel` (fla's "
-                             "load order, state_chain.ORDERED_LONG) and/or the PART LONG binary")
     args = parser.parse_args()
     tiles_swept = [tuple(int(x) for x in t.split(",")) for t in args.tiles] if args.tiles is not None else TILES
     long_tiles = [None, *(tuple(int(x) for x in t.split(",")) for t in args.long_tiles)]
     output_tiles = [None, *(tuple(int(x) for x in t.split(",")) for t in args.output_tiles)]
-    # (LONG tiles, outputs tiles, fla's o step, long kernel ordered): each variant with the others' defaults
-    ordered = [kind == "ordered" for kind in args.long_kernels]
-    variants = [(lt, None, False, o) for o in ordered for lt in long_tiles]
-    variants += [(None, ot, False, ordered[0]) for ot in output_tiles[1:]]
-    variants += [(None, None, True, ordered[0])] if args.fla_outputs else []
+    # (LONG tiles, outputs tiles, fla's o step): each variant with the other's default
+    variants = [(lt, None, False) for lt in long_tiles] + [(None, ot, False) for ot in output_tiles[1:]]
+    variants += [(None, None, True)] if args.fla_outputs else []
     device = "cuda"
     hk, hv, dim = 16, args.value_heads, 128
     cumsum, intra, fwd_h, fwd_o, rcp_ln2 = fla._fla_steps()  # with Flide's sm_90 pins
@@ -96,7 +91,7 @@ def main() -> None:
         print(json.dumps(base_row), flush=True)
         for split in args.split_tokens:
             long_chunks, long_offsets = fla.split_tables(cu, chunks.shape[0], split)
-            for lt, ot, fla_o, long_ordered in variants:
+            for lt, ot, fla_o in variants:
                 def outputs(h, v_new, long_chunks=long_chunks):
                     return fwd_o(q=q[None], k=k[None], v=v_new[None], h=h[None], g=gc, scale=scale, cu_seqlens=cu,
                                  chunk_size=GDN_CHUNK, chunk_indices=long_chunks)[0]
@@ -107,13 +102,11 @@ def main() -> None:
                                                          long_offsets, outputs if fla_o else None, long_tiles=lt,
                                                          output_tiles=ot)
 
-                state_chain.ORDERED_LONG = long_ordered
                 o, final = split_call()
                 torch.cuda.synchronize()
                 ms = do_bench_cudagraph(split_call, return_mode="median")
                 n = final.shape[0]  # the split call's sequences: without the trailing empty one, as in the engine
-                tiles_name = ("fla o" if fla_o else ("long " if long_ordered else "long part ")
-                              + ("BV{},w{},s{}".format(*lt) if lt else "default")
+                tiles_name = ("fla o" if fla_o else "long " + ("BV{},w{},s{}".format(*lt) if lt else "default")
                               + (", out BV{},w{},s{}".format(*ot) if ot else ""))
                 rows.append({"stream": name, "tokens": T, "value_heads": hv, "kernel": f"split@{split}",
                              "tiles": tiles_name, "ms": ms, "vs_fla": ms / base,

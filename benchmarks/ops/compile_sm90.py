@@ -178,13 +178,6 @@ def main() -> int:
             {"g_ptr": "*fp32", "h0_ptr": "*fp32", "ht_ptr": "*fp32"}, "*i64", {"scale": "fp32", "split": "i32"},
             dict(H=16, HV=hv, K=128, V=128, BT=64, BV=bv, USE_H0=h0, PART=getattr(state_chain, part).value),
             {"num_warps": warps, "num_stages": stages})
-    for hv in (16, 32):  # the split call's long chain in fla's load order (state_chain.ORDERED_LONG)
-        bv, warps, stages = state_chain.LONG_TILES
-        ok &= compile_one(
-            f"gated_delta split call long chain (ordered) bf16 Hv{hv}", state_chain._long_chain_kernel,
-            {n: "*bf16" for n in ("k_ptr", "w_ptr", "u_ptr", "h_ptr", "vn_ptr")} | {"g_ptr": "*fp32", "ht_ptr": "*fp32"},
-            "*i64", {"split": "i32"}, dict(H=16, HV=hv, K=128, V=128, BT=64, BV=bv),
-            {"num_warps": warps, "num_stages": stages})
     for hv in (16, 32):  # the split call's outputs kernel
         bv, warps, stages = state_chain.OUTPUT_TILES
         ok &= compile_one(

@@ -363,8 +363,7 @@ def test_fused_state_chain_matches_fla_steps(tokens, heads, monkeypatch):
 
 @pytest.mark.parametrize("tokens", [3600, 8192])
 @pytest.mark.parametrize("heads", [(16, 16), (16, 32)], ids=["Hk16-Hv16", "Hk16-Hv32"])
-@pytest.mark.parametrize("ordered", [True, False], ids=["long-ordered", "long-part"])
-def test_split_state_chain_matches_fla_steps(tokens, heads, ordered, monkeypatch):
+def test_split_state_chain_matches_fla_steps(tokens, heads, monkeypatch):
     """fla.FUSED_SPLIT: in a bucket over FUSED_MAX_TOKENS (here 300, so that a random round holds states on both
     sides) the state call from the round's tables runs its short states through the fused chain and its long ones
     through the LONG chain + the outputs kernel over their chunk rows (`split_tables`): the fork's outputs and final states
@@ -374,7 +373,6 @@ def test_split_state_chain_matches_fla_steps(tokens, heads, ordered, monkeypatch
     from flide.ops.gated_delta import state_chain
 
     monkeypatch.setattr(fla_module, "FUSED_MAX_TOKENS", 300)
-    monkeypatch.setattr(state_chain, "ORDERED_LONG", ordered)  # both long-chain kernels (state_chain.ORDERED_LONG)
     x, r = inputs(tokens, torch.bfloat16, seed=tokens + heads[1] + 11, hk=heads[0], hv=heads[1])
     lens = r.state_len
     assert (lens > 300).any() and ((lens > 0) & (lens <= 300)).any()

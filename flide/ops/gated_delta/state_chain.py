@@ -124,67 +124,12 @@ def _state_chain_kernel(q_ptr, k_ptr, w_ptr, u_ptr, g_ptr, o_ptr, h0_ptr, ht_ptr
     tl.store(ht_ptr + state_at, S, mask=v_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["split"])
-def _long_chain_kernel(k_ptr, w_ptr, u_ptr, g_ptr, ht_ptr, cu_ptr, h_ptr, vn_ptr, rows_ptr, split, H: tl.constexpr,
-                       HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr):
-    """The split call's chain for its sequences of more than `split` tokens (the others return at once): PART LONG's
-    equations and roundings (so the same bits), with each step's loads issued where fla's h kernel issues them,
-    next to the product that takes them, instead of all at the top of the step: the state before the chunk stored
-    first (nothing waits on that store), then w and its product, u, the new values stored, the gates, then k and the
-    state's update. Pointers advance by whole chunks, so the per-element offsets stay within one chunk (int32)."""
-    i_v = tl.program_id(0)
-    i_nh = tl.program_id(1).to(tl.int64)
-    i_n = i_nh // HV
-    i_h = i_nh % HV
-    i_hk = i_h // (HV // H)
-    bos = tl.load(cu_ptr + i_n).to(tl.int64)
-    n = tl.load(cu_ptr + i_n + 1).to(tl.int64) - bos
-    if n <= split:
-        return
-    row0 = tl.load(rows_ptr + i_n).to(tl.int64)  # the sequence's first chunk row of h (`split_tables`)
-    k_ptr += (bos * H + i_hk) * K
-    w_ptr += (bos * HV + i_h) * K
-    u_ptr += (bos * HV + i_h) * V
-    vn_ptr += (bos * HV + i_h) * V
-    g_ptr += bos * HV + i_h
-    h_ptr += (row0 * HV + i_h) * K * V
-    o_k = tl.arange(0, K)
-    o_v = i_v * BV + tl.arange(0, BV)
-    o_t = tl.arange(0, BT)
-    v_ok = o_v < V
-    at_k_v = o_k[:, None] * V + o_v[None, :]
-    at_w = o_t[:, None] * (HV * K) + o_k[None, :]
-    at_uv = o_t[:, None] * (HV * V) + o_v[None, :]
-    at_kt = o_t[None, :] * (H * K) + o_k[:, None]
-    S = tl.zeros([K, BV], dtype=tl.float32)
-    for c0 in range(0, n, BT):
-        t_ok = (c0 + o_t) < n
-        m_uv = t_ok[:, None] & v_ok[None, :]
-        b_s = S.to(w_ptr.dtype.element_ty)
-        tl.store(h_ptr + (c0 // BT) * (HV * K * V) + at_k_v, b_s, mask=v_ok[None, :])
-        b_w = tl.load(w_ptr + c0 * (HV * K) + at_w, mask=t_ok[:, None], other=0.0)
-        b_v = tl.dot(b_w, b_s)
-        b_v = tl.load(u_ptr + c0 * (HV * V) + at_uv, mask=m_uv, other=0.0) - b_v
-        tl.store(vn_ptr + c0 * (HV * V) + at_uv, b_v.to(vn_ptr.dtype.element_ty), mask=m_uv)
-        g_last = tl.load(g_ptr + (tl.minimum(c0 + BT, n) - 1) * HV).to(tl.float32)
-        b_g = tl.load(g_ptr + (c0 + o_t) * HV, mask=t_ok, other=0.0).to(tl.float32)
-        b_v = b_v * tl.where(t_ok, tl.exp2(g_last - b_g), 0.0)[:, None]
-        S = S * tl.exp2(g_last)
-        b_kt = tl.load(k_ptr + c0 * (H * K) + at_kt, mask=t_ok[None, :], other=0.0)  # [K, BT]
-        S = tl.dot(b_kt, b_v.to(b_kt.dtype), S)
-    tl.store(ht_ptr + i_nh * K * V + at_k_v, S, mask=v_ok[None, :])
-
-
 # the outputs kernel's (value columns, warps, stages), and the LONG chain's (bench_state_chain.py, session 31: on the
 # H200 the LONG chain at 3 stages 0.093 vs 0.114 ms a layer on a 2,000-token state, 0.343 vs 0.421 on QuALITY's; on an
 # H100 the split call with outputs at BV 128 / 8 warps 0.0846 vs 0.0864-0.0912 ms for the other tiles on the
 # 2,000-token state, 0.306 vs 0.315-0.347 on QuALITY's, against fla's h + o 0.081 / 0.302; the same bits)
 OUTPUT_TILES = (128, 8, 2)
 LONG_TILES = (32, 4, 3)
-# The split call's long sequences through `_long_chain_kernel` (fla's load order) instead of the PART LONG binary of
-# `_state_chain_kernel` (every load at the top of the step): the same bits; which is faster is measured by
-# bench_state_chain.py --long-kernels
-ORDERED_LONG = True
 
 
 @triton.jit
@@ -252,20 +197,6 @@ def _launch(q, k, w, u, g, cu_seqlens, scale, o, final, initial_state, chunk, ti
         BT=chunk, BV=BV, USE_H0=initial_state is not None, PART=part.value, num_warps=warps, num_stages=stages)
 
 
-def _launch_long(k, w, u, g, cu_seqlens, final, h, v_new, rows, split, chunk, tiles) -> None:
-    HK, K = k.shape[1], k.shape[2]
-    HV, V = u.shape[1], u.shape[2]
-    N = cu_seqlens.shape[0] - 1
-    if N == 0:
-        return
-    BV, warps, stages = tiles
-    BV = min(BV, triton.next_power_of_2(V))
-    _long_chain_kernel[(triton.cdiv(V, BV), N * HV)](
-        k.contiguous(), w.contiguous(), u.contiguous(), g.float().contiguous(), final, cu_seqlens.contiguous(), h,
-        v_new, rows.contiguous(), int(split), H=HK, HV=HV, K=K, V=V, BT=chunk, BV=BV, num_warps=warps,
-        num_stages=stages)
-
-
 def state_chain(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, g: torch.Tensor,
                 cu_seqlens: torch.Tensor, scale: float, initial_state: torch.Tensor | None = None,
                 chunk: int = 64, tiles: tuple[int, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -326,11 +257,8 @@ def state_chain_split(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torc
     final = torch.empty(sequences.shape[0] - 1, HV, K, V, dtype=torch.float32, device=q.device)
     h = torch.empty(long_chunks.shape[0], HV, K, V, dtype=q.dtype, device=q.device)
     v_new = torch.empty(T, HV, V, dtype=q.dtype, device=q.device)
-    if ORDERED_LONG:
-        _launch_long(k, w, u, g, sequences, final, h, v_new, long_rows, split, chunk, long_tiles or LONG_TILES)
-    else:
-        _launch(q, k, w, u, g, sequences, scale, v_new, final, None, chunk, long_tiles or LONG_TILES, part=LONG,
-                split=split, h=h, v_new=v_new, rows=long_rows)
+    _launch(q, k, w, u, g, sequences, scale, v_new, final, None, chunk, long_tiles or LONG_TILES, part=LONG,
+            split=split, h=h, v_new=v_new, rows=long_rows)
     if outputs is None:
         o = chunk_outputs(q, k, v_new, h, g, cu_seqlens, long_chunks, scale, torch.empty_like(v_new), chunk,
                           output_tiles)

@@ -253,6 +253,13 @@ def test_module_entry_point_dry_run():
     bad = subprocess.run(["python", "-m", "flide.bench", "configs/bench/cpu_smoke.yaml", "--engines", "vllm"],
                          cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
     assert bad.returncode == 2 and "vllm not in the config" in bad.stderr
+    # --concurrency: a subset of the config's levels (cpu_smoke has 1 and 4)
+    one = subprocess.run(["python", "-m", "flide.bench", "configs/bench/cpu_smoke.yaml", "--concurrency", "1",
+                          "--dry-run"], cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
+    assert one.returncode == 0 and "concurrency 1;" in one.stderr, one.stderr
+    bad = subprocess.run(["python", "-m", "flide.bench", "configs/bench/cpu_smoke.yaml", "--concurrency", "8"],
+                         cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
+    assert bad.returncode == 2 and "--concurrency: 8 not in the config; it has: 1, 4." in bad.stderr
 
 
 def test_latency_alone_stops_taking_samples_past_its_time_budget():

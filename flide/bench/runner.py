@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import datetime
 import gc
 import json
@@ -549,8 +550,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="results folder (default: the config's results_dir, benchmarks/results)")
     parser.add_argument("--workloads", nargs="+", help="run only these workloads of the config")
     parser.add_argument("--engines", nargs="+", help="run only these engines of the config (flide:<ablation> too)")
+    parser.add_argument("--concurrency", nargs="+", type=int, metavar="N",
+                        help="run only these submitter counts of the config (e.g. 1: latency alone and one "
+                             "submitter, every workload of a grid in a few minutes)")
     parser.add_argument("--merge", action="store_true",
-                        help="merge into existing results (default when --workloads or --engines is given)")
+                        help="merge into existing results (default when --workloads, --engines or --concurrency "
+                             "is given)")
     parser.add_argument("--commit", help="the commit recorded in each row (default: git rev-parse --short HEAD)")
     parser.add_argument("--reference-dir", help="fidelity mode: where the float32 reference answers are kept between "
                         "runs, <name>.reference.json (default: the results folder); runs in parts reuse them")
@@ -568,10 +573,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_bench_config(args.config)
         for flag, given, valid in (("--workloads", args.workloads, config.workloads),
-                                   ("--engines", args.engines, config.engine_names())):
-            unknown = [v for v in given or [] if v not in valid]
+                                   ("--engines", args.engines, config.engine_names()),
+                                   ("--concurrency", args.concurrency, config.concurrency)):
+            unknown = [str(v) for v in given or [] if v not in valid]
             if unknown:
-                raise ValueError(f"{flag}: {', '.join(unknown)} not in the config; it has: {', '.join(valid)}.")
+                raise ValueError(f"{flag}: {', '.join(unknown)} not in the config; it has: "
+                                 f"{', '.join(map(str, valid))}.")
+        if args.concurrency:
+            config = dataclasses.replace(config, concurrency=tuple(args.concurrency))
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -593,8 +602,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rewrote {', '.join(str(p) for k, p in paths.items() if k != 'json')}", file=sys.stderr)
         return 0
     if args.top_probability:
-        import dataclasses
-
         from .fidelity import format_top_probability, top_probability_table
 
         if any(scale <= 0 for scale in args.top_probability):
@@ -605,7 +612,7 @@ def main(argv: list[str] | None = None) -> int:
                                                            args.top_probability_requests)))
         return 0
     start = time.perf_counter()
-    merge = args.merge or bool(args.workloads or args.engines)
+    merge = args.merge or bool(args.workloads or args.engines or args.concurrency)
 
     def checkpoint(rows: list[dict]) -> None:  # the results so far (JSON and markdown), after every cell
         try:

@@ -58,10 +58,10 @@ class CapacityConfig:
     # `h100_profile_0_8b_session32_buckets_{fine,coarse}.json`): GPU ms sweep 1 (2,185 tokens: 2,304 vs 2,560) 8.42 vs
     # 8.79, sweep 8 (3,123: 3,584 vs 4,096) 13.77 vs 14.70, RACE 3.06 vs 3.06; reserved after start 3.242 vs 3.240 GiB
     # (the graphs share one pool, recorded largest bucket first: the extra graphs hold almost nothing; the 4.3 vs 2.7
-    # GiB of 2026-12-01 was before that); capture 32.9 vs 11.5 s with a warm compile cache (each bucket compiles and
-    # records its own graph). Under load (`flide serve`, H200, 2026-12-01, `h200_serve_ab_buckets.md`) this family gave
-    # 374 vs 392 req/s at 8 clients and 475 vs 457 at 32: within the run-to-run spread. Below 1,536 a round is
-    # latency-bound: six more buckets under 2,048 (384, 448, 640, 896, 1,152, 1,792; H200, 2026-12-01,
+    # GiB of 2026-12-01 was before that); capture 32.9 vs 11.5 s with a compile cache of the old family (each bucket
+    # compiles and records its own graph). Under load (`flide serve`, H200, 2026-12-01, `h200_serve_ab_buckets.md`) this
+    # family gave 374 vs 392 req/s at 8 clients and 475 vs 457 at 32: within the run-to-run spread. Below 1,536 a round
+    # is latency-bound: six more buckets under 2,048 (384, 448, 640, 896, 1,152, 1,792; H200, 2026-12-01,
     # `h200_profile_0_8b_buckets_small.json`) gave RACE (437 tokens) 3.52 ms in 448 vs 3.50 in 512, MultiRC (1,028) 5.96
     # in 1,152 vs 6.19 in 1,280. Up to 16,384: every single request of the benchmarks fits (QuALITY whole: ~8k tokens),
     # larger rounds split into several replays (with 32,768 as well, peak memory of 0.8B was 4.1 GiB on the H200, over

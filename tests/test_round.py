@@ -503,7 +503,8 @@ def test_fork_tables_equal_what_each_layer_derived(seed):
 
     tokens = [64, 256, 512, 1024, 2048, 640][seed]
     r = random_round_tensors(random.Random(seed), tokens, max_state=300 if seed % 2 else 40)
-    tables = fork_tables(r.state_start, r.state_len, r.branch_start, r.branch_len, r.state_chunks, r.branch_chunks)
+    tables = fork_tables(r.state_start, r.state_len, r.branch_start, r.branch_len, r.state_chunks, r.branch_chunks,
+                         branch_state=r.branch_state)
     NS = r.state_start.shape[0]
     end = r.state_start[:1] + r.state_len.sum(0, keepdim=True)
     derived = torch.cat([r.state_start[:1], r.state_start[:1] + r.state_len.cumsum(0), end])
@@ -522,6 +523,25 @@ def test_fork_tables_equal_what_each_layer_derived(seed):
             assert torch.equal(r.state_chunks[want_offsets[s]], torch.tensor([s, 0]))
     assert torch.equal(tables.states_end, end)
     assert torch.equal(tables.branches_end, r.branch_start[:1] + r.branch_len.sum(0, keepdim=True))
+
+
+def test_fork_tables_start_the_questions_of_empty_states_from_zero():
+    """`ForkTables.branch_from`: each question's state as `branch_state`, but -1 (a zero state, which is an empty
+    state's final state) where its state has no tokens (a request laid out without a trunk): the state call may then
+    leave empty sequences' final rows unwritten. Spare question rows (no tokens: their state is never read) take
+    state 0's (empty here)."""
+    from flide.ops.gated_delta import fork_tables
+    from flide.round import Shape, build_round
+    from flide.testing import synthetic_request
+
+    requests = [synthetic_request([], [[5, 6, 7]]), synthetic_request(list(range(100)), [[1, 2], [3]]),
+                synthetic_request([], [[8], [9, 10]])]
+    r = build_round(requests, Shape(256, 8, 16, 16, 2), pad_id=0).tensors
+    assert r.state_len[:3].tolist() == [0, 100, 0] and r.branch_state[:5].tolist() == [0, 1, 1, 2, 2]
+    tables = fork_tables(r.state_start, r.state_len, r.branch_start, r.branch_len, r.state_chunks,
+                         branch_state=r.branch_state)
+    assert tables.branch_from[:5].tolist() == [-1, 1, 1, -1, -1]
+    assert (r.branch_len[5:] == 0).all() and (tables.branch_from[5:] == -1).all()
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -549,7 +569,8 @@ def test_split_tables_list_the_long_states_chunks(seed):
     assert rows[:len(want)] == want and all(row == (NS, 0) for row in rows[len(want):])
     for s in long:
         assert rows[int(offsets[s])] == (s, 0)
-    tables = fork_tables(r.state_start, r.state_len, r.branch_start, r.branch_len, r.state_chunks)
+    tables = fork_tables(r.state_start, r.state_len, r.branch_start, r.branch_len, r.state_chunks,
+                         branch_state=r.branch_state)
     assert tables.long_chunks.numel() == 0 and tables.long_chunk_offsets.numel() == 0
 
 
@@ -565,7 +586,8 @@ def test_combined_tables_cover_states_then_questions(seed):
 
     tokens = [64, 256, 512, 1024, 2048, 640][seed]
     r = random_round_tensors(random.Random(seed), tokens, max_state=300 if seed % 2 else 40)
-    tables = fork_tables(r.state_start, r.state_len, r.branch_start, r.branch_len, r.state_chunks, r.branch_chunks)
+    tables = fork_tables(r.state_start, r.state_len, r.branch_start, r.branch_len, r.state_chunks, r.branch_chunks,
+                         branch_state=r.branch_state)
     NS, NB = r.state_start.shape[0], r.branch_start.shape[0]
     cu = tables.all_cu_seqlens
     assert cu.shape == (NS + NB + 2,) and torch.equal(cu[:NS + 1], tables.state_cu_seqlens[:NS + 1])

@@ -481,6 +481,13 @@ else:
         scale = max(1.0, want[rows].abs().max().item())
         torch.testing.assert_close(out[rows], want[rows], atol=2e-5 * scale, rtol=1e-5)
         torch.testing.assert_close(final, want_final, atol=2e-5 * max(1.0, want_final.abs().max().item()), rtol=1e-5)
+        if initial:  # an empty sequence's final state is then its initial state: it must be stored
+            with pytest.raises(ValueError, match="empty_finals"):
+                delta_chain.state_chain(q, k, w, u, gamma, cu, 0.3, h0, empty_finals=False)
+        else:  # the fork's form: the same rows and the same final states of every non-empty sequence
+            out_skip, final_skip = delta_chain.state_chain(q, k, w, u, gamma, cu, 0.3, empty_finals=False)
+            used = r.state_len > 0
+            assert torch.equal(out_skip[rows], out[rows]) and torch.equal(final_skip[used], final[used])
 
     def chunk_outputs_reference(q, k, v_new, h, gamma, cu, chunks, scale):
         """fla's o step in torch (fp32): each chunk row r = (sequence, chunk) of `chunks` takes the state h[r] before
@@ -541,6 +548,10 @@ else:
         torch.testing.assert_close(final, want_final, atol=2e-5 * max(1.0, want_final.abs().max().item()), rtol=1e-5)
         torch.testing.assert_close(own[rows], out[rows], atol=2e-5 * scale, rtol=1e-5)
         torch.testing.assert_close(own_final, final, atol=0, rtol=0)
+        if split == 100:  # the fork's form (`empty_finals=False`): the same except the empty sequences' final rows
+            skip, skip_final = delta_chain.state_chain_split(q, k, w, u, gamma, cu_all, 0.3, split, long_chunks,
+                                                             long_offsets, empty_finals=False)
+            assert torch.equal(skip[rows], own[rows]) and torch.equal(skip_final[lens > 0], own_final[lens > 0])
         # the LONG part stored, for each long sequence's chunk, the state the reference has before it
         for s_i in torch.nonzero(lens > split).flatten().tolist():
             start, length = int(r.state_start[s_i]), int(lens[s_i])

@@ -83,7 +83,8 @@ def state_call_inputs(shape: tuple, hk: int, hv: int, dim: int, device: str):
     q, k, v = prepare_qkv(q, k, v, True)
     g = -torch.nn.functional.softplus(torch.randn(T, hv, device=device, generator=gen)) * 0.5
     beta = torch.sigmoid(torch.randn(T, hv, device=device, generator=gen)).to(torch.bfloat16)
-    tables = fork_tables(r.state_start, r.state_len, r.branch_start, r.branch_len, r.state_chunks)
+    tables = fork_tables(r.state_start, r.state_len, r.branch_start, r.branch_len, r.state_chunks,
+                         branch_state=r.branch_state)
     return r, (q, k, v, g, beta), tables
 
 

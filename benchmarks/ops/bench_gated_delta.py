@@ -146,7 +146,7 @@ def main() -> None:
             # the model's path: the state call from the round's tables (fork_tables, once per forward), and the
             # `fla_wy` variant's fork (the questions' WY form from the state call, its chunked question call)
             tables = fork_tables(r.state_start, r.state_len, r.branch_start, r.branch_len, r.state_chunks,
-                                 r.branch_chunks)
+                                 r.branch_chunks, branch_state=r.branch_state)
             meta = (r.state_start, r.state_len, r.branch_start, r.branch_len, r.branch_state, scale, True)
             if STATE_KERNELS.get(kernel) is not None:
                 fns["fork:tables"] = partial(fork, kernel, q, kk, vv, decay, beta, *meta,

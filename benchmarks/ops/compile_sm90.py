@@ -167,16 +167,19 @@ def main() -> int:
                 dict(HK=16, HV=hv, K=128, V=128, BK=128, BV=questions_wy.BLOCK_V, BT=64, PRECISION="tf32"),
                 {"num_warps": questions_wy.NUM_WARPS, "num_stages": questions_wy.NUM_STAGES})
     # the state call's fused h + o steps (bf16 only), and the split call's parts (state_chain.SHORT / LONG)
-    for hv, h0, part in ((16, False, "EVERY"), (32, False, "EVERY"), (16, True, "EVERY"), (16, False, "SHORT"),
-                         (16, False, "LONG"), (32, False, "LONG")):
+    # (EMPTY_FINALS False: the fork's state call from the round's tables, `state_chain(empty_finals=False)`)
+    for hv, h0, part, empty in ((16, False, "EVERY", False), (32, False, "EVERY", True), (16, True, "EVERY", True),
+                                (16, False, "SHORT", False), (16, False, "LONG", True), (32, False, "LONG", True)):
         # the tiles each part launches at (`state_chain_split`: the LONG part at LONG_TILES)
         bv, warps, stages = (state_chain.LONG_TILES if part == "LONG" else
                              (state_chain.BLOCK_V, state_chain.NUM_WARPS, state_chain.NUM_STAGES))
         ok &= compile_one(
-            f"gated_delta state chain bf16 Hv{hv} initial states={h0} part {part}", state_chain._state_chain_kernel,
+            f"gated_delta state chain bf16 Hv{hv} initial states={h0} part {part} empty finals={empty}",
+            state_chain._state_chain_kernel,
             {n: "*bf16" for n in ("q_ptr", "k_ptr", "w_ptr", "u_ptr", "o_ptr", "h_ptr", "vn_ptr")} |
             {"g_ptr": "*fp32", "h0_ptr": "*fp32", "ht_ptr": "*fp32"}, "*i64", {"scale": "fp32", "split": "i32"},
-            dict(H=16, HV=hv, K=128, V=128, BT=64, BV=bv, USE_H0=h0, PART=getattr(state_chain, part).value),
+            dict(H=16, HV=hv, K=128, V=128, BT=64, BV=bv, USE_H0=h0, PART=getattr(state_chain, part).value,
+                 EMPTY_FINALS=empty),
             {"num_warps": warps, "num_stages": stages})
     for hv in (16, 32):  # the split call's outputs kernel
         bv, warps, stages = state_chain.OUTPUT_TILES

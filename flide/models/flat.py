@@ -96,13 +96,13 @@ class FlatBlock(nn.Module):
     def forward(self, h: torch.Tensor, pending: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cu_seqlens: torch.Tensor, chunk_offsets: torch.Tensor, states_end: torch.Tensor,
                 branches_end: torch.Tensor, all_cu_seqlens: torch.Tensor, all_chunks: torch.Tensor,
-                long_chunks: torch.Tensor, long_chunk_offsets: torch.Tensor,
+                long_chunks: torch.Tensor, long_chunk_offsets: torch.Tensor, branch_from: torch.Tensor,
                 *fields: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # the round's fields, then (nested forks) what is derived once per forward: the conv ranges
         # (`layers.conv_range`) and the branch rows' sub-trunk state slots (`layers.sub_state_slots`)
         r = RoundTensors(*fields[:ROUND_FIELDS])
         tables = ForkTables(cu_seqlens, r.state_chunks, chunk_offsets, states_end, branches_end, all_cu_seqlens,
-                            all_chunks, long_chunks, long_chunk_offsets)
+                            all_chunks, long_chunks, long_chunk_offsets, branch_from)
         nested = fields[ROUND_FIELDS:]
         conv, slots = (tuple(nested[:2]), nested[2]) if nested else (None, None)
         return self.run_deferred(h, pending, FlatContext(r, cos, sin, tables=tables, conv_range=conv,
@@ -185,7 +185,7 @@ class FlatModel(nn.Module):
             r = RoundTensors(*fields)
             # the GDN forks' round tables, once for all layers (not derived again in each)
             tables = fork_tables(r.state_start, r.state_len, r.branch_start, r.branch_len, r.state_chunks,
-                                 r.branch_chunks if self.wy else None)
+                                 r.branch_chunks if self.wy else None, branch_state=r.branch_state)
             # nested forks: the conv's ranges and the sub-trunk state slots once for all GDN layers (two pointwise
             # kernels a layer otherwise, and a dozen small ops)
             nested = (*conv_range(r), sub_state_slots(r)) if self.nested else ()
@@ -198,7 +198,8 @@ class FlatModel(nn.Module):
             for block in self.blocks[:-1]:
                 h, pending = block(h, pending, ctx.cos, ctx.sin, tables.state_cu_seqlens, tables.state_chunk_offsets,
                                    tables.states_end, tables.branches_end, tables.all_cu_seqlens, tables.all_chunks,
-                                   tables.long_chunks, tables.long_chunk_offsets, *fields, *nested)
+                                   tables.long_chunks, tables.long_chunk_offsets, tables.branch_from, *fields,
+                                   *nested)
             h = residual(h, pending)
         h = residual(h, last.mixer(last.normed(last.input_layernorm, h), flide=ctx))
         if self.selective:

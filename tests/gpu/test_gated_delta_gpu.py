@@ -241,17 +241,67 @@ def test_fork_from_round_tables_equals_fork_without(dtype):
     fla = kernel("fla")
     x, r = inputs(3072, dtype, seed=17)
     meta = (r.state_start, r.state_len, r.branch_start, r.branch_len, r.branch_state)
-    tables = fork_tables(r.state_start, r.state_len, r.branch_start, r.branch_len, r.state_chunks, r.branch_chunks)
+    tables = fork_tables(r.state_start, r.state_len, r.branch_start, r.branch_len, r.state_chunks, r.branch_chunks,
+                         branch_state=r.branch_state)
     o, finals = fork(fla, *x, *meta, 128 ** -0.5, True)
     o_t, finals_t = plain_fork(fla, *x, *meta, 128 ** -0.5, True, branch_kernel=BRANCH_KERNELS.get(fla),
                                state_kernel=STATE_KERNELS[fla], tables=tables)
-    assert torch.equal(finals_t, finals)
+    used = r.state_len > 0  # the state call from the tables leaves empty states' final rows unwritten (never read)
+    assert torch.equal(finals_t[used], finals[used])
     states = torch.arange(o.shape[0], device="cuda") < int(r.state_start[0] + r.state_len.sum())
     assert torch.equal(o_t[states], o[states])
     assert rel_err(o_t[~states], o[~states]) < (1e-6 if dtype == torch.float32 else 1e-2)
     ref_o, _ = plain_fork(kernel("reference"), *(t.float() if t.is_floating_point() else t for t in x), *meta,
                           128 ** -0.5, True)
     assert rel_err(o_t, ref_o) < TOL[dtype]
+
+
+@pytest.mark.parametrize("tokens", [512, 3072], ids=["fused-chain", "split-call"])
+def test_fork_from_round_tables_starts_questions_of_empty_states_from_zero(tokens):
+    """Requests laid out without a trunk (an empty state, as the `full` prompt mode lays them out) among others: the
+    state call from the tables leaves empty states' final rows unwritten (`state_chain(empty_finals=False)`: in both
+    the fused chain and the split call), and their questions start from zero (`ForkTables.branch_from`), so every
+    question row still matches the reference fork, and the questions of empty states are the same whatever else is
+    in the round."""
+    from flide.ops.gated_delta import STATE_KERNELS, fork_tables
+    from flide.round import Shape, build_round
+    from flide.testing import synthetic_request
+
+    rng = random.Random(tokens)
+    words = lambda n: [rng.randrange(1000) for _ in range(n)]  # noqa: E731
+    long = 1500 if tokens > 1024 else 200
+    requests = [synthetic_request([], [words(40)]), synthetic_request(words(long), [words(30), words(50)]),
+                synthetic_request([], [words(20), words(60)]), synthetic_request(words(90), [words(10)])]
+    r = build_round(requests, Shape(tokens, tokens // 64, tokens // 16, tokens // 16, 2), pad_id=0).tensors.to("cuda")
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    q, k = (torch.randn(tokens, 4, 128, device="cuda", generator=g).bfloat16() for _ in range(2))
+    v = torch.randn(tokens, 8, 128, device="cuda", generator=g).bfloat16()
+    decay = -F.softplus(torch.randn(tokens, 8, device="cuda", generator=g)) * 0.5
+    beta = torch.sigmoid(torch.randn(tokens, 8, device="cuda", generator=g)).bfloat16()
+    meta = (r.state_start, r.state_len, r.branch_start, r.branch_len, r.branch_state)
+    fla = kernel("fla")
+    tables = fork_tables(r.state_start, r.state_len, r.branch_start, r.branch_len, r.state_chunks,
+                         branch_state=r.branch_state)
+    assert (tables.branch_from[:5] == torch.tensor([-1, 1, 1, -1, -1], device="cuda")).all()
+    o, _ = plain_fork(fla, q, k, v, decay, beta, *meta, 128 ** -0.5, True, branch_kernel=BRANCH_KERNELS[fla],
+                      state_kernel=STATE_KERNELS[fla], tables=tables)
+    ref_o, _ = plain_fork(kernel("reference"), q.float(), k.float(), v.float(), decay, beta.float(), *meta,
+                          128 ** -0.5, True)
+    end = int(r.branch_start[0] + r.branch_len.sum())
+    assert rel_err(o[:end], ref_o[:end]) < TOL[torch.bfloat16]
+    # the first request's question alone in a round: the same bits (an empty state's question reads no final row)
+    alone = build_round(requests[:1], Shape(tokens, tokens // 64, tokens // 16, tokens // 16, 2),
+                        pad_id=0).tensors.to("cuda")
+    n = int(alone.branch_len[0])
+    lo = int(r.branch_start[0])
+    rows = lambda x: torch.cat([x[lo:lo + n], x[n:]])  # noqa: E731  the question's rows first, the rest after
+    xa = [rows(x) if x.shape[0] == tokens else x for x in (q, k, v, decay, beta)]
+    alone_tables = fork_tables(alone.state_start, alone.state_len, alone.branch_start, alone.branch_len,
+                               alone.state_chunks, branch_state=alone.branch_state)
+    o_alone, _ = plain_fork(fla, *xa, alone.state_start, alone.state_len, alone.branch_start, alone.branch_len,
+                            alone.branch_state, 128 ** -0.5, True, branch_kernel=BRANCH_KERNELS[fla],
+                            state_kernel=STATE_KERNELS[fla], tables=alone_tables)
+    assert int(alone.branch_start[0]) == 0 and torch.equal(o_alone[:n], o[lo:lo + n])
 
 
 @pytest.mark.parametrize("variant", ["fla", "fla_wy", "fla_cuda"])
@@ -273,11 +323,12 @@ def test_fork_reads_qkv_slices_with_the_bits_of_contiguous_copies(dtype, variant
     meta = (r.state_start, r.state_len, r.branch_start, r.branch_len, r.branch_state)
     wy = delta in WY_KERNELS
     tables = fork_tables(r.state_start, r.state_len, r.branch_start, r.branch_len, r.state_chunks,
-                         r.branch_chunks if wy else None)
+                         r.branch_chunks if wy else None, branch_state=r.branch_state)
     kwargs = dict(branch_kernel=BRANCH_KERNELS.get(delta), state_kernel=STATE_KERNELS[delta], tables=tables, wy=wy)
     o, finals = plain_fork(delta, q, k, v, decay, beta, *meta, 128 ** -0.5, True, **kwargs)
     o_s, finals_s = plain_fork(delta, q_slice, k_slice, v_slice, decay, beta, *meta, 128 ** -0.5, True, **kwargs)
-    assert torch.equal(finals_s, finals) and torch.equal(o_s, o)
+    used = r.state_len > 0  # empty states' final rows: unwritten by the state call from the tables
+    assert torch.equal(finals_s[used], finals[used]) and torch.equal(o_s, o)
 
 
 @pytest.mark.parametrize("variant", ["fla", "fla_cuda"])
@@ -294,14 +345,16 @@ def test_laid_out_fork_equals_the_fork_that_lays_out_itself(dtype, variant):
     delta = kernel(variant)
     (q, k, v, decay, beta), r = inputs(2048, dtype, seed=27)
     meta = (r.state_start, r.state_len, r.branch_start, r.branch_len, r.branch_state)
-    tables = fork_tables(r.state_start, r.state_len, r.branch_start, r.branch_len, r.state_chunks)
+    tables = fork_tables(r.state_start, r.state_len, r.branch_start, r.branch_len, r.state_chunks,
+                         branch_state=r.branch_state)
     o, finals = plain_fork(delta, q, k, v, decay, beta, *meta, 128 ** -0.5, True,
                            branch_kernel=BRANCH_KERNELS.get(delta), state_kernel=STATE_KERNELS[delta], tables=tables)
     qn, kn, vn = prepare_qkv(q, k, v, True)
     parts = fork_parts(delta, qn, kn, vn, decay, beta, *meta, 128 ** -0.5, False,
                        branch_kernel=BRANCH_KERNELS.get(delta), state_kernel=LAID_OUT_STATE_KERNELS[delta],
                        tables=tables, laid_out=True)
-    assert torch.equal(parts.finals, finals)
+    used = r.state_len > 0  # empty states' final rows: unwritten by the state call from the tables
+    assert torch.equal(parts.finals[used], finals[used])
     assert torch.equal(select_rows(*parts[:5]), o)
     torch.library.opcheck(LAID_OUT_STATE_KERNELS[delta], (qn, kn, vn, decay, beta, tables.state_cu_seqlens,
                                                           tables.state_chunks, tables.state_chunk_offsets,
@@ -383,7 +436,8 @@ def test_split_state_chain_matches_fla_steps(tokens, heads, monkeypatch):
     monkeypatch.setattr(state_chain, "state_chain_split", lambda *a, **kw: calls.append(1) or launch(*a, **kw))
 
     def run():
-        tables = fork_tables(r.state_start, r.state_len, r.branch_start, r.branch_len, r.state_chunks)
+        tables = fork_tables(r.state_start, r.state_len, r.branch_start, r.branch_len, r.state_chunks,
+                         branch_state=r.branch_state)
         return plain_fork(delta, *x, *meta, branch_kernel=BRANCH_KERNELS[delta], state_kernel=STATE_KERNELS[delta],
                           tables=tables), tables
 
@@ -480,7 +534,8 @@ def wy_fork(x, r):
     from flide.ops.gated_delta import STATE_KERNELS, fork_tables
 
     wy = kernel("fla_wy")
-    tables = fork_tables(r.state_start, r.state_len, r.branch_start, r.branch_len, r.state_chunks, r.branch_chunks)
+    tables = fork_tables(r.state_start, r.state_len, r.branch_start, r.branch_len, r.state_chunks, r.branch_chunks,
+                         branch_state=r.branch_state)
     return plain_fork(wy, *x, r.state_start, r.state_len, r.branch_start, r.branch_len, r.branch_state, 128 ** -0.5,
                       True, branch_kernel=BRANCH_KERNELS[wy], state_kernel=STATE_KERNELS[wy], tables=tables, wy=True)
 
@@ -506,10 +561,12 @@ def test_fla_wy_fork_matches_reference(tokens, longest, hv, dtype):
     meta = (r.state_start, r.state_len, r.branch_start, r.branch_len, r.branch_state)
     o, finals = wy_fork(x, r)
     fla = kernel("fla")
-    tables = fork_tables(r.state_start, r.state_len, r.branch_start, r.branch_len, r.state_chunks, r.branch_chunks)
+    tables = fork_tables(r.state_start, r.state_len, r.branch_start, r.branch_len, r.state_chunks, r.branch_chunks,
+                         branch_state=r.branch_state)
     o_fla, finals_fla = plain_fork(fla, *x, *meta, 128 ** -0.5, True, branch_kernel=BRANCH_KERNELS[fla],
                                    state_kernel=STATE_KERNELS[fla], tables=tables)
-    assert torch.equal(finals, finals_fla)
+    used = r.state_len > 0  # empty states' final rows: unwritten by `fla`'s state call from the tables
+    assert torch.equal(finals[used], finals_fla[used])
     states = torch.arange(tokens, device="cuda") < int(r.state_start[0] + r.state_len.sum())
     assert torch.equal(o[states], o_fla[states])
     questions = ~states & (torch.arange(tokens, device="cuda") < int(r.branch_start[0] + r.branch_len.sum()))
@@ -535,7 +592,8 @@ def test_fla_wy_ops_opcheck_on_cuda():
     from flide.ops.gated_delta import fork_tables, gated_delta_fla_states_wy, gated_delta_questions_wy
 
     (q, k, v, decay, beta), r = inputs(500, torch.bfloat16, seed=31)
-    t = fork_tables(r.state_start, r.state_len, r.branch_start, r.branch_len, r.state_chunks, r.branch_chunks)
+    t = fork_tables(r.state_start, r.state_len, r.branch_start, r.branch_len, r.state_chunks, r.branch_chunks,
+                         branch_state=r.branch_state)
     args = (q, k, v, decay, beta, t.all_cu_seqlens, t.all_chunks, t.state_cu_seqlens, t.state_chunks,
             t.state_chunk_offsets, 128 ** -0.5, True)
     checks = ("test_schema", "test_autograd_registration", "test_faketensor")

@@ -275,10 +275,11 @@ def test_nested_fork_from_round_tables(dtype):
     fla = resolve("gated_delta", "fla")
     r = nested_round(8)
     x = inputs(r, dtype, 11, HEADS[0])
-    tables = fork_tables(*meta(r)[:4], r["state_chunks"])
+    tables = fork_tables(*meta(r)[:4], r["state_chunks"], branch_state=r["branch_state"])
     o_t, finals_t = fla_fork(x, r, state_kernel=STATE_KERNELS[fla], tables=tables)
     o, finals = fla_fork(x, r)
-    assert torch.equal(finals_t, finals)
+    used = r["state_len"] > 0  # empty states' final rows: unwritten by the state call from the tables
+    assert torch.equal(finals_t[used], finals[used])
     assert rel_err(o_t, o) < (1e-6 if dtype == torch.float32 else 1e-2)
     ref_o, _ = reference_fork(x, r)
     assert rel_err(o_t, ref_o) < TOL[dtype]

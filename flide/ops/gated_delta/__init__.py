@@ -327,14 +327,18 @@ class ForkTables(NamedTuple):
     all_chunks: torch.Tensor  # [Cs + Cb, 2]: their chunk rows (fla.combined_tables); both empty without fla_wy
     long_chunks: torch.Tensor  # [Cs, 2]: the chunk rows of the states over fla.FUSED_MAX_TOKENS (fla.split_tables)
     long_chunk_offsets: torch.Tensor  # [NS + 2]: each state's first row in them; both empty where no call splits
+    # [NB]: the state each question starts from, as `branch_state`, but -1 (a zero state) where that state is empty:
+    # the final state of an empty state is zero, so the answer is the same, and the state call need not store the
+    # final states of empty sequences, most of a bucket's state rows (`state_chain(empty_finals=False)`)
+    branch_from: torch.Tensor
 
 
 def fork_tables(state_start: torch.Tensor, state_len: torch.Tensor, branch_start: torch.Tensor,
                 branch_len: torch.Tensor, state_chunks: torch.Tensor,
-                branch_chunks: torch.Tensor | None = None) -> ForkTables:
+                branch_chunks: torch.Tensor | None = None, *, branch_state: torch.Tensor) -> ForkTables:
     """Device ops only (no host sync): under torch.compile, a few fused kernels once per replay. `branch_chunks`
     (the round's): also the combined tables that only the `fla_wy` fork reads; without it they are empty tensors
-    (separate ones: compile regions take them as inputs, which must not alias)."""
+    (separate ones: compile regions take them as inputs, which must not alias). `branch_state`: the round's."""
     cu_seqlens = fla.bounds(state_start, state_len)
     if branch_chunks is not None:
         all_cu_seqlens, all_chunks = fla.combined_tables(cu_seqlens, state_chunks, branch_len, branch_chunks)
@@ -349,8 +353,10 @@ def fork_tables(state_start: torch.Tensor, state_len: torch.Tensor, branch_start
         long_chunks, long_offsets = state_chunks.new_empty(0, 2), cu_seqlens.new_empty(0)
     # the ends are tensors of their own, not views of cu_seqlens: compile regions take them as separate inputs,
     # which must not alias
+    branch_from = torch.where(state_len[branch_state] > 0, branch_state, torch.full_like(branch_state, -1))
     return ForkTables(cu_seqlens, state_chunks, fla.chunk_offsets(cu_seqlens), fla.span_end(state_start, state_len),
-                      fla.span_end(branch_start, branch_len), all_cu_seqlens, all_chunks, long_chunks, long_offsets)
+                      fla.span_end(branch_start, branch_len), all_cu_seqlens, all_chunks, long_chunks, long_offsets,
+                      branch_from)
 
 
 # Nested forks: at most this many sub-trunks of a round store their state after their tokens for their leaves to start
@@ -440,7 +446,9 @@ def fork_parts(kernel, q, k, v, g, beta, state_start, state_len, branch_start, b
 
     `branch_kernel`: the question call's kernel when the variant has a faster one (`BRANCH_KERNELS[kernel]`; the
     model layers look it up at patch time, outside traced code): it returns only the outputs. `state_kernel`
-    (`STATE_KERNELS[kernel]`) with `tables` (`fork_tables`, once per round): the state call from the round's tables.
+    (`STATE_KERNELS[kernel]`) with `tables` (`fork_tables`, once per round): the state call from the round's tables,
+    which may leave the final states of empty states unwritten; with `tables` the question call reads
+    `tables.branch_from` (-1, a zero state, for the questions of an empty state) in place of `branch_state`.
     `wy` (the variant is in WY_KERNELS; decided at patch time): the state call also returns the questions' WY form
     and the question call takes it (`questions_wy.py`). `laid_out`: q, k and v come as the kernels read them
     (contiguous, q and k normalised: `fork_conv.QKV_KERNELS`), and `state_kernel` is the variant's
@@ -460,6 +468,8 @@ def fork_parts(kernel, q, k, v, g, beta, state_start, state_len, branch_start, b
         if nested_kernel is None:
             raise ValueError("a nested fork (`sub`) needs the variant's nested question call, `nested_kernel` "
                              "(registry.nested(...)['gated_delta'])")
+    if tables is not None:  # the state call from the tables may leave empty states' finals unwritten: never read
+        branch_state = tables.branch_from
     if wy and not laid_out and state_kernel is not None and branch_kernel is not None and tables is not None:
         o_states, finals, q, k, w, u, gamma = state_kernel(
             q, k, v, g, beta, tables.all_cu_seqlens, tables.all_chunks, tables.state_cu_seqlens, tables.state_chunks,

@@ -238,6 +238,12 @@ FUSED_INITIAL_STATES = True
 # because rounds of many short states gain more than single long states lose; the LONG chain's speed is open.
 FUSED_SPLIT = True
 
+# Whether the fork's state call (`gated_delta_states`, from the round's tables) stores the final states of empty
+# sequences where our chain runs. They are zero rows that nobody reads (the fork starts an empty state's questions
+# from zero: `ForkTables.branch_from`), and most of a bucket's state rows are empty (127 of the 8,192 bucket's 128
+# for one QuALITY request: 127 MiB of stores a layer on Qwen3.5-0.8B). True: store them (the old way, for A/B).
+EMPTY_STATE_FINALS = False
+
 
 def _fused_chain(k: torch.Tensor, tokens: int, h0: torch.Tensor | None) -> bool:
     return (FUSED_STATE_CHAIN and (h0 is None or FUSED_INITIAL_STATES) and k.is_cuda and k.element_size() == 2
@@ -391,8 +397,10 @@ def gated_delta_states(q, k, v, g, beta, cu_seqlens, chunk_indices, offsets, sca
     the round's `state_chunks`; `offsets`: `chunk_offsets(cu_seqlens)`. Returns (o [T, Hv, V], final [N, Hv, K, V]
     float32, q, k, v): q, k and v as the kernels read them (contiguous; q and k L2-normalised over the whole stream
     with `use_qk_l2norm`), so the question call reads them as they are instead of normalising every token again in
-    its recurrence or laying v out again. `split`: the round's `split_tables` (see `run`)."""
-    return run(q, k, v, g, beta, cu_seqlens, chunk_indices, None, scale, use_qk_l2norm, offsets, split=split)
+    its recurrence or laying v out again. `split`: the round's `split_tables` (see `run`). The final-state rows of
+    empty sequences may be left unwritten (EMPTY_STATE_FINALS): the fork never reads them."""
+    return run(q, k, v, g, beta, cu_seqlens, chunk_indices, None, scale, use_qk_l2norm, offsets, split=split,
+               empty_finals=EMPTY_STATE_FINALS)
 
 
 def gated_delta_states_wy(q, k, v, g, beta, all_cu_seqlens, all_chunks, cu_seqlens, chunk_indices, offsets,
@@ -411,24 +419,26 @@ def gated_delta_states_laid_out(q, k, v, g, beta, cu_seqlens, chunk_indices, off
                                 split: tuple[torch.Tensor, torch.Tensor] | None = None):
     """`gated_delta_states` on q, k and v already laid out as fla's kernels read them (contiguous [T, H, D]; q and k
     normalised: the GDN layer's fused conv, `fork_conv_qkv`, writes them so), which the question call then reads
-    too. Returns (o [T, Hv, V], final [N, Hv, K, V] float32)."""
+    too. Returns (o [T, Hv, V], final [N, Hv, K, V] float32; rows of empty sequences as `gated_delta_states`')."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not x.is_contiguous():
             raise ValueError(f"{name} must be contiguous [T, H, D] (laid out as fla's kernels read it)")
     return run(q, k, v, g, beta, cu_seqlens, chunk_indices, None, scale, False, offsets, laid_out=True,
-               split=split)[:2]
+               split=split, empty_finals=EMPTY_STATE_FINALS)[:2]
 
 
 def run(q, k, v, g, beta, cu_seqlens, chunk_indices, h0, scale: float, use_qk_l2norm: bool,
         offsets: torch.Tensor | None = None, prep: tuple[torch.Tensor, torch.Tensor] | None = None,
-        laid_out: bool = False, split: tuple[torch.Tensor, torch.Tensor] | None = None):
+        laid_out: bool = False, split: tuple[torch.Tensor, torch.Tensor] | None = None, empty_finals: bool = True):
     """fla's forward over the sequences of `cu_seqlens` -> (o [T, Hv, V], final [N, Hv, K, V] float32, q, k, v as the
     kernels read them: new contiguous tensors, q and k normalised with `use_qk_l2norm`). With `prep` (cu_seqlens,
     chunk rows of a superset of the sequences, each chunk computed on its own) the chunk-local steps run over those
     sequences and their w, u and gate cumsums ([T, Hv, K], [T, Hv, V], [T, Hv] float32, log2 units) come back too.
     `laid_out`: q, k and v are already as the kernels read them (and returned as they are). `split`: the call's
     `split_tables` (empty tensors: none), with which a call from zero states in a bucket over FUSED_MAX_TOKENS splits
-    its sequences between the fused chain and fla's o step (FUSED_SPLIT)."""
+    its sequences between the fused chain and fla's o step (FUSED_SPLIT). `empty_finals=False` (h0 None): where our
+    chain runs, the final-state rows of empty sequences are left unwritten (`state_chain.state_chain`; fla's h step
+    writes every row)."""
     cumsum, intra, fwd_h, fwd_o, rcp_ln2 = _fla_steps()
     # q, k and v as fla's kernels index them (contiguous [T, H, D]), q / k normalised by ours, not fla's: one launch
     # configuration for every stream (see l2norm.py); they may be column slices of the conv's output (the model
@@ -450,13 +460,14 @@ def run(q, k, v, g, beta, cu_seqlens, chunk_indices, h0, scale: float, use_qk_l2
         from .state_chain import state_chain
 
         o, final = state_chain(qn, kn, w[0], u[0], g[0], cu_seqlens[:-1], scale,
-                               initial_state=None if h0 is None else h0[:cu_seqlens.shape[0] - 2])
+                               initial_state=None if h0 is None else h0[:cu_seqlens.shape[0] - 2],
+                               empty_finals=empty_finals or h0 is not None)
     elif h0 is None and split is not None and split[0].numel() > 0 and split_call(qn.shape[0], k.is_cuda):
         from .state_chain import state_chain_split
 
         long_chunks, long_offsets = split
         o, final = state_chain_split(qn, kn, w[0], u[0], g[0], cu_seqlens, scale, FUSED_MAX_TOKENS, long_chunks,
-                                     long_offsets)
+                                     long_offsets, empty_finals=empty_finals)
     else:
         if offsets is None:
             offsets = chunk_offsets(cu_seqlens)

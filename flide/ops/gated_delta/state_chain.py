@@ -69,7 +69,8 @@ def _chunk_output(b_q, b_s, b_kt, b_v, b_g, t_ok, causal, scale):
 @triton.jit(do_not_specialize=["T", "split"])
 def _state_chain_kernel(q_ptr, k_ptr, w_ptr, u_ptr, g_ptr, o_ptr, h0_ptr, ht_ptr, cu_ptr, h_ptr, vn_ptr, rows_ptr,
                         scale, T, split, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                        BT: tl.constexpr, BV: tl.constexpr, USE_H0: tl.constexpr, PART: tl.constexpr):
+                        BT: tl.constexpr, BV: tl.constexpr, USE_H0: tl.constexpr, PART: tl.constexpr,
+                        EMPTY_FINALS: tl.constexpr):
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1).to(tl.int64)
     i_n = i_nh // HV
@@ -77,6 +78,9 @@ def _state_chain_kernel(q_ptr, k_ptr, w_ptr, u_ptr, g_ptr, o_ptr, h0_ptr, ht_ptr
     i_hk = i_h // (HV // H)  # grouped value heads: value head h reads key head h // (HV // H)
     bos = tl.load(cu_ptr + i_n).to(tl.int64)
     n = tl.load(cu_ptr + i_n + 1).to(tl.int64) - bos
+    if not EMPTY_FINALS:  # an empty sequence's final state (zero) is not stored: see `state_chain(empty_finals=)`
+        if n == 0:
+            return
     if PART == SHORT:
         if n > split:
             return
@@ -177,13 +181,16 @@ def _check(q, k, w, u, g) -> None:
 
 
 def _launch(q, k, w, u, g, cu_seqlens, scale, o, final, initial_state, chunk, tiles, part=EVERY, split=0,
-            h=None, v_new=None, rows=None) -> None:
+            h=None, v_new=None, rows=None, empty_finals=True) -> None:
     T, HK, K = k.shape
     HV, V = u.shape[1], u.shape[2]
     N = cu_seqlens.shape[0] - 1
     if N == 0:
         return
     BV, warps, stages = tiles or (BLOCK_V, NUM_WARPS, NUM_STAGES)
+    if not empty_finals and initial_state is not None:
+        raise ValueError("empty_finals=False is for calls from zero states (an empty sequence's final state is then "
+                         "zero); from initial states it is the initial state, which must be stored")
     if stages < 2:  # one stage hit an illegal memory access on the H200's Triton 3.6 (session 29): not run
         raise ValueError(f"state_chain needs at least 2 pipeline stages, not {stages}")
     BV = min(BV, triton.next_power_of_2(V))
@@ -194,22 +201,29 @@ def _launch(q, k, w, u, g, cu_seqlens, scale, o, final, initial_state, chunk, ti
     _state_chain_kernel[(triton.cdiv(V, BV), N * HV)](
         q, k, w, u, g, o, h0, final, cu_seqlens, o if h is None else h, o if v_new is None else v_new,
         cu_seqlens if rows is None else rows.contiguous(), float(scale), T, int(split), H=HK, HV=HV, K=K, V=V,
-        BT=chunk, BV=BV, USE_H0=initial_state is not None, PART=part.value, num_warps=warps, num_stages=stages)
+        BT=chunk, BV=BV, USE_H0=initial_state is not None, PART=part.value, EMPTY_FINALS=empty_finals,
+        num_warps=warps, num_stages=stages)
 
 
 def state_chain(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, g: torch.Tensor,
                 cu_seqlens: torch.Tensor, scale: float, initial_state: torch.Tensor | None = None,
-                chunk: int = 64, tiles: tuple[int, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                chunk: int = 64, tiles: tuple[int, int, int] | None = None,
+                empty_finals: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """(o [T, Hv, V] in q's dtype, final [N, Hv, K, V] float32) of every sequence of `cu_seqlens` [N + 1], from
     `initial_state` [N, Hv, K, V] (None: zero). q, k: [T, Hk, K] contiguous (normalised as the kernels read them);
     w [T, Hv, K], u [T, Hv, V]: fla's intra step's WY form (chunks of `chunk` tokens from each sequence's start); g
     [T, Hv] float32: the chunk-local cumulated log2 decays (fla's cumsum step). Rows outside the sequences are left
-    unwritten. `tiles`: (value columns a program, warps, stages)."""
+    unwritten. `tiles`: (value columns a program, warps, stages).
+
+    `empty_finals=False` (from zero states only): the final-state rows of empty sequences are left unwritten instead
+    of zeroed. A bucket's state list is mostly spare rows (length 0: 127 of the 8,192 bucket's 128 for one QuALITY
+    request), each a 1 MiB float32 state on Qwen3.5-0.8B: storing their zeros was ~40 us a layer there. The fork's
+    question call never reads them: it starts a question of an empty state from zero (`ForkTables.branch_from`)."""
     _check(q, k, w, u, g)
     T, HV, V, K = k.shape[0], u.shape[1], u.shape[2], k.shape[2]
     o = torch.empty(T, HV, V, dtype=q.dtype, device=q.device)
     final = torch.empty(cu_seqlens.shape[0] - 1, HV, K, V, dtype=torch.float32, device=q.device)
-    _launch(q, k, w, u, g, cu_seqlens, scale, o, final, initial_state, chunk, tiles)
+    _launch(q, k, w, u, g, cu_seqlens, scale, o, final, initial_state, chunk, tiles, empty_finals=empty_finals)
     return o, final
 
 
@@ -240,7 +254,8 @@ def state_chain_split(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torc
                       outputs: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
                       chunk: int = 64, tiles: tuple[int, int, int] | None = None,
                       long_tiles: tuple[int, int, int] | None = None,
-                      output_tiles: tuple[int, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      output_tiles: tuple[int, int, int] | None = None,
+                      empty_finals: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """`state_chain` (from zero states) of the N sequences of `cu_seqlens` [N + 2] (the last one empty: the one that
     spare chunk rows name), with those of more than `split` tokens run as fla runs them: the chain stores the state
     before each chunk (h [R, Hv, K, V] in q's dtype, row `long_rows[n] + c` for chunk c of sequence n) and each
@@ -250,7 +265,7 @@ def state_chain_split(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torc
     writes their rows of that o. Same results as `state_chain` (the same products in the same order: the same bits
     on the H200), but a long sequence's chain step no longer waits on its outputs' products, and the short ones keep
     the fused launch (no h round trip). Final states: [N, Hv, K, V]. `long_tiles`, `output_tiles`: the LONG chain's
-    and the outputs kernel's (value columns, warps, stages)."""
+    and the outputs kernel's (value columns, warps, stages). `empty_finals`: as `state_chain`'s."""
     _check(q, k, w, u, g)
     T, HV, V, K = k.shape[0], u.shape[1], u.shape[2], k.shape[2]
     sequences = cu_seqlens[:-1]  # the chains' sequences, without the trailing empty one
@@ -264,5 +279,6 @@ def state_chain_split(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torc
                           output_tiles)
     else:
         o = outputs(h, v_new)
-    _launch(q, k, w, u, g, sequences, scale, o, final, None, chunk, tiles, part=SHORT, split=split)
+    _launch(q, k, w, u, g, sequences, scale, o, final, None, chunk, tiles, part=SHORT, split=split,
+            empty_finals=empty_finals)
     return o, final

@@ -188,6 +188,25 @@ else:
         assert out16.dtype == torch.float16
         torch.testing.assert_close(out16.float(), want16, atol=3e-3, rtol=3e-3)
 
+    @pytest.mark.parametrize("dv", [32, 24], ids=["Dv32", "Dv24-padded"])
+    def test_invariant_value_parts_have_the_bits_of_one_program(dv):
+        """`v_parts=2` (`V_SPLIT_DIM`: each (query block, KV head) as two programs, each with the same scores and
+        half the value columns) gives every element the bits of the one-program kernel, padded value columns
+        included, and the same tile counts; a split that leaves parts under 16 columns is refused."""
+        tokens, hq, hkv, d = 150, 4, 2, 32
+        r = random_round_tensors(random.Random(dv), tokens, max_requests=6, max_questions=6, max_state=40,
+                                 max_question=12)
+        q, k, v = randn(tokens, hq, d, seed=11), randn(tokens, hkv, d, seed=12), randn(tokens, hkv, dv, seed=13)
+        blocks = kernel.query_blocks(tokens, hq, hkv, d, torch.float32, SMALL)
+        stats = [torch.zeros(blocks * hkv, dtype=torch.int32) for _ in range(2)]
+        one = run(q, k, v, r, d ** -0.5, SMALL, out=poisoned(tokens, hq, dv), v_parts=1, stats=stats[0])
+        two = run(q, k, v, r, d ** -0.5, SMALL, out=poisoned(tokens, hq, dv), v_parts=2, stats=stats[1])
+        assert torch.equal(two, one) and torch.equal(stats[1], stats[0]) and (stats[0] > 0).all()
+        torch.testing.assert_close(one, attn_ref.fork_attention_naive(q, k, v, r.seg_lo, r.trunk_lo, r.trunk_hi,
+                                                                      d ** -0.5), atol=1e-5, rtol=1e-5)
+        with pytest.raises(ValueError, match="v_parts"):
+            run(q, k, v, r, d ** -0.5, SMALL, v_parts=4)
+
     def test_invariant_interleaved_states():
         """Metadata written by hand: two states, then questions alternating between them (rows of one state are not
         contiguous in a query block), then pads. The kernel walks each distinct state of a block once."""

@@ -68,6 +68,8 @@ def bench_shape(sname: str, mname: str, r, heads: tuple[int, int, int], ceilings
     fns = {"flex": lambda: flex(q, k, v, *meta),
            "triton": lambda: fast.fork_attention(q, k, v, *meta),
            "triton-invariant": lambda: inv.fork_attention(q, k, v, *meta)}
+    # the value columns in two programs (`triton_invariant.V_SPLIT_DIM`): no spills at dim 256 (session 33, offline)
+    fns["triton-invariant[2 value parts]"] = lambda: inv.fork_attention(q, k, v, *meta, v_parts=2)
     if sweep:
         for c in SWEEP:
             fns[f"triton-invariant[M{c[0]},N{c[1]},w{c[2]},s{c[3]}]"] = (
@@ -118,6 +120,7 @@ def main() -> None:
     ceilings = measure_ceilings()
     print(f"ceilings: {ceilings[0] / 1e12:.0f} TFLOP/s bf16, {ceilings[1] / 1e12:.2f} TB/s copy")
     streams = {"state2000_q64x40": stream(1, 2000, 64, 40), "race64": stream(64, 300, 4, 45),
+               "quality_like": stream(1, 4600, 16, 190),  # QuALITY: a 4.6k-token article, 16 questions
                "state2000_q256x8": stream(1, 2000, 256, 8), "race40_in_30720": padded_stream(40, 300, 4, 45, 30720)}
     shapes = {"qwen3.5-0.8b": (8, 2, 256), "qwen3.5-9b": (16, 4, 256)}
     rows = []

@@ -112,15 +112,17 @@ def main() -> int:
     # the stream tables (seg_lo, trunk_lo, ...) as a round hands them in: int32 (flide/round.py)
     for dtype, triton_dtype in (("bf16", "*bf16"), ("fp32", "*fp32")):
         cfg = attn.default_config(256, {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype])
-        for prefix, sub in ((False, False), (True, False), (False, True)):
+        # (and bf16 with the value columns in two programs, `triton_invariant.V_SPLIT_DIM`)
+        for prefix, sub, parts in ((False, False, 1), (True, False, 1), (False, True, 1),
+                                   *([(False, False, 2)] if dtype == "bf16" else [])):
             ok &= compile_one(
-                f"fork_attention invariant {dtype} D256 GQA4 prefix={prefix} sub={sub}",
+                f"fork_attention invariant {dtype} D256 GQA4 prefix={prefix} sub={sub} value parts={parts}",
                 attn._fork_attention_invariant_kernel,
                 {"q_ptr": triton_dtype, "k_ptr": triton_dtype, "v_ptr": triton_dtype, "o_ptr": triton_dtype,
                  "pk_ptr": triton_dtype, "pv_ptr": triton_dtype, "stats_ptr": "*i32"}, "*i32", {"qk_scale": "fp32"},
                 dict(GROUP=4, HEAD_DIM=256, HEAD_DIM_V=256, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=256,
-                     BLOCK_DV=256, PRECISION="ieee" if dtype == "fp32" else "tf32", STATS=False, HAS_PREFIX=prefix,
-                     HAS_SUB=sub),
+                     BLOCK_DV=256 // parts, PRECISION="ieee" if dtype == "fp32" else "tf32", STATS=False,
+                     HAS_PREFIX=prefix, HAS_SUB=sub, V_PARTS=parts),
                 {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
         for window, split in ((False, False), (True, False), (False, True)):
             ok &= compile_one(

@@ -82,9 +82,9 @@ def attention(dtype: str, head_dim: int, group: int, config) -> str:
     return resources(_compile(fa._fork_attention_kernel, sig, consts, config.num_warps, config.num_stages))
 
 
-def invariant_attention(dtype: str, head_dim: int, group: int, config, sub: bool = False) -> str:
+def invariant_attention(dtype: str, head_dim: int, group: int, config, sub: bool = False, v_parts: int = 1) -> str:
     """The batch-invariant fork attention (the CUDA default; fresh rounds: no checkpoint prefix; `sub`: with the
-    nested forks' sub-trunk phase)."""
+    nested forks' sub-trunk phase; `v_parts`: programs sharing a head's value columns, `triton_invariant.V_PARTS`)."""
     import triton
 
     from flide.ops.fork_attention import triton_invariant as fi
@@ -98,9 +98,9 @@ def invariant_attention(dtype: str, head_dim: int, group: int, config, sub: bool
                                                "pvh")})
     block_d = max(16, triton.next_power_of_2(head_dim))
     consts = {"GROUP": group, "HEAD_DIM": head_dim, "HEAD_DIM_V": head_dim, "BLOCK_M": config.block_m,
-              "BLOCK_N": config.block_n, "BLOCK_D": block_d, "BLOCK_DV": block_d,
+              "BLOCK_N": config.block_n, "BLOCK_D": block_d, "BLOCK_DV": block_d // v_parts,
               "PRECISION": "ieee" if dtype == "fp32" else "tf32", "STATS": False, "HAS_PREFIX": False,
-              "HAS_SUB": sub}
+              "HAS_SUB": sub, "V_PARTS": v_parts}
     sig.update({n: "constexpr" for n in consts})
     return resources(_compile(fi._fork_attention_invariant_kernel, sig, consts, config.num_warps, config.num_stages))
 
@@ -236,6 +236,9 @@ def main() -> None:
             for sub in (False, True):
                 print(f"fork_attention (invariant{', sub-trunks' if sub else ''}) {dtype} Hq{hq}/Hkv{hkv} D{d} "
                       f"{config}: {invariant_attention(dtype, d, hq // hkv, config, sub)}", flush=True)
+            if dtype == "bf16":  # the value columns in two programs (`triton_invariant.V_SPLIT_DIM`)
+                print(f"fork_attention (invariant, 2 value parts) {dtype} Hq{hq}/Hkv{hkv} D{d} {config}: "
+                      f"{invariant_attention(dtype, d, hq // hkv, config, v_parts=2)}", flush=True)
 
 
 if __name__ == "__main__":

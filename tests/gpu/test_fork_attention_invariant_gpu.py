@@ -88,6 +88,21 @@ def test_invariant_writes_every_output_element(heads, dtype):
     assert torch.equal(out, invariant(q, k, v, r.seg_lo, r.trunk_lo, r.trunk_hi, d ** -0.5))
 
 
+@pytest.mark.parametrize("heads", HEADS[:2], ids=HEAD_IDS[:2])
+@pytest.mark.parametrize("tokens", [437, 3600, 8192])
+def test_invariant_value_parts_have_the_bits_of_one_program(tokens, heads):
+    """bf16 with the value columns in two programs (`v_parts=2`, what `triton_invariant.V_SPLIT_DIM` turns on for
+    Qwen3.5's 256-dim heads): every element has the bits of the one-program kernel (the same scores, each column
+    summed over the same keys in the same MMA steps), so batch-invariant answers do not move with the switch."""
+    hq, hkv, d = heads
+    q, k, v, r = inputs(tokens, hq, hkv, d, torch.bfloat16, seed=tokens + 5)
+    args = (q, k, v, r.seg_lo, r.trunk_lo, r.trunk_hi, d ** -0.5)
+    one = kernel().fork_attention(*args, v_parts=1)
+    two = kernel().fork_attention(*args, v_parts=2)
+    assert torch.equal(two, one)
+    assert rel_err(two, reference(q, k, v, r, d ** -0.5)) < TOL[torch.bfloat16]
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Invariance
 # ---------------------------------------------------------------------------------------------------------------------

@@ -134,6 +134,24 @@ def default_config(head_dim: int, dtype: torch.dtype) -> Config:
     return Config(128, 64, 8, 2)
 
 
+# Value columns split across programs: at this head dim and above (16-bit inputs), each (query block, KV head) runs as
+# V_PARTS programs, each with the same scores (the whole head dim's q . k, recomputed by each) and 1 / V_PARTS of the
+# value columns. Why: at Qwen3.5's 256-dim heads a program's fp32 accumulator [128 rows, 256] is 128 registers a
+# thread, next to q's 64 and the scores' 32, and the default tile spills (see the module docstring); a 128-column
+# part holds 64 and does not, and a round has twice the programs (RACE's 437 tokens: 28 programs on 132 SMs). The cost:
+# the q . k products once per part (1.5x the tile's products for 2 parts). A column's sums are those of the unsplit
+# program (the same scores, the same keys in the same order along the same MMA k-steps), so the bits should not
+# change (asserted on the GPU: tests/gpu/test_fork_attention_invariant_gpu.py). None: never split. NOT measured yet.
+V_SPLIT_DIM: int | None = None
+V_PARTS = 2
+
+
+def value_parts(head_dim_v: int, dtype: torch.dtype) -> int:
+    """How many programs share a (query block, KV head)'s value columns (V_SPLIT_DIM)."""
+    split = V_SPLIT_DIM is not None and dtype != torch.float32 and head_dim_v >= V_SPLIT_DIM
+    return V_PARTS if split and _pow2_dim(head_dim_v) // V_PARTS >= 16 else 1
+
+
 @triton.jit
 def _tile(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d, offs_dv, start, hi, active, row_lo,
           row_hi, qk_scale, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
@@ -175,9 +193,11 @@ def _fork_attention_invariant_kernel(q_ptr, k_ptr, v_ptr, o_ptr, seg_lo_ptr, tru
                                      GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                                      HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                      BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr,
-                                     STATS: tl.constexpr, HAS_PREFIX: tl.constexpr, HAS_SUB: tl.constexpr):
+                                     STATS: tl.constexpr, HAS_PREFIX: tl.constexpr, HAS_SUB: tl.constexpr,
+                                     V_PARTS: tl.constexpr):
     TOKENS: tl.constexpr = BLOCK_M // GROUP  # tokens per query block; rows past TOKENS * GROUP idle
-    EVEN_D: tl.constexpr = (BLOCK_D == HEAD_DIM) and (BLOCK_DV == HEAD_DIM_V)
+    # BLOCK_DV: the value columns of one program, a 1 / V_PARTS part of the (padded) head (`value_parts`)
+    EVEN_D: tl.constexpr = (BLOCK_D == HEAD_DIM) and (BLOCK_DV * V_PARTS == HEAD_DIM_V)
     BIG: tl.constexpr = (1 << 31) - 1  # past any stream index: "no range"
     # The phases in the order they are walked; the sub-trunk phase exists only with HAS_SUB, so that without it the
     # phases keep the numbers (and the kernel the code) it had before nested forks
@@ -189,7 +209,8 @@ def _fork_attention_invariant_kernel(q_ptr, k_ptr, v_ptr, o_ptr, seg_lo_ptr, tru
     # Heaviest blocks first (the questions at the end of the stream see whole states), as in triton.py
     n_blocks = tl.num_programs(0)
     pid_m = n_blocks - 1 - tl.program_id(0)
-    kvh = tl.program_id(1)
+    kvh = tl.program_id(1) // V_PARTS
+    part = tl.program_id(1) % V_PARTS
     rows = tl.arange(0, BLOCK_M)
     tok = pid_m * TOKENS + rows // GROUP
     head = kvh * GROUP + rows % GROUP
@@ -230,7 +251,7 @@ def _fork_attention_invariant_kernel(q_ptr, k_ptr, v_ptr, o_ptr, seg_lo_ptr, tru
 
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
+    offs_dv = part * BLOCK_DV + tl.arange(0, BLOCK_DV)
     q_ptrs = q_ptr + tok.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
     if EVEN_D:
         q = tl.load(q_ptrs, mask=valid[:, None], other=0.0)
@@ -303,7 +324,8 @@ def _fork_attention_invariant_kernel(q_ptr, k_ptr, v_ptr, o_ptr, seg_lo_ptr, tru
     else:
         tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=valid[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
     if STATS:
-        tl.store(stats_ptr + kvh * n_blocks + pid_m, n_tiles)
+        if part == 0:  # the parts of a block visit the same tiles
+            tl.store(stats_ptr + kvh * n_blocks + pid_m, n_tiles)
 
 
 def _pow2_dim(d: int) -> int:
@@ -321,7 +343,8 @@ def fork_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_lo: to
                    trunk_hi: torch.Tensor, scale: float, *, config: Config | None = None,
                    out: torch.Tensor | None = None, stats: torch.Tensor | None = None,
                    prefix: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                   sub: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                   sub: tuple[torch.Tensor, torch.Tensor] | None = None,
+                   v_parts: int | None = None) -> torch.Tensor:
     """Same contract as `reference.fork_attention` ([T, Hq, D] / [T, Hkv, D] / [T, Hkv, Dv] in, [T, Hq, Dv] out in
     q's dtype; scores, softmax and sums in fp32), batch-invariant (module docstring). CUDA tensors, or CPU tensors
     under TRITON_INTERPRET=1.
@@ -337,6 +360,7 @@ def fork_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_lo: to
     sub: (sub_lo [T], sub_hi [T]): nested forks, each leaf token's sub-trunk rows [sub_lo[t], sub_hi[t]) of the
     stream (`reference.fork_attention(..., sub_lo=, sub_hi=)`'s contract), walked after the state, in tiles from
     sub_lo. None compiles the sub-trunk phase out (the kernel without nested forks).
+    v_parts: programs per (query block, KV head), each with a part of the value columns (default: `value_parts`).
     """
     T, Hq, D = q.shape
     Hkv, Dv = k.shape[1], v.shape[2]
@@ -384,17 +408,22 @@ def fork_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_lo: to
         sub_lo, sub_hi = sub_lo.contiguous(), sub_hi.contiguous()
     else:
         sub_lo = sub_hi = seg_lo  # never read (HAS_SUB false)
-    grid = (triton.cdiv(T, cfg.block_m // group), Hkv)
-    if stats is not None and (stats.shape != (grid[0] * grid[1],) or stats.dtype != torch.int32):
-        raise ValueError(f"stats must be int32 [{grid[0] * grid[1]}]")
+    parts = value_parts(Dv, q.dtype) if v_parts is None else v_parts
+    if parts < 1 or _pow2_dim(Dv) % parts or _pow2_dim(Dv) // parts < 16:
+        raise ValueError(f"v_parts must split the {_pow2_dim(Dv)} padded value columns into parts of 16 or more, "
+                         f"got {parts}")
+    grid = (triton.cdiv(T, cfg.block_m // group), Hkv * parts)
+    if stats is not None and (stats.shape != (grid[0] * Hkv,) or stats.dtype != torch.int32):
+        raise ValueError(f"stats must be int32 [{grid[0] * Hkv}]")
     _fork_attention_invariant_kernel[grid](
         q, k, v, out, seg_lo, trunk_lo, trunk_hi, stats if stats is not None else seg_lo, pk, pv, pre_lo, pre_hi,
         sub_lo, sub_hi, T, float(scale) * LOG2E,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         pk.stride(0), pk.stride(1), pv.stride(0), pv.stride(1),
         GROUP=group, HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=_pow2_dim(D),
-        BLOCK_DV=_pow2_dim(Dv), PRECISION="ieee" if q.dtype == torch.float32 else "tf32", STATS=stats is not None,
-        HAS_PREFIX=prefix is not None, HAS_SUB=sub is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        BLOCK_DV=_pow2_dim(Dv) // parts, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        STATS=stats is not None, HAS_PREFIX=prefix is not None, HAS_SUB=sub is not None, V_PARTS=parts,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
 

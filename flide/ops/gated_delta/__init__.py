@@ -351,9 +351,9 @@ def fork_tables(state_start: torch.Tensor, state_len: torch.Tensor, branch_start
         long_chunks, long_offsets = fla.split_tables(cu_seqlens, state_chunks.shape[0])
     else:
         long_chunks, long_offsets = state_chunks.new_empty(0, 2), cu_seqlens.new_empty(0)
+    branch_from = torch.where(state_len[branch_state] > 0, branch_state, torch.full_like(branch_state, -1))
     # the ends are tensors of their own, not views of cu_seqlens: compile regions take them as separate inputs,
     # which must not alias
-    branch_from = torch.where(state_len[branch_state] > 0, branch_state, torch.full_like(branch_state, -1))
     return ForkTables(cu_seqlens, state_chunks, fla.chunk_offsets(cu_seqlens), fla.span_end(state_start, state_len),
                       fla.span_end(branch_start, branch_len), all_cu_seqlens, all_chunks, long_chunks, long_offsets,
                       branch_from)

@@ -217,8 +217,9 @@ def state_chain(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tens
 
     `empty_finals=False` (from zero states only): the final-state rows of empty sequences are left unwritten instead
     of zeroed. A bucket's state list is mostly spare rows (length 0: 127 of the 8,192 bucket's 128 for one QuALITY
-    request), each a 1 MiB float32 state on Qwen3.5-0.8B: storing their zeros was ~40 us a layer there. The fork's
-    question call never reads them: it starts a question of an empty state from zero (`ForkTables.branch_from`)."""
+    request), each a 1 MiB float32 state on Qwen3.5-0.8B: storing their zeros took ~47 us a layer there (H200,
+    session 33). The fork's question call never reads them: it starts a question of an empty state from zero
+    (`ForkTables.branch_from`)."""
     _check(q, k, w, u, g)
     T, HV, V, K = k.shape[0], u.shape[1], u.shape[2], k.shape[2]
     o = torch.empty(T, HV, V, dtype=q.dtype, device=q.device)

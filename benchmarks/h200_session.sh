@@ -20,6 +20,7 @@
 #                                                reference and auto final-norm scale kept in shared/fidelity between calls
 #     bash benchmarks/h200_session.sh verify     GPU tests of the question kernel + its forms/tiles at 0.8B's shapes ~6 min
 #     bash benchmarks/h200_session.sh wy         GPU tests + op bench + latency of the questions' chunked (WY) form ~8 min
+#     bash benchmarks/h200_session.sh attn_split the value-column split of the invariant attention: bits test, op bench, replay A/B ~8 min
 #     bash benchmarks/h200_session.sh serve      issue 4: the http bench twice (req/s 1/8/32/64, one-client gap) + serve A/B ~9 min
 #     bash benchmarks/h200_session.sh sh 'CMDS'  any commands, after the same set-up (a session's own mix of parts)
 # Logs and results go to $OUT.
@@ -187,6 +188,37 @@ verify)
         --streams ${VERIFY_STREAMS:-RACE@bucket 2000+64x40 sweep1@bucket sweep8@bucket} \
         --no-ceilings --sweep --out "$OUT/ops_gated_delta.json" > "$OUT/ops_gated_delta.log" 2>&1
     echo "gated delta bench rc=$?" | tee -a "$OUT/summary.txt"; grep -o '"impl": "[^"]*".*"ms": [0-9.]*' "$OUT/ops_gated_delta.log" ;;
+attn_split)
+    # Session 33's opt-in value-column split of the invariant attention (triton_invariant.V_SPLIT_DIM; NOTES,
+    # Session 33 item 3): its GPU bits test, the op bench (a "2 value parts" row per stream), then the replay A/B of
+    # 0.8B with it on and off (and the question call's row programs, a no-code A/B), in one call (~8 min)
+    timeout ${TEST_S:-120} python3 -m pytest -q -p no:logging --tb=short tests/gpu/test_fork_attention_invariant_gpu.py \
+        -k value_parts > "$OUT/attn_split_test.log" 2>&1; echo "value parts test rc=$? $(tail -1 "$OUT/attn_split_test.log")"
+    timeout ${OPS_S:-150} python3 benchmarks/ops/bench_fork_attention_invariant.py --out "$OUT/ops_attention_vparts.json" \
+        > "$OUT/ops_attention_vparts.log" 2>&1; echo "attention bench rc=$?"; grep -E "triton-invariant" "$OUT/ops_attention_vparts.log"
+    P="python3 benchmarks/profile_round.py --config-json shared/models/qwen3_5/configs/qwen3.5-0.8b.json \
+        --tokenizer shared/models/qwen3_5 --data shared/data --repeats 15 --profile-runs 2 \
+        --workloads quality sweep1 sweep8 race multirc race@16"
+    for ab in "main" "split flide.ops.fork_attention.triton_invariant.V_SPLIT_DIM=256" \
+              "rows flide.ops.gated_delta.branches.ROW_PROGRAMS=256"; do
+        name=${ab%% *}; set_arg=""; [ "$name" != main ] && set_arg="--set ${ab#* }"
+        timeout ${PROFILE_S:-110} $P $set_arg --out "$OUT/profile_$name.json" > "$OUT/profile_$name.log" 2>&1
+        echo "profile $name rc=$?"
+    done
+    python3 - <<'PY'
+import json, os
+for name in ("main", "split", "rows"):
+    try:
+        r = json.load(open(os.environ["OUT"] + f"/profile_{name}.json"))
+    except Exception as error:
+        print(name, error); continue
+    print(name, {k: r.get(k) for k in ("capture_s", "graph_memory_gib", "start_peak_reserved_gib")})
+    for row in r["rows"]:
+        p = row.get("profile") or {}
+        print(" ", row["workload"], row["stream_tokens"], row["latency_ms"], p.get("gpu_ms_total"),
+              (p.get("gpu_ms_by_family") or {}).get("attention"))
+PY
+    ;;
 wy)
     # Session 12's CPU-only work, first on the device: the GPU tests of the questions' chunked (WY) form, the conv's
     # rounding (bitwise the reference conv) and the engine with fla_wy, in parallel; then the op bench (fork vs

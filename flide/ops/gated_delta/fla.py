@@ -461,7 +461,7 @@ def run(q, k, v, g, beta, cu_seqlens, chunk_indices, h0, scale: float, use_qk_l2
 
         o, final = state_chain(qn, kn, w[0], u[0], g[0], cu_seqlens[:-1], scale,
                                initial_state=None if h0 is None else h0[:cu_seqlens.shape[0] - 2],
-                               empty_finals=empty_finals or h0 is not None)
+                               empty_finals=empty_finals)
     elif h0 is None and split is not None and split[0].numel() > 0 and split_call(qn.shape[0], k.is_cuda):
         from .state_chain import state_chain_split
 

@@ -70,6 +70,9 @@ def bench_shape(sname: str, mname: str, r, heads: tuple[int, int, int], ceilings
            "triton-invariant": lambda: inv.fork_attention(q, k, v, *meta)}
     # the value columns in two programs (`triton_invariant.V_SPLIT_DIM`): no spills at dim 256 (session 33, offline)
     fns["triton-invariant[2 value parts]"] = lambda: inv.fork_attention(q, k, v, *meta, v_parts=2)
+    # the one-path tile (`triton_invariant.LEAN_TILES` False, session 34's baseline) against the default
+    other = "one-path" if inv.LEAN_TILES else "lean"
+    fns[f"triton-invariant[{other} tiles]"] = lambda: inv.fork_attention(q, k, v, *meta, lean=not inv.LEAN_TILES)
     if sweep:
         for c in SWEEP:
             fns[f"triton-invariant[M{c[0]},N{c[1]},w{c[2]},s{c[3]}]"] = (
@@ -116,6 +119,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--sweep", action="store_true", help="also time the invariant kernel's other tile configs")
+    parser.add_argument("--streams", nargs="+", help="only these streams (default: all)")
+    parser.add_argument("--models", nargs="+", help="only these head shapes, e.g. qwen3.5-0.8b (default: all)")
     args = parser.parse_args()
     ceilings = measure_ceilings()
     print(f"ceilings: {ceilings[0] / 1e12:.0f} TFLOP/s bf16, {ceilings[1] / 1e12:.2f} TB/s copy")
@@ -123,6 +128,8 @@ def main() -> None:
                "quality_like": stream(1, 4600, 16, 190),  # QuALITY: a 4.6k-token article, 16 questions
                "state2000_q256x8": stream(1, 2000, 256, 8), "race40_in_30720": padded_stream(40, 300, 4, 45, 30720)}
     shapes = {"qwen3.5-0.8b": (8, 2, 256), "qwen3.5-9b": (16, 4, 256)}
+    streams = {n: r for n, r in streams.items() if not args.streams or n in args.streams}
+    shapes = {n: h for n, h in shapes.items() if not args.models or n in args.models}
     rows = []
     for sname, r in streams.items():
         r = r.to("cuda")

@@ -82,12 +82,16 @@ def attention(dtype: str, head_dim: int, group: int, config) -> str:
     return resources(_compile(fa._fork_attention_kernel, sig, consts, config.num_warps, config.num_stages))
 
 
-def invariant_attention(dtype: str, head_dim: int, group: int, config, sub: bool = False, v_parts: int = 1) -> str:
+def invariant_attention(dtype: str, head_dim: int, group: int, config, sub: bool = False, v_parts: int = 1,
+                        lean: bool | None = None) -> str:
     """The batch-invariant fork attention (the CUDA default; fresh rounds: no checkpoint prefix; `sub`: with the
-    nested forks' sub-trunk phase; `v_parts`: programs sharing a head's value columns, `triton_invariant.V_PARTS`)."""
+    nested forks' sub-trunk phase; `v_parts`: programs sharing a head's value columns, `triton_invariant.V_PARTS`;
+    `lean`: the lean tiles, default `triton_invariant.LEAN_TILES`)."""
     import triton
 
     from flide.ops.fork_attention import triton_invariant as fi
+
+    lean = fi.LEAN_TILES if lean is None else lean
 
     ptr = f"*{dtype}"
     # a round's tables are int32 (flide/round.py); without a prefix the launcher passes seg_lo as pre_lo / pre_hi
@@ -100,7 +104,7 @@ def invariant_attention(dtype: str, head_dim: int, group: int, config, sub: bool
     consts = {"GROUP": group, "HEAD_DIM": head_dim, "HEAD_DIM_V": head_dim, "BLOCK_M": config.block_m,
               "BLOCK_N": config.block_n, "BLOCK_D": block_d, "BLOCK_DV": block_d // v_parts,
               "PRECISION": "ieee" if dtype == "fp32" else "tf32", "STATS": False, "HAS_PREFIX": False,
-              "HAS_SUB": sub, "V_PARTS": v_parts}
+              "HAS_SUB": sub, "V_PARTS": v_parts, "LEAN": lean}
     sig.update({n: "constexpr" for n in consts})
     return resources(_compile(fi._fork_attention_invariant_kernel, sig, consts, config.num_warps, config.num_stages))
 

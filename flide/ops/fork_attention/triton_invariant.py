@@ -145,6 +145,15 @@ def default_config(head_dim: int, dtype: torch.dtype) -> Config:
 V_SPLIT_DIM: int | None = None
 V_PARTS = 2
 
+# The tiles in fewer instructions (`_lean_tile`): the scale folded into the exponent's FMA, a cheaper visibility mask,
+# and tiles whole for every active row of the block (a long causal scan left of the block's rows, a state's tiles
+# under a block of its questions) without mask or load bounds. Why: on the H100 the one-path tile loop (`_tile`) was
+# 770 SASS instructions an iteration to triton.py's 564 in its unmasked loop, and the kernel took 1.45x triton.py's
+# time on a QuALITY-like stream with the same tiles and tile count (`ops_fork_attention_vparts_h100.log`): the loop is
+# latency-bound (one 192 KB program an SM), so its instruction count is its time. False: the one-path tile (the A/B
+# baseline; other bits, also invariant).
+LEAN_TILES = True
+
 
 def value_parts(head_dim_v: int, dtype: torch.dtype) -> int:
     """How many programs share a (query block, KV head)'s value columns (V_SPLIT_DIM)."""
@@ -185,6 +194,66 @@ def _tile(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d
     return acc, l_i, m_new
 
 
+@triton.jit
+def _lean_tile(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d, offs_dv, start, hi, active,
+               row_lo, row_hi, qk_scale, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+               EVEN_D: tl.constexpr, PRECISION: tl.constexpr, FULL: tl.constexpr):
+    """`_tile` in fewer instructions (LEAN_TILES): the scale is applied once per row to the raw scores' max and
+    folded into the exponent's FMA (p = exp2(fma(s, scale, -m))), the visibility mask compares the tile's columns
+    with per-row bounds (inactive rows get an empty range: no per-element `active` term), and FULL tiles skip the
+    mask and the loads' bounds altogether.
+
+    FULL: the caller checked that every ACTIVE row of the block sees every key of the tile (inactive rows: any
+    finite scores, dropped by their exponent offset of -inf, so the tile's keys must lie in the stream: true where
+    they are inside some active row's range). A row that sees the whole tile gets the same bits on either path: its
+    scores pass no select on the FULL path and an all-true select on the other, and every later value comes from the
+    same operations on the same inputs (the FMA explicit, so no contraction the compiler may do on one path only).
+    Which path a tile takes depends on the block's other rows; a row's bits do not (tests/gpu/
+    test_fork_attention_invariant_gpu.py checks them bitwise over random layouts)."""
+    keys = start + offs_n
+    k_ptrs = k_base + keys[:, None] * stride_kt + offs_d[None, :]
+    v_ptrs = v_base + keys[:, None] * stride_vt + offs_dv[None, :]
+    if FULL:
+        if EVEN_D:
+            k = tl.load(k_ptrs)
+        else:
+            k = tl.load(k_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+    else:
+        in_range = keys < hi
+        k_mask = in_range[:, None]
+        v_mask = in_range[:, None]
+        if not EVEN_D:
+            k_mask = k_mask & (offs_d[None, :] < HEAD_DIM)
+            v_mask = v_mask & (offs_dv[None, :] < HEAD_DIM_V)
+        k = tl.load(k_ptrs, mask=k_mask, other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # raw scores; the scale comes in the max and the exponent
+    if FULL:
+        touched = active
+    else:
+        # the row's visible columns of this tile, [lo, hi_): two compares with the column index, none for inactive
+        # rows (lo = BLOCK_N)
+        lo = tl.where(active, row_lo - start, BLOCK_N)
+        hi_ = row_hi - start
+        s = tl.where((offs_n[None, :] >= lo[:, None]) & (offs_n[None, :] < hi_[:, None]), s, float("-inf"))
+        touched = active & (start < row_hi) & (start + BLOCK_N > row_lo)  # the row sees a key of this tile
+    # max(s * scale) = max(s) * scale (scale > 0, rounding monotone): one multiply a row, not one a score
+    m_new = tl.where(touched, tl.maximum(m_i, tl.max(s, 1) * qk_scale), m_i)
+    neg_m = tl.where(touched, -m_new, float("-inf"))  # untouched rows: p = exp2(-inf) = +0 whatever s holds
+    p = tl.math.exp2(tl.fma(s, qk_scale, neg_m[:, None]))
+    alpha = tl.where(touched, tl.math.exp2(m_i - m_new), 1.0)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if FULL:
+        if EVEN_D:
+            v = tl.load(v_ptrs)
+        else:
+            v = tl.load(v_ptrs, mask=offs_dv[None, :] < HEAD_DIM_V, other=0.0)
+    else:
+        v = tl.load(v_ptrs, mask=v_mask, other=0.0)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
+    return acc, l_i, m_new
+
+
 @triton.jit(do_not_specialize=["T"])
 def _fork_attention_invariant_kernel(q_ptr, k_ptr, v_ptr, o_ptr, seg_lo_ptr, trunk_lo_ptr, trunk_hi_ptr, stats_ptr,
                                      pk_ptr, pv_ptr, pre_lo_ptr, pre_hi_ptr, sub_lo_ptr, sub_hi_ptr,
@@ -194,7 +263,7 @@ def _fork_attention_invariant_kernel(q_ptr, k_ptr, v_ptr, o_ptr, seg_lo_ptr, tru
                                      HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                      BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr,
                                      STATS: tl.constexpr, HAS_PREFIX: tl.constexpr, HAS_SUB: tl.constexpr,
-                                     V_PARTS: tl.constexpr):
+                                     V_PARTS: tl.constexpr, LEAN: tl.constexpr):
     TOKENS: tl.constexpr = BLOCK_M // GROUP  # tokens per query block; rows past TOKENS * GROUP idle
     # BLOCK_DV: the value columns of one program, a 1 / V_PARTS part of the (padded) head (`value_parts`)
     EVEN_D: tl.constexpr = (BLOCK_D == HEAD_DIM) and (BLOCK_DV * V_PARTS == HEAD_DIM_V)
@@ -295,12 +364,39 @@ def _fork_attention_invariant_kernel(q_ptr, k_ptr, v_ptr, o_ptr, seg_lo_ptr, tru
             svt = tl.where(phase == PRE, stride_pvt, stride_vt)
         else:
             kb, vb, skt, svt = k_base, v_base, stride_kt, stride_vt
-        for start in range(cur, hi, BLOCK_N):
-            acc, l_i, m_i = _tile(acc, l_i, m_i, q, kb, vb, skt, svt, offs_n, offs_d, offs_dv,
-                                  start, hi, active, row_lo, row_hi, qk_scale, BLOCK_N, HEAD_DIM, HEAD_DIM_V,
-                                  EVEN_D, PRECISION)
+        if LEAN:
+            # Tiles j_a <= j < j_b of the range (starts cur + j * BLOCK_N) lie inside every active row's
+            # [row_lo, row_hi): they take the FULL path. Three loops in the tiles' one order (masked, full, masked),
+            # none with a branch inside, so each keeps Triton's software pipelining of its loads. Every active row
+            # has cur <= row_lo and row_hi > cur, so the differences below are >= 0
+            n_t = (hi - cur + BLOCK_N - 1) // BLOCK_N
+            lo_max = tl.max(tl.where(active, row_lo, cur), 0)
+            hi_min = tl.min(tl.where(active, row_hi, BIG), 0)
+            j_a = tl.minimum((lo_max - cur + BLOCK_N - 1) // BLOCK_N, n_t)
+            j_b = tl.minimum(tl.maximum((hi_min - cur) // BLOCK_N, j_a), n_t)
+            full_lo = cur + j_a * BLOCK_N
+            full_hi = cur + j_b * BLOCK_N
+            for start in range(cur, full_lo, BLOCK_N):
+                acc, l_i, m_i = _lean_tile(acc, l_i, m_i, q, kb, vb, skt, svt, offs_n, offs_d, offs_dv, start, hi,
+                                           active, row_lo, row_hi, qk_scale, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D,
+                                           PRECISION, False)
+            for start in range(full_lo, full_hi, BLOCK_N):
+                acc, l_i, m_i = _lean_tile(acc, l_i, m_i, q, kb, vb, skt, svt, offs_n, offs_d, offs_dv, start, hi,
+                                           active, row_lo, row_hi, qk_scale, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D,
+                                           PRECISION, True)
+            for start in range(full_hi, hi, BLOCK_N):
+                acc, l_i, m_i = _lean_tile(acc, l_i, m_i, q, kb, vb, skt, svt, offs_n, offs_d, offs_dv, start, hi,
+                                           active, row_lo, row_hi, qk_scale, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D,
+                                           PRECISION, False)
             if STATS:
-                n_tiles += 1
+                n_tiles += n_t
+        else:
+            for start in range(cur, hi, BLOCK_N):
+                acc, l_i, m_i = _tile(acc, l_i, m_i, q, kb, vb, skt, svt, offs_n, offs_d, offs_dv,
+                                      start, hi, active, row_lo, row_hi, qk_scale, BLOCK_N, HEAD_DIM, HEAD_DIM_V,
+                                      EVEN_D, PRECISION)
+                if STATS:
+                    n_tiles += 1
         nxt = tl.min(tl.where(row_id > cur, row_id, BIG), 0)
         # the phase's last range done: on to the next phase that has one (SELF may have none: then cur = BIG)
         to_a = (nxt == BIG) & (phase == PRE) & (first_a < BIG)
@@ -344,7 +440,7 @@ def fork_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_lo: to
                    out: torch.Tensor | None = None, stats: torch.Tensor | None = None,
                    prefix: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                    sub: tuple[torch.Tensor, torch.Tensor] | None = None,
-                   v_parts: int | None = None) -> torch.Tensor:
+                   v_parts: int | None = None, lean: bool | None = None) -> torch.Tensor:
     """Same contract as `reference.fork_attention` ([T, Hq, D] / [T, Hkv, D] / [T, Hkv, Dv] in, [T, Hq, Dv] out in
     q's dtype; scores, softmax and sums in fp32), batch-invariant (module docstring). CUDA tensors, or CPU tensors
     under TRITON_INTERPRET=1.
@@ -361,6 +457,7 @@ def fork_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_lo: to
     stream (`reference.fork_attention(..., sub_lo=, sub_hi=)`'s contract), walked after the state, in tiles from
     sub_lo. None compiles the sub-trunk phase out (the kernel without nested forks).
     v_parts: programs per (query block, KV head), each with a part of the value columns (default: `value_parts`).
+    lean: the lean tiles (default `LEAN_TILES`; rows are invariant only among calls with the same choice).
     """
     T, Hq, D = q.shape
     Hkv, Dv = k.shape[1], v.shape[2]
@@ -423,7 +520,7 @@ def fork_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_lo: to
         GROUP=group, HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=_pow2_dim(D),
         BLOCK_DV=_pow2_dim(Dv) // parts, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         STATS=stats is not None, HAS_PREFIX=prefix is not None, HAS_SUB=sub is not None, V_PARTS=parts,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        LEAN=LEAN_TILES if lean is None else bool(lean), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
 

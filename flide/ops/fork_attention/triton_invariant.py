@@ -43,9 +43,12 @@ A row masked out of a tile keeps its accumulators bit for bit, without relying o
 is *selected* to be 1.0 (rows active in the range whose keys in the tile are all in the future, or rows of other
 ranges); its probabilities are exp2(-inf - m) = +0 (m starts at -1e30, finite: no NaN), so acc * 1 + 0 * v = acc
 and l * 1 + 0 = l exactly, whatever finite values the tile's other keys hold. The extra (no-op) tiles a row goes
-through depend on its block; the tiles where it sees a key do not, and they run the same code: there is ONE tile
-code path (no unmasked fast path whose choice would depend on the block; a masked and an unmasked path may compile to
-different instruction sequences, e.g. with or without FMA contraction) and one call site for all phases' tiles.
+through depend on its block; the tiles where it sees a key do not. Which CODE a tile runs may depend on the block
+(LEAN_TILES, the default: a tile whole for every active row of the block runs an unmasked path, `_lean_tile`'s FULL),
+so the two paths are written to give a row that sees the whole tile the same bits: its scores pass no select on one
+and an all-true select on the other, and every later value comes from the same operations (the exponent's FMA
+written out, so no contraction the compiler may apply on one path only). The GPU tests check it bitwise over random
+layouts. With LEAN_TILES off there is one tile path (`_tile`) and one call site for all phases' tiles.
 
 Per-row independence: each row's scores come from `tl.dot` (a row of the product depends only on that row of q and on
 the tile of keys), and every reduction (`tl.max`, `tl.sum`) runs along the key axis of one row. Nothing is reduced
@@ -98,6 +101,11 @@ bitwise) took QuALITY's attention from 4.71 to 4.44 ms (0.8B) and 12.4 to 11.2 (
 0.169 and 64 RACE from 0.307 to 0.338: the mask is not what costs 1.5x on long states (the 140-byte spills of the
 default tile may be). Other tiles (--sweep): [M64, N32, w4, s2] is faster on the op streams (0.216 ms on the
 2,000-token state) but slower on QuALITY's 8k-token state (5.62 vs 4.71 ms end to end): the default stays.
+Session 34 (H100): neither were the spills (the value split, V_SPLIT_DIM, removes them and is slower); the loop's
+length was: with LEAN_TILES (scale folded into the exponent's FMA, no score select on full tiles, a cheaper mask) the
+invariant kernel takes 1.19x triton.py's time on a QuALITY-like stream (was 1.44x), 1.31x on the 2,000-token state
+(was 1.54x), 1.08x on 64 RACE requests (was 1.00x) (`ops_fork_attention_lean_h100.json`, the three-loop first form;
+QuALITY's replay attention 4.05 vs 4.75 ms with the final two-loop form; see LEAN_TILES).
 
 Runs on CPU tensors under TRITON_INTERPRET=1 (read by `triton.jit` when this module is imported), which is how the CPU
 tests check it (tests/test_fork_attention_invariant.py); the GPU checks are tests/gpu/
@@ -141,17 +149,23 @@ def default_config(head_dim: int, dtype: torch.dtype) -> Config:
 # part holds 64 and does not, and a round has twice the programs (RACE's 437 tokens: 28 programs on 132 SMs). The cost:
 # the q . k products once per part (1.5x the tile's products for 2 parts). A column's sums are those of the unsplit
 # program (the same scores, the same keys in the same order along the same MMA k-steps), so the bits should not
-# change (asserted on the GPU: tests/gpu/test_fork_attention_invariant_gpu.py). None: never split. NOT measured yet.
+# change (asserted on the GPU: tests/gpu/test_fork_attention_invariant_gpu.py, passed on an H100 in session 34). None:
+# never split, the default: measured slower (H100, session 34, op bench `ops_fork_attention_vparts_h100.log`: QuALITY-
+# like stream 0.903 vs 0.641 ms, 64 RACE requests 0.492 vs 0.310; replay A/B `h100_profile_0_8b_session34_{main,vsplit}
+# .json`: QuALITY's attention 6.83 vs 4.72 ms, RACE's 0.123 vs 0.149): the spills were not what the tile paid for.
 V_SPLIT_DIM: int | None = None
 V_PARTS = 2
 
 # The tiles in fewer instructions (`_lean_tile`): the scale folded into the exponent's FMA, a cheaper visibility mask,
 # and tiles whole for every active row of the block (a long causal scan left of the block's rows, a state's tiles
-# under a block of its questions) without mask or load bounds. Why: on the H100 the one-path tile loop (`_tile`) was
-# 770 SASS instructions an iteration to triton.py's 564 in its unmasked loop, and the kernel took 1.45x triton.py's
-# time on a QuALITY-like stream with the same tiles and tile count (`ops_fork_attention_vparts_h100.log`): the loop is
-# latency-bound (one 192 KB program an SM), so its instruction count is its time. False: the one-path tile (the A/B
-# baseline; other bits, also invariant).
+# under a block of its questions) without mask or load bounds. Why: the one-path tile loop (`_tile`) is 770 SASS
+# instructions an iteration (sm_90a, Triton 3.9 offline: benchmarks/ops/kernel_resources.py) to triton.py's 564 in its
+# unmasked loop, and the kernel took 1.44x triton.py's time on a QuALITY-like stream with the same tiles and ~the same
+# tile count (H100): with one 192 KB program an SM the loop is latency-bound, and its length is its time. The lean
+# loops: 540 (full) and 724 (masked) instructions. Measured (H100, session 34, same machine, replay GPU ms lean vs
+# one-path, `h100_profile_0_8b_session34_lean{,_baseline_onepath}.json`): QuALITY 29.68 vs 30.24 (attention 4.05 vs
+# 4.75), sweep 1 7.93 vs 8.02 (0.540 vs 0.623), RACE 3.020 vs 3.023 (0.153 vs 0.149), MultiRC 3.992 vs 3.986 (0.191 vs
+# 0.178). False: the one-path tile (the A/B baseline; other bits, also invariant).
 LEAN_TILES = True
 
 
@@ -357,7 +371,7 @@ def _fork_attention_invariant_kernel(q_ptr, k_ptr, v_ptr, o_ptr, seg_lo_ptr, tru
             row_hi = tl.where(phase == SUB, sub_hi, row_hi)
         active = row_id == cur
         hi = tl.max(tl.where(active, row_hi, 0), 0)
-        if HAS_PREFIX:  # the prefix phase reads pk / pv; every phase still runs the one `_tile` call below
+        if HAS_PREFIX:  # the prefix phase reads pk / pv; every phase runs the same tile calls below
             kb = tl.where(phase == PRE, pk_base, k_base)
             vb = tl.where(phase == PRE, pv_base, v_base)
             skt = tl.where(phase == PRE, stride_pkt, stride_kt)
@@ -370,8 +384,9 @@ def _fork_attention_invariant_kernel(q_ptr, k_ptr, v_ptr, o_ptr, seg_lo_ptr, tru
             # tiles' one order; neither loop has a branch inside, so each keeps Triton's software pipelining of its
             # loads). Every active row has row_lo >= cur and row_hi > cur; the phases other than SELF have row_lo ==
             # cur for all of them. A range without a full tile (short segments, SELF) skips the first loop by one
-            # uniform branch: three loops a range, each with its pipeline's prologue, cost MultiRC's many short
-            # ranges ~20 % more attention time (H100, session 34)
+            # uniform branch. (A first form with three loops a range, masked / full / masked, each with its
+            # pipeline's prologue, measured MultiRC's attention at 0.219 ms vs the one-path tile's 0.179, H100; this
+            # one at 0.191 vs 0.178 on another H100 of the same session)
             n_t = (hi - cur + BLOCK_N - 1) // BLOCK_N
             lo_max = tl.max(tl.where(active, row_lo, cur), 0)
             hi_min = tl.min(tl.where(active, row_hi, BIG), 0)

@@ -300,6 +300,19 @@ else:
                                                              seed=20 + trial)
             assert torch.equal(out_in[rows_in], out_al[rows_al]), (heads, trial)
 
+    @pytest.mark.parametrize("lean", [True, False], ids=["lean-tiles", "one-path-tiles"])
+    def test_invariant_with_and_without_lean_tiles(lean, monkeypatch):
+        """Both tile forms (`LEAN_TILES`: the default's full-tile loop, the one-path A/B baseline) keep a request's
+        bits alone and inside a round: a long state (its own rows' full tiles depend on where the query blocks cut
+        it) under questions that share blocks with another request's."""
+        monkeypatch.setattr(kernel, "LEAN_TILES", lean)
+        rng = random.Random(7)
+        target = request(rng, 90, [4, 1, 6, 2, 3])
+        rest = others(rng, 3)
+        _, rows_in, out_in, out_al, rows_al = invariance(rest[:1] + [target] + rest[1:], 1, (4, 2, 16), SMALL,
+                                                         pad_inside=5, pad_alone=2, seed=40)
+        assert torch.equal(out_in[rows_in], out_al[rows_al])
+
     def test_invariant_rows_that_see_only_themselves():
         """Pads, one-token states, states' first tokens and first tokens of questions without a state share one run
         of tiles per block, each row scored in whatever column it falls: GQA 1 with 32 tokens a block and 16 keys a

@@ -209,6 +209,23 @@ def _tile(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d
 
 
 @triton.jit
+def _tile_rows(ptrs, keys, hi, offs, DIM: tl.constexpr, EVEN_D: tl.constexpr, FULL: tl.constexpr):
+    """A tile's key or value rows at `ptrs` ([BLOCK_N, columns `offs`]): zero past `hi` unless FULL (the caller checked
+    that the tile lies in the stream), zero in columns past DIM unless EVEN_D."""
+    if FULL:
+        if EVEN_D:
+            rows = tl.load(ptrs)
+        else:
+            rows = tl.load(ptrs, mask=offs[None, :] < DIM, other=0.0)
+    else:
+        mask = (keys < hi)[:, None]
+        if not EVEN_D:
+            mask = mask & (offs[None, :] < DIM)
+        rows = tl.load(ptrs, mask=mask, other=0.0)
+    return rows
+
+
+@triton.jit
 def _lean_tile(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d, offs_dv, start, hi, active,
                row_lo, row_hi, qk_scale, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                EVEN_D: tl.constexpr, PRECISION: tl.constexpr, FULL: tl.constexpr):
@@ -227,19 +244,7 @@ def _lean_tile(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_n, o
     keys = start + offs_n
     k_ptrs = k_base + keys[:, None] * stride_kt + offs_d[None, :]
     v_ptrs = v_base + keys[:, None] * stride_vt + offs_dv[None, :]
-    if FULL:
-        if EVEN_D:
-            k = tl.load(k_ptrs)
-        else:
-            k = tl.load(k_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
-    else:
-        in_range = keys < hi
-        k_mask = in_range[:, None]
-        v_mask = in_range[:, None]
-        if not EVEN_D:
-            k_mask = k_mask & (offs_d[None, :] < HEAD_DIM)
-            v_mask = v_mask & (offs_dv[None, :] < HEAD_DIM_V)
-        k = tl.load(k_ptrs, mask=k_mask, other=0.0)
+    k = _tile_rows(k_ptrs, keys, hi, offs_d, HEAD_DIM, EVEN_D, FULL)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # raw scores; the scale comes in the max and the exponent
     if FULL:
         touched = active
@@ -256,13 +261,7 @@ def _lean_tile(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_n, o
     p = tl.math.exp2(tl.fma(s, qk_scale, neg_m[:, None]))
     alpha = tl.where(touched, tl.math.exp2(m_i - m_new), 1.0)
     l_i = l_i * alpha + tl.sum(p, 1)
-    if FULL:
-        if EVEN_D:
-            v = tl.load(v_ptrs)
-        else:
-            v = tl.load(v_ptrs, mask=offs_dv[None, :] < HEAD_DIM_V, other=0.0)
-    else:
-        v = tl.load(v_ptrs, mask=v_mask, other=0.0)
+    v = _tile_rows(v_ptrs, keys, hi, offs_dv, HEAD_DIM_V, EVEN_D, FULL)
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
     return acc, l_i, m_new

@@ -92,7 +92,6 @@ def invariant_attention(dtype: str, head_dim: int, group: int, config, sub: bool
     from flide.ops.fork_attention import triton_invariant as fi
 
     lean = fi.LEAN_TILES if lean is None else lean
-
     ptr = f"*{dtype}"
     # a round's tables are int32 (flide/round.py); without a prefix the launcher passes seg_lo as pre_lo / pre_hi
     sig = {"q_ptr": ptr, "k_ptr": ptr, "v_ptr": ptr, "o_ptr": ptr, "seg_lo_ptr": "*i32", "trunk_lo_ptr": "*i32",

@@ -183,15 +183,9 @@ def _tile(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d
     [row_lo, row_hi); inactive rows see none. A row that sees no key of the tile keeps acc, l and m exactly (alpha
     selected as 1.0, p = +0)."""
     keys = start + offs_n
-    in_range = keys < hi
     k_ptrs = k_base + keys[:, None] * stride_kt + offs_d[None, :]
     v_ptrs = v_base + keys[:, None] * stride_vt + offs_dv[None, :]
-    k_mask = in_range[:, None]
-    v_mask = in_range[:, None]
-    if not EVEN_D:
-        k_mask = k_mask & (offs_d[None, :] < HEAD_DIM)
-        v_mask = v_mask & (offs_dv[None, :] < HEAD_DIM_V)
-    k = tl.load(k_ptrs, mask=k_mask, other=0.0)
+    k = _tile_rows(k_ptrs, keys, hi, offs_d, HEAD_DIM, EVEN_D, False)
     qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # log2 units: exp2 below
     # lo <= s < hi as one unsigned compare: (s - lo) wraps past hi - lo when s < lo
     seen = (keys[None, :] - row_lo[:, None]).to(tl.uint32, bitcast=True) < (row_hi - row_lo).to(tl.uint32,
@@ -202,7 +196,7 @@ def _tile(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_n, offs_d
     p = tl.math.exp2(qk - m_new[:, None])  # m_new finite: masked entries are exactly +0
     alpha = tl.where(touched, tl.math.exp2(m_i - m_new), 1.0)
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(v_ptrs, mask=v_mask, other=0.0)
+    v = _tile_rows(v_ptrs, keys, hi, offs_dv, HEAD_DIM_V, EVEN_D, False)
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
     return acc, l_i, m_new

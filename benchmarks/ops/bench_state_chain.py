@@ -54,6 +54,13 @@ def main() -> None:
     parser.add_argument("--output-tiles", nargs="*", default=[], metavar="BV,WARPS,STAGES",
                         help="the outputs kernel's tiles (default: state_chain.OUTPUT_TILES)")
     parser.add_argument("--fla-outputs", action="store_true", help="also the split call with fla's o step")
+    parser.add_argument("--segments", type=int, nargs="*", default=[], metavar="TOKENS",
+                        help="also time the two-level chain (`segment_scan.state_chain_segments`, sequences over "
+                             "fla.FUSED_MAX_TOKENS in segments of TOKENS), for each TOKENS; its tables built once "
+                             "outside the timing, as the engine builds them once per forward")
+    parser.add_argument("--reference", action="store_true",
+                        help="also each variant's error against the fp32 token-by-token reference (slow: a Python "
+                             "loop over the stream)")
     args = parser.parse_args()
     tiles_swept = [tuple(int(x) for x in t.split(",")) for t in args.tiles] if args.tiles is not None else TILES
     long_tiles = [None, *(tuple(int(x) for x in t.split(",")) for t in args.long_tiles)]
@@ -87,6 +94,20 @@ def main() -> None:
         state_rows[: int(r.state_len.sum()) + int(r.state_start[0])] = True
         state_rows[: int(r.state_start[0])] = False
         base_row = {"stream": name, "tokens": T, "value_heads": hv, "kernel": "fla h + o", "tiles": "", "ms": base}
+        truth = None
+        if args.reference:
+            from flide.ops.gated_delta import reference
+
+            start, lens = r.state_start, r.state_len
+            truth, _ = reference.gated_delta(q.float(), k.float(), v.float(), g.float(), beta.float(), start, lens,
+                                             torch.zeros(0, hv, dim, dim, device=device),
+                                             torch.full_like(start, -1), scale, False)
+
+            def err(o):
+                return ((o[state_rows].float() - truth[state_rows]).abs().max()
+                        / truth[state_rows].abs().max()).item()
+
+            base_row["rel_err_o_vs_fp32"] = err(want_o)
         rows.append(base_row)
         print(json.dumps(base_row), flush=True)
         for split in args.split_tokens:
@@ -114,7 +135,32 @@ def main() -> None:
                                             / want_o[state_rows].float().abs().max()).item(),
                              "rel_diff_final": ((final - want_final[:n]).abs().max()
                                                 / want_final[:n].abs().max()).item()})
+                if truth is not None:
+                    rows[-1]["rel_err_o_vs_fp32"] = err(o)
                 print(json.dumps(rows[-1]), flush=True)
+        for seg_tokens in args.segments:
+            from flide.ops.gated_delta import segment_scan
+
+            seg_tables = segment_scan.segment_tables(cu, fla.FUSED_MAX_TOKENS, T, seg_tokens)
+
+            def segments(seg_tables=seg_tables):
+                return segment_scan.state_chain_segments(q, k, w[0], u[0], gc[0], seg_tables, cu.shape[0] - 2,
+                                                         scale, empty_finals=False)
+
+            o, final = segments()
+            torch.cuda.synchronize()
+            ms = do_bench_cudagraph(segments, return_mode="median")
+            n = final.shape[0]
+            used = (cu[1:n + 1] - cu[:n]) > 0
+            rows.append({"stream": name, "tokens": T, "value_heads": hv, "kernel": f"segments@{seg_tokens}",
+                         "tiles": "", "ms": ms, "vs_fla": ms / base,
+                         "rel_diff_o": ((o[state_rows].float() - want_o[state_rows].float()).abs().max()
+                                        / want_o[state_rows].float().abs().max()).item(),
+                         "rel_diff_final": ((final[used] - want_final[:n][used]).abs().max()
+                                            / want_final[:n][used].abs().max()).item()})
+            if truth is not None:
+                rows[-1]["rel_err_o_vs_fp32"] = err(o)
+            print(json.dumps(rows[-1]), flush=True)
         for tiles in tiles_swept:
             def ours(tiles=tiles):
                 return state_chain.state_chain(q, k, w[0], u[0], gc[0], cu, scale, tiles=tiles)

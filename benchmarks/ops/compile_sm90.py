@@ -103,7 +103,7 @@ def main() -> int:
 
     from flide.ops.fork_attention import triton_invariant as attn
     from flide.ops.fork_conv import triton as conv
-    from flide.ops.gated_delta import branches, questions_wy, state_chain
+    from flide.ops.gated_delta import branches, questions_wy, segment_scan, state_chain
     from flide.ops.gated_norm import triton as gated_norm
     from flide.ops.qk_prep import triton as qk_prep
     from flide.ops.linear import triton as linear
@@ -181,7 +181,28 @@ def main() -> int:
             {n: "*bf16" for n in ("q_ptr", "k_ptr", "w_ptr", "u_ptr", "o_ptr", "h_ptr", "vn_ptr")} |
             {"g_ptr": "*fp32", "h0_ptr": "*fp32", "ht_ptr": "*fp32"}, "*i64", {"scale": "fp32", "split": "i32"},
             dict(H=16, HV=hv, K=128, V=128, BT=64, BV=bv, USE_H0=h0, PART=getattr(state_chain, part).value,
-                 EMPTY_FINALS=empty),
+                 EMPTY_FINALS=empty, INDEXED=False),
+            {"num_warps": warps, "num_stages": stages})
+    # the two-level chain (segment_scan.py): the segments' fused chain from start states by index, the transitions,
+    # the combine
+    for hv in (16, 32):
+        ok &= compile_one(
+            f"gated_delta segment chain bf16 Hv{hv}", state_chain._state_chain_kernel,
+            {n: "*bf16" for n in ("q_ptr", "k_ptr", "w_ptr", "u_ptr", "o_ptr", "h_ptr", "vn_ptr")} |
+            {"g_ptr": "*fp32", "h0_ptr": "*fp32", "ht_ptr": "*fp32"}, "*i32", {"scale": "fp32", "split": "i32"},
+            dict(H=16, HV=hv, K=128, V=128, BT=64, BV=state_chain.BLOCK_V, USE_H0=False, PART=state_chain.EVERY.value,
+                 EMPTY_FINALS=False, INDEXED=True),
+            {"num_warps": state_chain.NUM_WARPS, "num_stages": state_chain.NUM_STAGES})
+        bc, warps, stages = segment_scan.TRANSITION_TILES
+        ok &= compile_one(
+            f"gated_delta segment transitions bf16 Hv{hv}", segment_scan._transition_kernel,
+            {n: "*bf16" for n in ("k_ptr", "w_ptr", "u_ptr")} | {"g_ptr": "*fp32", "x_ptr": "*fp32"}, "*i32", {},
+            dict(H=16, HV=hv, K=128, V=128, BT=64, BC=bc), {"num_warps": warps, "num_stages": stages})
+        bv, warps, stages = segment_scan.COMBINE_TILES
+        ok &= compile_one(
+            f"gated_delta segment combine Hv{hv}", segment_scan._combine_kernel,
+            {"x_ptr": "*fp32", "h0_ptr": "*fp32"}, "*i32", {},
+            dict(HV=hv, K=128, V=128, BV=bv, PRECISION=segment_scan.COMBINE_PRECISION),
             {"num_warps": warps, "num_stages": stages})
     for hv in (16, 32):  # the split call's outputs kernel
         bv, warps, stages = state_chain.OUTPUT_TILES

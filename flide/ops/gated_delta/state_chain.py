@@ -68,9 +68,9 @@ def _chunk_output(b_q, b_s, b_kt, b_v, b_g, t_ok, causal, scale):
 
 @triton.jit(do_not_specialize=["T", "split"])
 def _state_chain_kernel(q_ptr, k_ptr, w_ptr, u_ptr, g_ptr, o_ptr, h0_ptr, ht_ptr, cu_ptr, h_ptr, vn_ptr, rows_ptr,
-                        scale, T, split, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                        BT: tl.constexpr, BV: tl.constexpr, USE_H0: tl.constexpr, PART: tl.constexpr,
-                        EMPTY_FINALS: tl.constexpr):
+                        h0_row_ptr, final_row_ptr, scale, T, split, H: tl.constexpr, HV: tl.constexpr,
+                        K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, USE_H0: tl.constexpr,
+                        PART: tl.constexpr, EMPTY_FINALS: tl.constexpr, INDEXED: tl.constexpr):
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1).to(tl.int64)
     i_n = i_nh // HV
@@ -94,7 +94,16 @@ def _state_chain_kernel(q_ptr, k_ptr, w_ptr, u_ptr, g_ptr, o_ptr, h0_ptr, ht_ptr
     v_ok = o_v < V
     state_at = i_nh * K * V + o_k[:, None] * V + o_v[None, :]
     S = tl.zeros([K, BV], dtype=tl.float32)
-    if USE_H0:
+    if INDEXED:
+        # a segment of a long sequence (segment_scan.py): its initial state at row h0_row of h0 (-1: zero, a
+        # sequence's first segment), its final state at row final_row of ht (-1: not stored, an inner segment)
+        h0_row = tl.load(h0_row_ptr + i_n).to(tl.int64)
+        if h0_row >= 0:
+            S += tl.load(h0_ptr + (h0_row * HV + i_h) * K * V + o_k[:, None] * V + o_v[None, :],
+                         mask=v_ok[None, :], other=0.0)
+        final_row = tl.load(final_row_ptr + i_n).to(tl.int64)
+        state_at = (final_row * HV + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
+    elif USE_H0:
         S += tl.load(h0_ptr + state_at, mask=v_ok[None, :], other=0.0)
     causal = o_t[:, None] >= o_t[None, :]
     for c0 in range(0, n, BT):
@@ -125,7 +134,11 @@ def _state_chain_kernel(q_ptr, k_ptr, w_ptr, u_ptr, g_ptr, o_ptr, h0_ptr, ht_ptr
         b_v = b_v * tl.where(t_ok, tl.exp2(g_last - b_g), 0.0)[:, None]
         S = S * tl.exp2(g_last)
         S = tl.dot(b_kt, b_v.to(b_kt.dtype), S)
-    tl.store(ht_ptr + state_at, S, mask=v_ok[None, :])
+    if INDEXED:
+        if final_row >= 0:
+            tl.store(ht_ptr + state_at, S, mask=v_ok[None, :])
+    else:
+        tl.store(ht_ptr + state_at, S, mask=v_ok[None, :])
 
 
 # the outputs kernel's (value columns, warps, stages), and the LONG chain's (bench_state_chain.py, session 31: on the
@@ -181,7 +194,10 @@ def _check(q, k, w, u, g) -> None:
 
 
 def _launch(q, k, w, u, g, cu_seqlens, scale, o, final, initial_state, chunk, tiles, part=EVERY, split=0,
-            h=None, v_new=None, rows=None, empty_finals=True) -> None:
+            h=None, v_new=None, rows=None, empty_finals=True, indexed=None) -> None:
+    """One launch of `_state_chain_kernel` over the sequences of `cu_seqlens`. `indexed` (h0 [R, Hv, K, V] float32,
+    h0_row [N], final_row [N]; segment_scan.py): each sequence's initial state from row h0_row of h0 (-1: zero) and
+    its final state to row final_row of `final` (-1: none), instead of row n of both."""
     T, HK, K = k.shape
     HV, V = u.shape[1], u.shape[2]
     N = cu_seqlens.shape[0] - 1
@@ -195,14 +211,17 @@ def _launch(q, k, w, u, g, cu_seqlens, scale, o, final, initial_state, chunk, ti
         raise ValueError(f"state_chain needs at least 2 pipeline stages, not {stages}")
     BV = min(BV, triton.next_power_of_2(V))
     h0 = final if initial_state is None else initial_state.float().contiguous()  # unread without USE_H0
+    h0_row = final_row = cu_seqlens  # read with `indexed` only
+    if indexed is not None:
+        h0, h0_row, final_row = indexed
     q, k, w, u, g = (x.contiguous() for x in (q, k, w, u, g.float()))  # as the kernel indexes them (no-ops here)
     cu_seqlens = cu_seqlens.contiguous()
     # h / v_new / rows: read and written by the LONG part only (any valid pointer otherwise)
     _state_chain_kernel[(triton.cdiv(V, BV), N * HV)](
         q, k, w, u, g, o, h0, final, cu_seqlens, o if h is None else h, o if v_new is None else v_new,
-        cu_seqlens if rows is None else rows.contiguous(), float(scale), T, int(split), H=HK, HV=HV, K=K, V=V,
-        BT=chunk, BV=BV, USE_H0=initial_state is not None, PART=part.value, EMPTY_FINALS=empty_finals,
-        num_warps=warps, num_stages=stages)
+        cu_seqlens if rows is None else rows.contiguous(), h0_row, final_row, float(scale), T, int(split), H=HK,
+        HV=HV, K=K, V=V, BT=chunk, BV=BV, USE_H0=initial_state is not None, PART=part.value,
+        EMPTY_FINALS=empty_finals, INDEXED=indexed is not None, num_warps=warps, num_stages=stages)
 
 
 def state_chain(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, g: torch.Tensor,

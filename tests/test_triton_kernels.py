@@ -562,6 +562,49 @@ else:
                 torch.testing.assert_close(stored["h"][int(long_offsets[s_i]) + c], before[0], atol=2e-5 * scale,
                                            rtol=1e-5)
 
+    @pytest.mark.parametrize("split,segment", [(100, 64), (60, 128)])
+    def test_gated_delta_state_chain_segments_match_the_reference(split, segment):
+        """`state_chain_segments`: sequences over `split` tokens in segments of `segment` tokens (transitions [S0 | M]
+        in parallel, the combine scan, each segment's fused chain from its start state), the others whole: every
+        state row and final state equal to the reference's state call in fp32; a long sequence's first segment the
+        one-step chain's bits, a short sequence's all of them; with `empty_finals=False` the same rows."""
+        from flide.ops.gated_delta import fla as delta_fla
+        from flide.ops.gated_delta import segment_scan
+
+        Hk, Hv, K, V = 2, 4, 16, 32
+        tokens = 600
+        r = tiny_round(tokens, seed=6, max_state=300)  # states of 293, 15, 43 and 123 tokens
+        q, k, v, g, beta = gdn_inputs(tokens, (Hk, Hv, K, V), seed=35, decay=0.05)
+        want, want_final = delta_ref.gated_delta(q, k, v, g, beta, r.state_start, r.state_len, torch.zeros(0, Hv, K, V),
+                                                 torch.full_like(r.state_start, -1), 0.3, False)
+        cu_all = delta_fla.bounds(r.state_start, r.state_len)
+        lens = r.state_len
+        # a sequence of 3+ segments (two combine steps), a short one and an empty one
+        assert (lens > 2 * segment).any() and ((lens > 0) & (lens <= split)).any() and (lens == 0).any()
+        tables = segment_scan.segment_tables(cu_all, split, tokens, segment)
+        seg_cu, h0_row, final_row, rows_table, chains = tables
+        assert torch.equal(seg_cu[0], cu_all[0]) and (seg_cu[1:] >= seg_cu[:-1]).all() and seg_cu[-1] == cu_all[-1]
+        w, u, gamma = delta_wy.wy_reference(k, v, g, beta, r.state_start, r.state_len)
+        n = lens.shape[0]
+        out, final = segment_scan.state_chain_segments(q, k, w, u, gamma, tables, n, 0.3)
+        rows = torch.zeros(tokens, dtype=torch.bool)
+        for start, length in zip(r.state_start.tolist(), lens.tolist()):
+            rows[start:start + length] = True
+        scale = max(1.0, want[rows].abs().max().item())
+        torch.testing.assert_close(out[rows], want[rows], atol=2e-5 * scale, rtol=1e-5)
+        torch.testing.assert_close(final, want_final, atol=2e-5 * max(1.0, want_final.abs().max().item()), rtol=1e-5)
+        whole, _ = delta_chain.state_chain(q, k, w, u, gamma, cu_all[:-1], 0.3)
+        for s_i in torch.nonzero(lens > split).flatten().tolist():
+            lo, first = int(r.state_start[s_i]), min(segment, int(lens[s_i]))
+            assert torch.equal(out[lo:lo + first], whole[lo:lo + first])
+        short = (lens > 0) & (lens <= split)
+        for s_i in torch.nonzero(short).flatten().tolist():
+            lo, hi = int(r.state_start[s_i]), int(r.state_start[s_i] + lens[s_i])
+            assert torch.equal(out[lo:hi], whole[lo:hi])
+        # the fork's form: nothing stored for empty sequences or outside the states
+        o_skip, f_skip = segment_scan.state_chain_segments(q, k, w, u, gamma, tables, n, 0.3, empty_finals=False)
+        assert torch.equal(o_skip[rows], out[rows]) and torch.equal(f_skip[lens > 0], final[lens > 0])
+
     def test_gated_delta_chunk_outputs_match_the_reference_and_skip_spare_rows():
         """`chunk_outputs` (the split call's o step): each chunk row's outputs from a given state before the chunk and
         the chunk's new values, as fla's o step computes them (fp32 here); rows naming the trailing empty sequence

@@ -582,11 +582,11 @@ else:
         # a sequence of 3+ segments (two combine steps), a short one and an empty one
         assert (lens > 2 * segment).any() and ((lens > 0) & (lens <= split)).any() and (lens == 0).any()
         tables = segment_scan.segment_tables(cu_all, split, tokens, segment)
-        seg_cu, h0_row, final_row, rows_table, chains = tables
+        seg_cu = segment_scan.unpack(*tables, tokens, segment)[0]
         assert torch.equal(seg_cu[0], cu_all[0]) and (seg_cu[1:] >= seg_cu[:-1]).all() and seg_cu[-1] == cu_all[-1]
         w, u, gamma = delta_wy.wy_reference(k, v, g, beta, r.state_start, r.state_len)
         n = lens.shape[0]
-        out, final = segment_scan.state_chain_segments(q, k, w, u, gamma, tables, n, 0.3)
+        out, final = segment_scan.state_chain_segments(q, k, w, u, gamma, tables, n, 0.3, segment)
         rows = torch.zeros(tokens, dtype=torch.bool)
         for start, length in zip(r.state_start.tolist(), lens.tolist()):
             rows[start:start + length] = True
@@ -602,7 +602,8 @@ else:
             lo, hi = int(r.state_start[s_i]), int(r.state_start[s_i] + lens[s_i])
             assert torch.equal(out[lo:hi], whole[lo:hi])
         # the fork's form: nothing stored for empty sequences or outside the states
-        o_skip, f_skip = segment_scan.state_chain_segments(q, k, w, u, gamma, tables, n, 0.3, empty_finals=False)
+        o_skip, f_skip = segment_scan.state_chain_segments(q, k, w, u, gamma, tables, n, 0.3, segment,
+                                                           empty_finals=False)
         assert torch.equal(o_skip[rows], out[rows]) and torch.equal(f_skip[lens > 0], final[lens > 0])
 
     def test_gated_delta_chunk_outputs_match_the_reference_and_skip_spare_rows():

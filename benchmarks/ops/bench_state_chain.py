@@ -143,9 +143,9 @@ def main() -> None:
 
             seg_tables = segment_scan.segment_tables(cu, fla.FUSED_MAX_TOKENS, T, seg_tokens)
 
-            def segments(seg_tables=seg_tables):
+            def segments(seg_tables=seg_tables, seg_tokens=seg_tokens):
                 return segment_scan.state_chain_segments(q, k, w[0], u[0], gc[0], seg_tables, cu.shape[0] - 2,
-                                                         scale, empty_finals=False)
+                                                         scale, seg_tokens, empty_finals=False)
 
             o, final = segments()
             torch.cuda.synchronize()

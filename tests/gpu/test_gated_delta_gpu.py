@@ -452,6 +452,52 @@ def test_split_state_chain_matches_fla_steps(tokens, heads, monkeypatch):
         assert torch.equal(o, want_o) and torch.equal(final[used], want_final[used])
 
 
+@pytest.mark.parametrize("tokens", [3600, 8192])
+@pytest.mark.parametrize("heads", [(16, 16), (16, 32)], ids=["Hk16-Hv16", "Hk16-Hv32"])
+def test_segment_scan_state_call_matches_fla_steps(tokens, heads, monkeypatch):
+    """fla.SEGMENT_SCAN: in a bucket over FUSED_MAX_TOKENS (here 300) the state call from the round's tables runs its
+    long states in 128-token segments (`segment_scan`: transitions, combine, each segment's fused chain) and its short
+    ones whole in the same launch: the fork's outputs and final states close to fla's h and o steps (bf16, Qwen3.5's
+    head counts; the later segments start from states summed in another order), a long state's first segment and
+    every short state with fla's bits on sm_90, and the same results when the round is laid out again."""
+    from flide.ops.gated_delta import STATE_KERNELS, fork_tables
+    from flide.ops.gated_delta import fla as fla_module
+    from flide.ops.gated_delta import segment_scan
+
+    monkeypatch.setattr(fla_module, "FUSED_MAX_TOKENS", 300)
+    monkeypatch.setattr(fla_module, "SEGMENT_SCAN", True)
+    monkeypatch.setattr(segment_scan, "SEGMENT_TOKENS", 128)
+    x, r = inputs(tokens, torch.bfloat16, seed=tokens + heads[1] + 11, hk=heads[0], hv=heads[1])
+    lens = r.state_len
+    assert (lens > 2 * 128).any() and ((lens > 0) & (lens <= 300)).any()
+    delta = kernel("fla")
+    meta = (r.state_start, r.state_len, r.branch_start, r.branch_len, r.branch_state, 128 ** -0.5, True)
+    calls = []
+    launch = segment_scan.state_chain_segments
+    monkeypatch.setattr(segment_scan, "state_chain_segments", lambda *a, **kw: calls.append(1) or launch(*a, **kw))
+
+    def run():
+        tables = fork_tables(r.state_start, r.state_len, r.branch_start, r.branch_len, r.state_chunks,
+                             branch_state=r.branch_state)
+        return plain_fork(delta, *x, *meta, branch_kernel=BRANCH_KERNELS[delta], state_kernel=STATE_KERNELS[delta],
+                          tables=tables)
+
+    o, final = run()
+    again, again_final = run()
+    assert len(calls) == 2
+    used = lens > 0
+    assert torch.equal(again, o) and torch.equal(again_final[used], final[used])
+    monkeypatch.setattr(fla_module, "FUSED_SPLIT", False)
+    want_o, want_final = run()
+    assert len(calls) == 2
+    assert rel_err(o, want_o) < 5e-3 and rel_err(final[used], want_final[used]) < 5e-3
+    if torch.cuda.get_device_capability() == (9, 0):
+        exact = torch.zeros(o.shape[0], dtype=torch.bool, device=o.device)
+        for start, n in zip(r.state_start.tolist(), lens.tolist()):
+            exact[start:start + (n if n <= 300 else 128)] = True
+        assert torch.equal(o[exact], want_o[exact])
+
+
 @pytest.mark.parametrize("tokens", [300, 1000])
 def test_fused_state_chain_from_initial_states_matches_fla_steps(tokens, monkeypatch):
     """fla.FUSED_INITIAL_STATES: a call with initial states (a checkpoint round's resumed states, `gated_delta` with

@@ -327,6 +327,7 @@ class ForkTables(NamedTuple):
     all_chunks: torch.Tensor  # [Cs + Cb, 2]: their chunk rows (fla.combined_tables); both empty without fla_wy
     long_chunks: torch.Tensor  # [Cs, 2]: the chunk rows of the states over fla.FUSED_MAX_TOKENS (fla.split_tables)
     long_chunk_offsets: torch.Tensor  # [NS + 2]: each state's first row in them; both empty where no call splits
+    # (with fla.SEGMENT_SCAN the two tensors of segment_scan.segment_tables instead: `fla.split_call_tables`)
     # [NB]: the state each question starts from, as `branch_state`, but -1 (a zero state) where that state is empty:
     # the final state of an empty state is zero, so the answer is the same, and the state call need not store the
     # final states of empty sequences, most of a bucket's state rows (`state_chain(empty_finals=False)`)
@@ -348,7 +349,7 @@ def fork_tables(state_start: torch.Tensor, state_len: torch.Tensor, branch_start
     # capacity, Shape.state_chunks): the long states' chunk rows for fla's o step
     tokens = (state_chunks.shape[0] - state_start.shape[0]) * GDN_CHUNK
     if fla.split_call(tokens, state_chunks.is_cuda):
-        long_chunks, long_offsets = fla.split_tables(cu_seqlens, state_chunks.shape[0])
+        long_chunks, long_offsets = fla.split_call_tables(cu_seqlens, state_chunks.shape[0], tokens)
     else:
         long_chunks, long_offsets = state_chunks.new_empty(0, 2), cu_seqlens.new_empty(0)
     branch_from = torch.where(state_len[branch_state] > 0, branch_state, torch.full_like(branch_state, -1))

@@ -237,6 +237,11 @@ FUSED_INITIAL_STATES = True
 # fla's o (sweep 1 0.50 vs 0.69 ms over 18 layers), the LONG chain is still ~1.4x fla's h (1.15 vs 0.83). On
 # because rounds of many short states gain more than single long states lose; the LONG chain's speed is open.
 FUSED_SPLIT = True
+# The split call's long sequences in two levels instead (`segment_scan.state_chain_segments`: segments of
+# segment_scan.SEGMENT_TOKENS in parallel, a combine scan over them, then every segment's fused chain, outputs
+# included; the short sequences one segment each in the same launch). The round's split tables are then
+# `segment_scan.segment_tables`' (`split_call_tables`). False: the LONG chain + outputs kernel above.
+SEGMENT_SCAN = False
 
 # Whether the fork's state call (`gated_delta_states`, from the round's tables) stores the final states of empty
 # sequences where our chain runs. They are zero rows that nobody reads (the fork starts an empty state's questions
@@ -264,6 +269,16 @@ def split_tables(cu_seqlens: torch.Tensor, rows: int, split: int | None = None) 
     lens = cu_seqlens[1:] - cu_seqlens[:-1]
     long_lens = torch.where(lens > (FUSED_MAX_TOKENS if split is None else split), lens, torch.zeros_like(lens))
     return _chunk_rows(long_lens, rows).to(cu_seqlens.dtype), _offsets(long_lens).to(cu_seqlens.dtype)
+
+
+def split_call_tables(cu_seqlens: torch.Tensor, rows: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two tables a split state call of `tokens` tokens reads (`ForkTables.long_chunks` / `long_chunk_offsets`):
+    `split_tables` (`rows` chunk rows), or with SEGMENT_SCAN `segment_scan.segment_tables`. Device ops only."""
+    if SEGMENT_SCAN:
+        from .segment_scan import segment_tables
+
+        return segment_tables(cu_seqlens, FUSED_MAX_TOKENS, tokens)
+    return split_tables(cu_seqlens, rows)
 
 
 def _kkt_kernel():
@@ -462,6 +477,12 @@ def run(q, k, v, g, beta, cu_seqlens, chunk_indices, h0, scale: float, use_qk_l2
         o, final = state_chain(qn, kn, w[0], u[0], g[0], cu_seqlens[:-1], scale,
                                initial_state=None if h0 is None else h0[:cu_seqlens.shape[0] - 2],
                                empty_finals=empty_finals)
+    elif (SEGMENT_SCAN and h0 is None and split is not None and split[0].numel() > 0
+          and split_call(qn.shape[0], k.is_cuda)):
+        from .segment_scan import state_chain_segments
+
+        o, final = state_chain_segments(qn, kn, w[0], u[0], g[0], split, cu_seqlens.shape[0] - 2, scale,
+                                        empty_finals=empty_finals)
     elif h0 is None and split is not None and split[0].numel() > 0 and split_call(qn.shape[0], k.is_cuda):
         from .state_chain import state_chain_split
 

@@ -45,19 +45,26 @@ COMBINE_TILES = (32, 4, 2)
 COMBINE_PRECISION = "tf32x3"
 
 
-def segment_tables(cu_seqlens: torch.Tensor, split: int, tokens: int, segment: int = SEGMENT_TOKENS
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def segment_tables(cu_seqlens: torch.Tensor, split: int, tokens: int, segment: int | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """The segments of the sequences of `cu_seqlens` [N + 2] (the states, then the empty one spare rows name) in a
     call of `tokens` tokens (its capacity: the tables' sizes depend on it and N only, so a CUDA graph replays them
     with any round). A sequence of more than `split` tokens is cut into segments of `segment` tokens from its start,
-    the others are one segment each. Returns
-      seg_cu [S + 1]: the segments' bounds (contiguous, in stream order; spare ones empty at the end),
-      h0_row [S]: the row of the start states (`_combine_kernel`'s output) a segment starts from, -1: zero,
-      final_row [S]: the sequence whose final state a segment's end is (its last segment), -1: none,
-      rows [R, 2]: (segment, first) of each transition row (every segment but a long sequence's last; first: 1 for
-        a sequence's first segment, whose M nobody reads), spare rows (-1, 0),
-      chains [L, 2]: (first transition row, rows) of each long sequence in order, spare ones (0, 0),
-    with S = N + 1 + tokens // segment, R = tokens // segment, L = tokens // (split + 1). Device ops only."""
+    the others are one segment each. Returns two tensors (`unpack` names their parts), so that they travel as the
+    split call's two tables (`ForkTables.long_chunks` / `long_chunk_offsets`):
+      pairs [R + L, 2]:
+        rows [R, 2]: (segment, first) of each transition row (every segment but a long sequence's last; first: 1
+          for a sequence's first segment, whose M nobody reads), spare rows (-1, 0),
+        chains [L, 2]: (first transition row, rows) of each long sequence in order, spare ones (0, 0);
+      index [3 S + 1]:
+        seg_cu [S + 1]: the segments' bounds (contiguous, in stream order; spare ones empty at the end),
+        h0_row [S]: the row of the start states (`_combine_kernel`'s output) a segment starts from, -1: zero,
+        final_row [S]: the sequence whose final state a segment's end is (its last segment), -1: none;
+    with S = N + 1 + tokens // segment, R = tokens // segment, L = tokens // (split + 1); `segment` None:
+    SEGMENT_TOKENS. Device ops only."""
+    segment = SEGMENT_TOKENS if segment is None else segment
+    if segment <= 0 or segment % 64:
+        raise ValueError(f"a segment is whole 64-token chunks, not {segment} tokens")
     lens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()  # [N + 1], the last empty
     n_seq = lens.shape[0]
     device = lens.device
@@ -66,7 +73,7 @@ def segment_tables(cu_seqlens: torch.Tensor, split: int, tokens: int, segment: i
     first_seg = torch.cat([lens.new_zeros(1), pieces.cumsum(0)])  # [N + 2]
     inner = torch.where(long, pieces - 1, torch.zeros_like(lens))  # transition rows a sequence
     first_row = torch.cat([lens.new_zeros(1), inner.cumsum(0)])[:-1]  # [N + 1]
-    S, R, L = n_seq + tokens // segment, max(tokens // segment, 1), max(tokens // (split + 1), 1)
+    S, R, L = n_seq + tokens // segment, _rows(tokens, segment), max(tokens // (split + 1), 1)
     slots = torch.arange(S, device=device)
     seq = (torch.searchsorted(first_seg, slots, right=True) - 1).clamp(max=n_seq - 1)
     valid = slots < first_seg[-1]
@@ -74,7 +81,6 @@ def segment_tables(cu_seqlens: torch.Tensor, split: int, tokens: int, segment: i
     seq_long = long[seq] & valid
     end = cu_seqlens[-1:].long()
     start = torch.where(valid, cu_seqlens[seq].long() + torch.where(seq_long, j * segment, 0), end)
-    seg_cu = torch.cat([start, end])
     h0_row = torch.where(seq_long & (j >= 1), first_row[seq] + j - 1, -1)
     final_row = torch.where(valid & (j == pieces[seq] - 1) & (seq < n_seq - 1), seq, -1)
     t_row = torch.where(seq_long & (j < pieces[seq] - 1), first_row[seq] + j, R)  # R: no row (dropped below)
@@ -85,8 +91,19 @@ def segment_tables(cu_seqlens: torch.Tensor, split: int, tokens: int, segment: i
     chains = torch.zeros(L + 1, 2, dtype=torch.long, device=device)
     chains.index_put_((rank,), torch.stack([first_row, inner], 1))
     dtype = cu_seqlens.dtype
-    return (seg_cu.to(dtype), h0_row.to(dtype), final_row.to(dtype), rows[:R].to(dtype).contiguous(),
-            chains[:L].to(dtype).contiguous())
+    return (torch.cat([rows[:R], chains[:L]]).to(dtype), torch.cat([start, end, h0_row, final_row]).to(dtype))
+
+
+def _rows(tokens: int, segment: int) -> int:
+    return max(tokens // segment, 1)
+
+
+def unpack(pairs: torch.Tensor, index: torch.Tensor, tokens: int, segment: int | None = None
+           ) -> tuple[torch.Tensor, ...]:
+    """(seg_cu, h0_row, final_row, rows, chains): `segment_tables`' parts, views of its two tensors."""
+    R = _rows(tokens, SEGMENT_TOKENS if segment is None else segment)
+    S = (index.shape[0] - 1) // 3
+    return index[:S + 1], index[S + 1:2 * S + 1], index[2 * S + 1:], pairs[:R], pairs[R:]
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -162,17 +179,18 @@ def _combine_kernel(x_ptr, h0_ptr, chains_ptr, HV: tl.constexpr, K: tl.constexpr
 
 
 def state_chain_segments(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, g: torch.Tensor,
-                         tables: tuple[torch.Tensor, ...], n_sequences: int, scale: float, chunk: int = 64,
-                         tiles: tuple[int, int, int] | None = None,
+                         tables: tuple[torch.Tensor, torch.Tensor], n_sequences: int, scale: float,
+                         segment: int | None = None, chunk: int = 64, tiles: tuple[int, int, int] | None = None,
                          transition_tiles: tuple[int, int, int] | None = None,
                          combine_tiles: tuple[int, int, int] | None = None,
                          empty_finals: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """`state_chain` (from zero states) of `n_sequences` sequences, their long ones in segments (`segment_tables`,
-    whose `tables` these are): (o [T, Hv, V] in q's dtype, final [n_sequences, Hv, K, V] float32). Rows outside
-    the sequences are left unwritten, and with `empty_finals=False` the final rows of empty sequences too."""
+    """`state_chain` (from zero states) of `n_sequences` sequences, their long ones in segments (`tables`:
+    `segment_tables` of this call, built with the same `segment`): (o [T, Hv, V] in q's dtype, final
+    [n_sequences, Hv, K, V] float32). Rows outside the sequences are left unwritten, and with `empty_finals=False`
+    the final rows of empty sequences too."""
     _check(q, k, w, u, g)
-    seg_cu, h0_row, final_row, rows, chains = tables
     T, HV, V, K = k.shape[0], u.shape[1], u.shape[2], k.shape[2]
+    seg_cu, h0_row, final_row, rows, chains = unpack(*tables, T, segment)
     HK = k.shape[1]
     R, L = rows.shape[0], chains.shape[0]
     q, k, w, u, g = (x.contiguous() for x in (q, k, w, u, g.float()))

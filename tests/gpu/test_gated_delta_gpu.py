@@ -49,6 +49,19 @@ def run_fork(variant, x, r):
                 r.branch_state, 128 ** -0.5, True)
 
 
+def fork_from_tables(x, r):
+    """((o, finals), tables): the `fla` fork's state call from the round's tables (`fork_tables`), as the model's GDN
+    layers run it, with fla's module switches as the caller set them."""
+    from flide.ops.gated_delta import STATE_KERNELS, fork_tables
+
+    delta = kernel("fla")
+    tables = fork_tables(r.state_start, r.state_len, r.branch_start, r.branch_len, r.state_chunks,
+                         branch_state=r.branch_state)
+    return plain_fork(delta, *x, r.state_start, r.state_len, r.branch_start, r.branch_len, r.branch_state,
+                      128 ** -0.5, True, branch_kernel=BRANCH_KERNELS[delta], state_kernel=STATE_KERNELS[delta],
+                      tables=tables), tables
+
+
 @pytest.mark.parametrize("variant", ["fla", "fla_cuda"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("tokens", [64, 130, 500, 3600])
@@ -421,7 +434,6 @@ def test_split_state_chain_matches_fla_steps(tokens, heads, monkeypatch):
     sides) the state call from the round's tables runs its short states through the fused chain and its long ones
     through the LONG chain + the outputs kernel over their chunk rows (`split_tables`): the fork's outputs and final states
     against fla's h and o steps for every state, bf16 at Qwen3.5's head counts; the same bits on sm_90."""
-    from flide.ops.gated_delta import STATE_KERNELS, fork_tables
     from flide.ops.gated_delta import fla as fla_module
     from flide.ops.gated_delta import state_chain
 
@@ -429,22 +441,14 @@ def test_split_state_chain_matches_fla_steps(tokens, heads, monkeypatch):
     x, r = inputs(tokens, torch.bfloat16, seed=tokens + heads[1] + 11, hk=heads[0], hv=heads[1])
     lens = r.state_len
     assert (lens > 300).any() and ((lens > 0) & (lens <= 300)).any()
-    delta = kernel("fla")
-    meta = (r.state_start, r.state_len, r.branch_start, r.branch_len, r.branch_state, 128 ** -0.5, True)
     calls = []
     launch = state_chain.state_chain_split
     monkeypatch.setattr(state_chain, "state_chain_split", lambda *a, **kw: calls.append(1) or launch(*a, **kw))
 
-    def run():
-        tables = fork_tables(r.state_start, r.state_len, r.branch_start, r.branch_len, r.state_chunks,
-                         branch_state=r.branch_state)
-        return plain_fork(delta, *x, *meta, branch_kernel=BRANCH_KERNELS[delta], state_kernel=STATE_KERNELS[delta],
-                          tables=tables), tables
-
-    (o, final), tables = run()
+    (o, final), tables = fork_from_tables(x, r)
     assert calls and tables.long_chunks.numel() > 0
     monkeypatch.setattr(fla_module, "FUSED_SPLIT", False)
-    (want_o, want_final), plain = run()
+    (want_o, want_final), plain = fork_from_tables(x, r)
     assert len(calls) == 1 and plain.long_chunks.numel() == 0
     used = lens > 0
     assert rel_err(o, want_o) < 5e-3 and rel_err(final[used], want_final[used]) < 5e-3
@@ -460,7 +464,6 @@ def test_segment_scan_state_call_matches_fla_steps(tokens, heads, monkeypatch):
     ones whole in the same launch: the fork's outputs and final states close to fla's h and o steps (bf16, Qwen3.5's
     head counts; the later segments start from states summed in another order), a long state's first segment and
     every short state with fla's bits on sm_90, and the same results when the round is laid out again."""
-    from flide.ops.gated_delta import STATE_KERNELS, fork_tables
     from flide.ops.gated_delta import fla as fla_module
     from flide.ops.gated_delta import segment_scan
 
@@ -470,25 +473,17 @@ def test_segment_scan_state_call_matches_fla_steps(tokens, heads, monkeypatch):
     x, r = inputs(tokens, torch.bfloat16, seed=tokens + heads[1] + 11, hk=heads[0], hv=heads[1])
     lens = r.state_len
     assert (lens > 2 * 128).any() and ((lens > 0) & (lens <= 300)).any()
-    delta = kernel("fla")
-    meta = (r.state_start, r.state_len, r.branch_start, r.branch_len, r.branch_state, 128 ** -0.5, True)
     calls = []
     launch = segment_scan.state_chain_segments
     monkeypatch.setattr(segment_scan, "state_chain_segments", lambda *a, **kw: calls.append(1) or launch(*a, **kw))
 
-    def run():
-        tables = fork_tables(r.state_start, r.state_len, r.branch_start, r.branch_len, r.state_chunks,
-                             branch_state=r.branch_state)
-        return plain_fork(delta, *x, *meta, branch_kernel=BRANCH_KERNELS[delta], state_kernel=STATE_KERNELS[delta],
-                          tables=tables)
-
-    o, final = run()
-    again, again_final = run()
+    o, final = fork_from_tables(x, r)[0]
+    again, again_final = fork_from_tables(x, r)[0]
     assert len(calls) == 2
     used = lens > 0
     assert torch.equal(again, o) and torch.equal(again_final[used], final[used])
     monkeypatch.setattr(fla_module, "FUSED_SPLIT", False)
-    want_o, want_final = run()
+    want_o, want_final = fork_from_tables(x, r)[0]
     assert len(calls) == 2
     assert rel_err(o, want_o) < 5e-3 and rel_err(final[used], want_final[used]) < 5e-3
     if torch.cuda.get_device_capability() == (9, 0):

@@ -477,18 +477,18 @@ def run(q, k, v, g, beta, cu_seqlens, chunk_indices, h0, scale: float, use_qk_l2
         o, final = state_chain(qn, kn, w[0], u[0], g[0], cu_seqlens[:-1], scale,
                                initial_state=None if h0 is None else h0[:cu_seqlens.shape[0] - 2],
                                empty_finals=empty_finals)
-    elif (SEGMENT_SCAN and h0 is None and split is not None and split[0].numel() > 0
-          and split_call(qn.shape[0], k.is_cuda)):
-        from .segment_scan import state_chain_segments
-
-        o, final = state_chain_segments(qn, kn, w[0], u[0], g[0], split, cu_seqlens.shape[0] - 2, scale,
-                                        empty_finals=empty_finals)
     elif h0 is None and split is not None and split[0].numel() > 0 and split_call(qn.shape[0], k.is_cuda):
-        from .state_chain import state_chain_split
+        if SEGMENT_SCAN:  # `split`: segment_scan.segment_tables' (split_call_tables)
+            from .segment_scan import state_chain_segments
 
-        long_chunks, long_offsets = split
-        o, final = state_chain_split(qn, kn, w[0], u[0], g[0], cu_seqlens, scale, FUSED_MAX_TOKENS, long_chunks,
-                                     long_offsets, empty_finals=empty_finals)
+            o, final = state_chain_segments(qn, kn, w[0], u[0], g[0], split, cu_seqlens.shape[0] - 2, scale,
+                                            empty_finals=empty_finals)
+        else:
+            from .state_chain import state_chain_split
+
+            long_chunks, long_offsets = split
+            o, final = state_chain_split(qn, kn, w[0], u[0], g[0], cu_seqlens, scale, FUSED_MAX_TOKENS,
+                                         long_chunks, long_offsets, empty_finals=empty_finals)
     else:
         if offsets is None:
             offsets = chunk_offsets(cu_seqlens)

@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...config import GDN_CHUNK
 from .state_chain import EVERY, _check, _launch
 
 # tokens a segment (a multiple of the 64-token chunk): shorter segments put more programs to work but lengthen the
@@ -63,8 +64,8 @@ def segment_tables(cu_seqlens: torch.Tensor, split: int, tokens: int, segment: i
     with S = N + 1 + tokens // segment, R = tokens // segment, L = tokens // (split + 1); `segment` None:
     SEGMENT_TOKENS. Device ops only."""
     segment = SEGMENT_TOKENS if segment is None else segment
-    if segment <= 0 or segment % 64:
-        raise ValueError(f"a segment is whole 64-token chunks, not {segment} tokens")
+    if segment <= 0 or segment % GDN_CHUNK:
+        raise ValueError(f"a segment is whole {GDN_CHUNK}-token chunks, not {segment} tokens")
     lens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()  # [N + 1], the last empty
     n_seq = lens.shape[0]
     device = lens.device

@@ -27,7 +27,8 @@ if not INTERPRETED:
     from flide.testing import run_in_triton_interpreter
 
     @pytest.mark.parametrize("kernel", ["fork_conv", "fork_attention", "gated_delta_branches", "gated_delta_l2norm",
-                                        "gated_delta_questions_wy", "gated_delta_state_chain", "gated_norm",
+                                        "gated_delta_questions_wy", "gated_delta_questions_chunked",
+                                        "gated_delta_state_chain", "gated_norm",
                                         "qk_prep"])
     def test_in_the_triton_interpreter(kernel):
         """Runs this file's `test_<kernel>_*` checks in a child process with TRITON_INTERPRET=1."""
@@ -42,6 +43,7 @@ else:
     from flide.ops.fork_conv import triton as conv_triton
     from flide.ops.gated_delta import branches as delta_branches
     from flide.ops.gated_delta import l2norm as delta_l2norm
+    from flide.ops.gated_delta import questions_chunked as delta_chunked
     from flide.ops.gated_delta import questions_wy as delta_wy
     from flide.ops.gated_delta import reference as delta_ref
     from flide.ops.gated_delta import state_chain as delta_chain
@@ -447,6 +449,77 @@ else:
 
     def test_gated_delta_questions_wy_kernel_is_interpreted():
         assert isinstance(delta_wy._chain_kernel, InterpretedFunction)
+
+    CHUNKED_CASES = [  # tokens, (Hk, Hv, K, V), longest question
+        (70, (1, 1, 16, 16), 12),
+        (300, (2, 4, 16, 32), 150),  # grouped value heads; questions over 1-3 64-token chunks, the last partial
+        (260, (1, 3, 32, 48), 150),  # 3 value heads per key head; V in a full and a partial 32-column tile
+    ]
+
+    @pytest.mark.parametrize("tokens,heads,longest", CHUNKED_CASES,
+                             ids=[f"T{t}-Hk{h[0]}-Hv{h[1]}-K{h[2]}-V{h[3]}-Q{m}" for t, h, m in CHUNKED_CASES])
+    def test_gated_delta_questions_chunked_match_the_reference_fork(tokens, heads, longest):
+        """The chunked question call (w / u formed in the kernel from the solved rows A, as fla's kkt + solve step
+        gives them: `wy_reference(with_solve=True)`) on a random round's branch tables, from the reference state
+        call's final states: every question row equal to the reference's question call (fp32), only those rows
+        written (NaN-poisoned output)."""
+        Hk, Hv, K, V = heads
+        r = tiny_round(tokens, seed=tokens + Hv, max_question=longest)
+        q, k, v, g, beta = gdn_inputs(tokens, heads, seed=31, decay=0.3)
+        none = torch.full_like(r.state_start, -1)
+        _, finals = delta_ref.gated_delta(q, k, v, g, beta, r.state_start, r.state_len, torch.zeros(0, Hv, K, V),
+                                          none, 0.3, False)
+        want, _ = delta_ref.gated_delta(q, k, v, g, beta, r.branch_start, r.branch_len, finals, r.branch_state, 0.3,
+                                        False)
+        _, _, gamma, solved = delta_wy.wy_reference(k, v, g, beta, r.branch_start, r.branch_len, with_solve=True)
+        out = delta_chunked.questions_chunked(q, k, v, beta, gamma, solved, r.branch_start, r.branch_len, finals,
+                                              r.branch_state, 0.3, out=poisoned(tokens, Hv, V, dtype=torch.float32))
+        rows = torch.zeros(tokens, dtype=torch.bool)
+        for start, length in zip(r.branch_start.tolist(), r.branch_len.tolist()):
+            rows[start:start + length] = True
+        assert rows.any() and (r.branch_len.max() > 64 or longest <= 64)
+        assert out[~rows].isnan().all()
+        scale = max(1.0, want[rows].abs().max().item())
+        torch.testing.assert_close(out[rows], want[rows], atol=2e-5 * scale, rtol=1e-5)
+
+    @pytest.mark.parametrize("sub_len", [9, 70], ids=["sub9", "sub70"])
+    def test_gated_delta_questions_chunked_nested_leaves_continue_their_sub_trunk(sub_len):
+        """A nested fork's question call in chunked form: each leaf runs its sub-trunk's chunks (one or two: a
+        sub-trunk of 9 or 70 tokens) from its state's final state, then its own, as the reference's nested call
+        (`reference.gated_delta(sub_lo, sub_hi)`); every other row as the plain call. Hand-built stream: a leaf
+        before its sub-trunk, plain questions between, a spare row, padding."""
+        from test_gated_delta_nested import inputs, nested_stream
+
+        s = nested_stream(sub_len)
+        Hv, K, V = 2, 16, 32
+        q, k, v, g, beta = inputs(s.T, (1, Hv, K, V), l2norm=False, seed=3)
+        none = torch.full_like(s.state_start, -1)
+        _, finals = delta_ref.gated_delta(q, k, v, g, beta, s.state_start, s.state_len, torch.zeros(0, Hv, K, V),
+                                          none, 0.3, False)
+        sub = (s.sub_lo, s.sub_hi)
+        want, _ = delta_ref.gated_delta(q, k, v, g, beta, s.branch_start, s.branch_len, finals, s.branch_state, 0.3,
+                                        False, *sub)
+        _, _, gamma, solved = delta_wy.wy_reference(k, v, g, beta, s.branch_start, s.branch_len, with_solve=True)
+        out = delta_chunked.questions_chunked(q, k, v, beta, gamma, solved, s.branch_start, s.branch_len, finals,
+                                              s.branch_state, 0.3, sub=sub,
+                                              out=poisoned(s.T, Hv, V, dtype=torch.float32))
+        plain = delta_chunked.questions_chunked(q, k, v, beta, gamma, solved, s.branch_start, s.branch_len, finals,
+                                                s.branch_state, 0.3)
+        rows = torch.zeros(s.T, dtype=torch.bool)
+        for start, length in zip(s.branch_start.tolist(), s.branch_len.tolist()):
+            rows[start:start + length] = True
+        assert out[~rows].isnan().all() and s.leaves
+        scale = max(1.0, want[rows].abs().max().item())
+        torch.testing.assert_close(out[rows], want[rows], atol=2e-5 * scale, rtol=1e-5)
+        for leaf, parent in s.leaves:  # the leaves differ from a plain call's: their sub-trunk was run first
+            lo, n = int(s.branch_start[leaf]), int(s.branch_len[leaf])
+            assert not torch.allclose(out[lo:lo + n], plain[lo:lo + n], atol=1e-3)
+        for row in s.plain:  # sub-trunks and plain questions: the plain call's bits
+            lo, n = int(s.branch_start[row]), int(s.branch_len[row])
+            assert torch.equal(out[lo:lo + n], plain[lo:lo + n])
+
+    def test_gated_delta_questions_chunked_kernel_is_interpreted():
+        assert isinstance(delta_chunked._questions_chunked_kernel, InterpretedFunction)
 
     CHAIN_CASES = [  # tokens, (Hk, Hv, K, V), longest state
         (70, (1, 1, 16, 16), 40),

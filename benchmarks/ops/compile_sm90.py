@@ -103,7 +103,7 @@ def main() -> int:
 
     from flide.ops.fork_attention import triton_invariant as attn
     from flide.ops.fork_conv import triton as conv
-    from flide.ops.gated_delta import branches, questions_wy, segment_scan, state_chain
+    from flide.ops.gated_delta import branches, questions_chunked, questions_wy, segment_scan, state_chain
     from flide.ops.gated_norm import triton as gated_norm
     from flide.ops.qk_prep import triton as qk_prep
     from flide.ops.linear import triton as linear
@@ -183,6 +183,16 @@ def main() -> int:
             dict(H=16, HV=hv, K=128, V=128, BT=64, BV=bv, USE_H0=h0, PART=getattr(state_chain, part).value,
                  EMPTY_FINALS=empty, INDEXED=False),
             {"num_warps": warps, "num_stages": stages})
+    # the chunked question call (questions_chunked.py, bf16: the laid-out fork's), plain and nested; beta as the fused
+    # conv hands it over (float32) and in bf16
+    for hv, nested, beta in ((16, False, "*fp32"), (16, True, "*fp32"), (32, True, "*bf16")):
+        ok &= compile_one(
+            f"gated_delta chunked questions bf16 Hv{hv} nested={nested} beta {beta}",
+            questions_chunked._questions_chunked_kernel,
+            {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "a_ptr", "o_ptr")} |
+            {"g_ptr": "*fp32", "h0_ptr": "*fp32", "beta_ptr": beta}, "*i64", {"scale": "fp32"},
+            dict(H=16, HV=hv, K=128, V=128, BT=64, BV=questions_chunked.BLOCK_V, NESTED=nested),
+            {"num_warps": questions_chunked.NUM_WARPS, "num_stages": questions_chunked.NUM_STAGES})
     # the two-level chain (segment_scan.py): the segments' fused chain from start states by index, the transitions,
     # the combine
     for hv in (16, 32):

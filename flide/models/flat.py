@@ -143,9 +143,11 @@ class FlatModel(nn.Module):
         io_dtype = self.dtype if residual_fp32 else None
         # Not registered children: the layers' modules belong to the model (and its state_dict) already
         self.__dict__["blocks"] = [FlatBlock(layer, self.mixer(layer), io_dtype) for layer in text_model.layers]
-        # a layer runs its questions' gated delta in WY form (`kernels.gated_delta: fla_wy`): the round tables then
-        # include the states' and questions' combined chunk tables (derived only then: they cost kernels per replay)
-        self.wy = any(getattr(block.mixer, "wy", False) for block in self.blocks)
+        # a layer runs its questions' gated delta in chunked form (`kernels.gated_delta: fla_wy`, or `fla` with
+        # fla.CHUNKED_QUESTIONS): the round tables then include the states' and questions' combined chunk tables
+        # (derived only then: they cost kernels per replay)
+        self.question_chunks = any(getattr(block.mixer, "wy", False) or getattr(block.mixer, "chunked_questions", False)
+                                   for block in self.blocks)
         # a GDN layer runs nested forks (`runtime.nested_forks`): the conv's ranges are derived once per forward
         self.nested = any(getattr(block.mixer, "nested_op", None) is not None and hasattr(block.mixer, "conv_op")
                           for block in self.blocks)
@@ -185,7 +187,7 @@ class FlatModel(nn.Module):
             r = RoundTensors(*fields)
             # the GDN forks' round tables, once for all layers (not derived again in each)
             tables = fork_tables(r.state_start, r.state_len, r.branch_start, r.branch_len, r.state_chunks,
-                                 r.branch_chunks if self.wy else None, branch_state=r.branch_state)
+                                 r.branch_chunks if self.question_chunks else None, branch_state=r.branch_state)
             # nested forks: the conv's ranges and the sub-trunk state slots once for all GDN layers (two pointwise
             # kernels a layer otherwise, and a dozen small ops)
             nested = (*conv_range(r), sub_state_slots(r)) if self.nested else ()

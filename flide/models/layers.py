@@ -17,7 +17,9 @@ from torch import nn
 from .fused import fuse, project
 from ..ops.fork_conv import QKV_KERNELS
 from ..ops.fork_conv.reference import gdn_gates
-from ..ops.gated_delta import BRANCH_KERNELS, LAID_OUT_STATE_KERNELS, STATE_KERNELS, WY_KERNELS
+from ..ops.gated_delta import (BRANCH_KERNELS, CHUNKED_QUESTION_KERNELS, LAID_OUT_STATE_KERNELS, STATE_KERNELS,
+                               WY_KERNELS)
+from ..ops.gated_delta import fla as gated_delta_fla
 from ..ops.gated_delta import fork_parts as gated_delta_fork_parts
 from ..ops.gated_delta import fork_resumable as gated_delta_fork_resumable
 from ..ops.gated_delta import new_sub_flags, sub_slots
@@ -208,6 +210,10 @@ class FlideGatedDeltaNet(_Swapped):
         fusable = fuse_conv_layout and dim == self.head_v_dim and dim & (dim - 1) == 0 and dim <= 256 and not self.wy
         self.conv_qkv_op = QKV_KERNELS.get(conv_op) if fusable else None
         self.laid_out_state_op = LAID_OUT_STATE_KERNELS.get(delta_op) if fusable else None
+        # the laid-out fork's questions in chunked form (fla.CHUNKED_QUESTIONS, read here, at patch time): the round
+        # tables then carry the states' and questions' combined chunk rows (`FlatModel.question_chunks`)
+        self.chunked_questions = (self.laid_out_state_op is not None and delta_op in CHUNKED_QUESTION_KERNELS
+                                  and gated_delta_fla.CHUNKED_QUESTIONS)
         # nested forks (`runtime.nested_forks`): the question call whose leaves continue their sub-trunk's state,
         # and the flags they wait on for it (zero between calls: kept here, not filled a call; not in state_dict)
         self.nested_op = nested_op
@@ -264,6 +270,7 @@ class FlideGatedDeltaNet(_Swapped):
                                            not laid_out, branch_kernel=self.branch_op,
                                            state_kernel=self.laid_out_state_op if laid_out else self.state_op,
                                            tables=ctx.tables, wy=self.wy, laid_out=laid_out,
+                                           chunked=laid_out and self.chunked_questions,
                                            **({} if self.nested_op is None else
                                               {"sub": (r.sub_lo, r.sub_hi, self._sub_slot(ctx), self.sub_flags),
                                                "nested_kernel": self.nested_op}))

@@ -164,6 +164,46 @@ def _fake_states_laid_out(q, k, v, g, beta, cu_seqlens, chunk_indices, chunk_off
     return q.new_empty(T, Hv, V), q.new_empty(cu_seqlens.shape[0] - 2, Hv, k.shape[2], V, dtype=torch.float32)
 
 
+@torch.library.custom_op("flide::gated_delta_fla_states_chunked", mutates_args=(), device_types="cuda")
+def gated_delta_fla_states_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                                   beta: torch.Tensor, all_cu_seqlens: torch.Tensor, all_chunks: torch.Tensor,
+                                   cu_seqlens: torch.Tensor, chunk_indices: torch.Tensor, chunk_offsets: torch.Tensor,
+                                   long_chunks: torch.Tensor, long_chunk_offsets: torch.Tensor, scale: float
+                                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The laid-out state call whose gate cumsum and kkt + solve also cover the questions' chunks: (o, final) as
+    `gated_delta_fla_states_laid_out`'s, then the gate cumsums and solved rows the chunked question call reads."""
+    return fla.gated_delta_states_chunked(q, k, v, g, beta, all_cu_seqlens, all_chunks, cu_seqlens, chunk_indices,
+                                          chunk_offsets, scale, split=(long_chunks, long_chunk_offsets))
+
+
+@gated_delta_fla_states_chunked.register_fake
+def _fake_states_chunked(q, k, v, g, beta, all_cu_seqlens, all_chunks, cu_seqlens, chunk_indices, chunk_offsets,
+                         long_chunks, long_chunk_offsets, scale):
+    T, Hv, _ = v.shape
+    o, final = _fake_states_laid_out(q, k, v, g, beta, cu_seqlens, chunk_indices, chunk_offsets, long_chunks,
+                                     long_chunk_offsets, scale)
+    return o, final, q.new_empty(T, Hv, dtype=torch.float32), k.new_empty(T, Hv, GDN_CHUNK)
+
+
+@torch.library.custom_op("flide::gated_delta_questions_chunked", mutates_args=(), device_types="cuda")
+def gated_delta_questions_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
+                                  g: torch.Tensor, A: torch.Tensor, seg_start: torch.Tensor, seg_len: torch.Tensor,
+                                  initial_state: torch.Tensor, initial_index: torch.Tensor, sub_lo: torch.Tensor,
+                                  sub_hi: torch.Tensor, scale: float, nested: bool) -> torch.Tensor:
+    """The question call in chunked form (`questions_chunked.py`) from the chunked state call's g and A; `nested`: a
+    leaf first runs its sub-trunk's chunks (`sub_lo` / `sub_hi`, read only then)."""
+    from . import questions_chunked  # imported on first use: `import flide` must not need triton
+
+    return questions_chunked.questions_chunked(q, k, v, beta, g, A, seg_start, seg_len, initial_state, initial_index,
+                                               scale, sub=(sub_lo, sub_hi) if nested else None)
+
+
+@gated_delta_questions_chunked.register_fake
+def _fake_questions_chunked(q, k, v, beta, g, A, seg_start, seg_len, initial_state, initial_index, sub_lo, sub_hi,
+                            scale, nested):
+    return q.new_empty(v.shape)
+
+
 @torch.library.custom_op("flide::gated_delta_branches_triton", mutates_args=(), device_types="cuda")
 def gated_delta_branches_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                 beta: torch.Tensor, seg_start: torch.Tensor, seg_len: torch.Tensor,
@@ -311,6 +351,10 @@ STATE_KERNELS = {gated_delta_fla: gated_delta_fla_states, gated_delta_fla_wy: ga
 # the conv's output back and writes it again) drops out; `fork_parts(laid_out=True)`
 LAID_OUT_STATE_KERNELS = {gated_delta_fla: gated_delta_fla_states_laid_out,
                           gated_delta_fla_cuda: gated_delta_fla_states_laid_out}
+# variants whose laid-out fork can run the questions in chunked form (`fork_parts(chunked=True)`, fla.CHUNKED_QUESTIONS,
+# decided at patch time): (its state call that also solves the questions' chunks, the chunked question call), nested
+# forks included (a leaf runs its sub-trunk's chunks first)
+CHUNKED_QUESTION_KERNELS = {gated_delta_fla: (gated_delta_fla_states_chunked, gated_delta_questions_chunked)}
 # variants whose fork runs the questions in chunked (WY) form from the state call's chunk-local steps (`fork(wy=)`)
 WY_KERNELS = (gated_delta_fla_wy,)
 
@@ -437,7 +481,7 @@ def fork(kernel, q, k, v, g, beta, state_start, state_len, branch_start, branch_
 def fork_parts(kernel, q, k, v, g, beta, state_start, state_len, branch_start, branch_len, branch_state,
                scale: float, use_qk_l2norm: bool, branch_kernel=None, state_kernel=None,
                tables: ForkTables | None = None, wy: bool = False, laid_out: bool = False,
-               sub: tuple[torch.Tensor, ...] | None = None, nested_kernel=None) -> ForkParts:
+               sub: tuple[torch.Tensor, ...] | None = None, nested_kernel=None, chunked: bool = False) -> ForkParts:
     """Forked gated delta rule, in two calls of one varlen kernel.
 
     Call 1 runs every state from a zero state and keeps each one's final recurrent state (float32); call 2 runs every
@@ -461,12 +505,16 @@ def fork_parts(kernel, q, k, v, g, beta, state_start, state_len, branch_start, b
     `nested_kernel(q, k, v, g, beta, branch_start, branch_len, finals, branch_state, sub_lo, sub_hi, sub_slot,
     sub_flags, scale, use_qk_l2norm) -> o`, in place of `branch_kernel` / `kernel`; each leaf question continues its
     sub-trunk's state (`reference.gated_delta`: re-running its rows). The state call never has sub-trunks.
+
+    `chunked` (with `laid_out` and `tables` whose combined chunk rows cover the questions; the variant is in
+    CHUNKED_QUESTION_KERNELS): the questions run in chunked form (`questions_chunked.py`) from the state call's gate
+    cumsums and solved rows, nested forks too (only `sub`'s two ranges are read: a leaf runs its sub-trunk's chunks).
     """
     if sub is not None:
         if wy:
             raise ValueError("nested forks (`sub`) have no WY question call: the `fla_wy` fork prepares each "
                              "question's chunked form per question segment, without its sub-trunk (use `fla`)")
-        if nested_kernel is None:
+        if nested_kernel is None and not chunked:
             raise ValueError("a nested fork (`sub`) needs the variant's nested question call, `nested_kernel` "
                              "(registry.nested(...)['gated_delta'])")
     if tables is not None:  # the state call from the tables may leave empty states' finals unwritten: never read
@@ -482,6 +530,19 @@ def fork_parts(kernel, q, k, v, g, beta, state_start, state_len, branch_start, b
         if state_kernel is None or tables is None or use_qk_l2norm:
             raise ValueError("a laid-out fork needs the round's tables, the laid-out state kernel and q / k "
                              "normalised already (use_qk_l2norm False)")
+        if chunked:
+            if kernel not in CHUNKED_QUESTION_KERNELS or tables.all_chunks.shape[0] == 0:
+                raise ValueError("chunked questions need a variant in CHUNKED_QUESTION_KERNELS and the round's "
+                                 "combined chunk rows (`fork_tables(branch_chunks=...)`)")
+            states_call, questions_call = CHUNKED_QUESTION_KERNELS[kernel]
+            o_states, finals, gamma, solved = states_call(
+                q, k, v, g, beta, tables.all_cu_seqlens, tables.all_chunks, tables.state_cu_seqlens,
+                tables.state_chunks, tables.state_chunk_offsets, tables.long_chunks, tables.long_chunk_offsets, scale)
+            sub_lo, sub_hi = (sub[0], sub[1]) if sub is not None else (branch_start, branch_start)  # unread then
+            o_branches = questions_call(q, k, v, beta, gamma, solved, branch_start, branch_len, finals, branch_state,
+                                        sub_lo, sub_hi, scale, sub is not None)
+            return ForkParts(o_states, o_branches, *spans(state_start, state_len, branch_start, branch_len, tables),
+                             finals)
         o_states, finals = state_kernel(q, k, v, g, beta, tables.state_cu_seqlens, tables.state_chunks,
                                         tables.state_chunk_offsets, tables.long_chunks, tables.long_chunk_offsets,
                                         scale)

@@ -243,6 +243,12 @@ FUSED_SPLIT = True
 # `segment_scan.segment_tables`' (`split_call_tables`). False: the LONG chain + outputs kernel above.
 SEGMENT_SCAN = False
 
+# The fork's questions in chunked form (`questions_chunked.py`), decided when a model is patched: the state call's
+# gate cumsum and kkt + solve launches also cover the questions' chunks (`gated_delta_states_chunked`), and one launch
+# runs every question's chunks from its state's final state, w / u formed in the kernel. False: the recurrent
+# question kernel (`branches.py`), token by token.
+CHUNKED_QUESTIONS = True
+
 # Whether the fork's state call (`gated_delta_states`, from the round's tables) stores the final states of empty
 # sequences where our chain runs. They are zero rows that nobody reads (the fork starts an empty state's questions
 # from zero: `ForkTables.branch_from`), and most of a bucket's state rows are empty (127 of the 8,192 bucket's 128
@@ -307,6 +313,26 @@ def _intra(intra, k, v, g, beta, cu_seqlens, chunk_indices):
         BT=GDN_CHUNK, BC=16, BK=64, USE_G=True, IS_VARLEN=True, num_warps=1, num_stages=3)
     w, u = recompute_w_u_fwd(k=k, v=v, beta=beta, A=A, g=g, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
     return w, u, A
+
+
+def _solve(k, g, beta, cu_seqlens, chunk_indices):
+    """A [1, T, Hv, GDN_CHUNK]: fla's fused kkt + solve step alone over the chunk rows `chunk_indices` (spare rows
+    return at once), launched as `_intra` launches it for the same stream (1 warp on long streams), so each chunk's
+    rows have the bits `_intra` gives them; rows outside the chunks and every upper block stay zero."""
+    B, T, H, K = k.shape
+    HV = beta.shape[2]
+    A = torch.zeros(B, T, HV, GDN_CHUNK, device=k.device, dtype=k.dtype)  # the kernel stores the lower blocks only
+    kernel = _kkt_kernel()
+    tuner = autotuner(kernel)
+    pinned = _pinned_for(getattr(tuner, "flide_pinned", None), k, HV)
+    args = dict(k=k, g=g, beta=beta, A=A, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, T=T, H=H, HV=HV, K=K,
+                BT=GDN_CHUNK, BC=16)
+    grid = (chunk_indices.shape[0], B * HV)
+    if pinned is None or pinned.num_warps == 1 or KKT_ONE_WARP_TOKENS is None or T < KKT_ONE_WARP_TOKENS:
+        kernel[grid](**args)  # fla's heuristics and autotuner (the pin), as fla's intra step launches it
+    else:
+        tuner.fn[grid](**args, BK=64, USE_G=True, IS_VARLEN=True, num_warps=1, num_stages=3)
+    return A
 
 
 def span_end(seg_start: torch.Tensor, seg_len: torch.Tensor) -> torch.Tensor:
@@ -442,9 +468,26 @@ def gated_delta_states_laid_out(q, k, v, g, beta, cu_seqlens, chunk_indices, off
                split=split, empty_finals=EMPTY_STATE_FINALS)[:2]
 
 
+def gated_delta_states_chunked(q, k, v, g, beta, all_cu_seqlens, all_chunks, cu_seqlens, chunk_indices, offsets,
+                               scale: float, split: tuple[torch.Tensor, torch.Tensor] | None = None):
+    """`gated_delta_states_laid_out` whose gate cumsum and kkt + solve launches also cover the questions' chunks (the
+    sequences of `all_cu_seqlens` / `all_chunks`: the states, then the questions, `fork_tables`), for the chunked
+    question call. Returns (o [T, Hv, V], final [N, Hv, K, V] float32, g [T, Hv] float32 chunk-local log2 cumsums,
+    A [T, Hv, GDN_CHUNK] the solved rows). The states' rows, final states included, have the bits of
+    `gated_delta_states_laid_out` (each chunk's cumsum and solve are its own; w / u over the states as there)."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not x.is_contiguous():
+            raise ValueError(f"{name} must be contiguous [T, H, D] (laid out as fla's kernels read it)")
+    out = run(q, k, v, g, beta, cu_seqlens, chunk_indices, None, scale, False, offsets,
+              prep=(all_cu_seqlens, all_chunks), laid_out=True, split=split, empty_finals=EMPTY_STATE_FINALS,
+              solve_prep=True)
+    return out[0], out[1], out[5], out[6]
+
+
 def run(q, k, v, g, beta, cu_seqlens, chunk_indices, h0, scale: float, use_qk_l2norm: bool,
         offsets: torch.Tensor | None = None, prep: tuple[torch.Tensor, torch.Tensor] | None = None,
-        laid_out: bool = False, split: tuple[torch.Tensor, torch.Tensor] | None = None, empty_finals: bool = True):
+        laid_out: bool = False, split: tuple[torch.Tensor, torch.Tensor] | None = None, empty_finals: bool = True,
+        solve_prep: bool = False):
     """fla's forward over the sequences of `cu_seqlens` -> (o [T, Hv, V], final [N, Hv, K, V] float32, q, k, v as the
     kernels read them: new contiguous tensors, q and k normalised with `use_qk_l2norm`). With `prep` (cu_seqlens,
     chunk rows of a superset of the sequences, each chunk computed on its own) the chunk-local steps run over those
@@ -453,7 +496,9 @@ def run(q, k, v, g, beta, cu_seqlens, chunk_indices, h0, scale: float, use_qk_l2
     `split_tables` (empty tensors: none), with which a call from zero states in a bucket over FUSED_MAX_TOKENS splits
     its sequences between the fused chain and fla's o step (FUSED_SPLIT). `empty_finals=False` (h0 None): where our
     chain runs, the final-state rows of empty sequences are left unwritten (`state_chain.state_chain`; fla's h step
-    writes every row)."""
+    writes every row). `solve_prep` (with `prep`): only the kkt + solve step runs over `prep`'s chunks, w / u over the
+    call's own, and what comes back after q, k, v is (gate cumsums [T, Hv] float32 log2 units, A [T, Hv, GDN_CHUNK]:
+    the solved rows) for the chunked question call (`questions_chunked.py`)."""
     cumsum, intra, fwd_h, fwd_o, rcp_ln2 = _fla_steps()
     # q, k and v as fla's kernels index them (contiguous [T, H, D]), q / k normalised by ours, not fla's: one launch
     # configuration for every stream (see l2norm.py); they may be column slices of the conv's output (the model
@@ -468,7 +513,13 @@ def run(q, k, v, g, beta, cu_seqlens, chunk_indices, h0, scale: float, use_qk_l2
     # chunk to chunk (and each sequence's final state), then the outputs
     prep_cu, prep_chunks = prep if prep is not None else (cu_seqlens, chunk_indices)
     g = cumsum(g[None].float(), chunk_size=GDN_CHUNK, scale=rcp_ln2, cu_seqlens=prep_cu, chunk_indices=prep_chunks)
-    w, u, _ = _intra(intra, k, v, g, beta, prep_cu, prep_chunks)
+    if solve_prep:  # A over every chunk of `prep`, w / u (fla's step, no early return on spare rows) over the call's
+        from fla.ops.gated_delta_rule.wy_fast import recompute_w_u_fwd
+
+        A = _solve(k, g, beta, prep_cu, prep_chunks)
+        w, u = recompute_w_u_fwd(k=k, v=v, beta=beta, A=A, g=g, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
+    else:
+        w, u, A = _intra(intra, k, v, g, beta, prep_cu, prep_chunks)
     if _fused_chain(k, qn.shape[0], h0):
         # the chunk-to-chunk steps in one launch, outputs included (state_chain.py): the sequences without the
         # trailing empty one, whose only use is to give fla's chunk rows a name
@@ -504,4 +555,6 @@ def run(q, k, v, g, beta, cu_seqlens, chunk_indices, h0, scale: float, use_qk_l2
     # rows outside the call's span are left as fla leaves them (unwritten): `fork` selects each row from the call
     # that covers it (`combine`), which costs one pass instead of zeroing here and summing there
     out = (o.to(q.dtype), final[:cu_seqlens.shape[0] - 2], qn, kn, vn)
-    return out if prep is None else (*out, w[0], u[0], g[0])
+    if prep is None:
+        return out
+    return (*out, g[0], A[0]) if solve_prep else (*out, w[0], u[0], g[0])

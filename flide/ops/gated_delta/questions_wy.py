@@ -133,15 +133,18 @@ def questions_wy(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Ten
 
 
 def wy_reference(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, seg_start: torch.Tensor,
-                 seg_len: torch.Tensor, chunk: int = GDN_CHUNK) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 seg_len: torch.Tensor, chunk: int = GDN_CHUNK, with_solve: bool = False) -> tuple[torch.Tensor, ...]:
     """The chunk-local part of the WY form in pure torch (float32; the triangular solve in float64): (w [T, Hv, K],
     u [T, Hv, V], gamma [T, Hv] in log2 units) for the tokens of the segments, zero elsewhere; chunks of `chunk`
-    tokens from each segment's first token. k [T, Hk, K] as the recurrence reads it; g [T, Hv] the log decays."""
+    tokens from each segment's first token. k [T, Hk, K] as the recurrence reads it; g [T, Hv] the log decays.
+    `with_solve`: also the solved rows A [T, Hv, chunk] laid out as fla's kkt + solve step writes them (token i of a
+    chunk holds row i of (I + A)^-1 within it, zero past the chunk's tokens), which `questions_chunked` reads."""
     T, HK, K = k.shape
     HV, V = v.shape[1], v.shape[2]
     w = torch.zeros(T, HV, K, dtype=torch.float32, device=k.device)
     u = torch.zeros(T, HV, V, dtype=torch.float32, device=k.device)
     gamma = torch.zeros(T, HV, dtype=torch.float32, device=k.device)
+    solved = torch.zeros(T, HV, chunk, dtype=torch.float32, device=k.device)
     kv = k.float().repeat_interleave(HV // HK, dim=1)  # [T, Hv, K]
     for start, length in zip(seg_start.tolist(), seg_len.tolist()):
         for c0 in range(start, start + length, chunk):
@@ -157,4 +160,5 @@ def wy_reference(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.
             w[rows] = (t_inv @ (kc * (bc * gc.exp())[:, :, None])).transpose(0, 1)
             u[rows] = (t_inv @ (vc * bc[:, :, None])).transpose(0, 1)
             gamma[rows] = (gc / math.log(2)).transpose(0, 1)
-    return w, u, gamma
+            solved[rows, :, :t_inv.shape[-1]] = t_inv.transpose(0, 1)
+    return (w, u, gamma, solved) if with_solve else (w, u, gamma)

@@ -1,0 +1,150 @@
+"""The fork's question call in chunked form on the tensor cores: each question moves its state once per 64-token chunk
+instead of once per token.
+
+Why: the recurrent question kernel (`branches.py`) issues ~16 x 128 x 6 fp32 operations a token on the CUDA cores and
+a question's latency is its length: on the H100 (session 35 profiles, Qwen3.5-0.8B) 0.71 of RACE's 3.06 ms replay and
+3.0 of QuALITY's 29.7 ms. The earlier chunked question call (`questions_wy.py`) lost end to end (session 30): its
+w / u came from fla's recompute step over the states' AND the questions' chunk rows, which computes every spare row
+of a bucket's capacity as a masked chunk (no early return: w / u 3.09 vs 0.99 ms on QuALITY), and its fp32 / tf32
+chain ran ~50 us a chunk step. Here:
+- the state call's fused kkt + solve launch (fla's, which returns at once on spare rows) also covers the questions'
+  chunks and hands over A = (I + strictly-lower(beta k k^T decay))^-1 per chunk, with the chunk-local gate cumsums
+  (`fla.gated_delta_states_chunked`); fla's w / u step stays over the states' rows only;
+- this kernel forms a question chunk's w = A (beta e^g k) and u = A (beta v) itself, from A and the tokens, with the
+  products and roundings of fla's w / u step, then runs the fused chain's step (`state_chain.py`: the chunk's new
+  values from the state, its outputs, the state moved), bf16 products with fp32 accumulators as fla's kernels.
+One program per (question row, value head, BV value columns); rows without tokens return at once. A nested fork's
+leaf (a question whose first token names a sub-trunk range [lo, hi), `round.py`: always a question row of the same
+request) first runs its sub-trunk's chunks from the state, without outputs, then its own: a sub-trunk is a line of
+tens of tokens, one chunk step, so no state is stored for leaves to share (unlike the recurrent kernel's slots).
+
+A question's chunks start at its own first token and its sums depend on its own tokens and state only:
+batch-invariant. Runs on CPU tensors under TRITON_INTERPRET=1 (fp32 there, what the CPU tests check against the
+reference fork, with `questions_wy.wy_reference(..., with_solve=True)` standing in for fla's kkt + solve).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ...config import GDN_CHUNK
+from .state_chain import _chunk_output
+
+# value columns a program, warps, stages: the fused state chain's (state_chain.py), whose step this is
+BLOCK_V = 32
+NUM_WARPS = 4
+NUM_STAGES = 2
+
+
+@triton.jit
+def _question_step(S, q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, a_ptr, o_ptr, bos, n, c0, i_h, i_hk, o_k, o_t, o_v, v_ok,
+                   causal, scale, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                   BT: tl.constexpr, OUTPUT: tl.constexpr):
+    """One chunk (tokens bos + c0 .. of a segment of n tokens) from the state slice S [K, BV] before it: its w / u as
+    fla's w / u step forms them, its outputs (OUTPUT) as the fused chain's, and the state after it."""
+    t = bos + c0 + o_t
+    t_ok = (c0 + o_t) < n
+    b_k = tl.load(k_ptr + (t[:, None] * H + i_hk) * K + o_k[None, :], mask=t_ok[:, None], other=0.0)  # [BT, K]
+    b_kt = tl.load(k_ptr + (t[None, :] * H + i_hk) * K + o_k[:, None], mask=t_ok[None, :], other=0.0)  # [K, BT]
+    # beta in the inputs' dtype, as fla's steps read it (the conv may hand it over in float32)
+    b_b = tl.load(beta_ptr + t * HV + i_h, mask=t_ok, other=0.0).to(k_ptr.dtype.element_ty)
+    b_g = tl.load(g_ptr + t * HV + i_h, mask=t_ok, other=0.0).to(tl.float32)
+    g_last = tl.load(g_ptr + (bos + tl.minimum(c0 + BT, n) - 1) * HV + i_h).to(tl.float32)
+    # A's rows of the chunk's tokens (fla's layout [T, Hv, BT]: row i holds (I + A)^-1's row i within the chunk);
+    # its upper part is zero as the kkt + solve launch leaves it, rows past the segment masked
+    b_a = tl.load(a_ptr + (t[:, None] * HV + i_h) * BT + o_t[None, :], mask=t_ok[:, None], other=0.0)
+    p_v = (t[:, None] * HV + i_h) * V + o_v[None, :]
+    m_v = t_ok[:, None] & v_ok[None, :]
+    b_v = tl.load(v_ptr + p_v, mask=m_v, other=0.0)
+    # fla's w / u step: u = A (beta v), w = A (beta e^g k), each product's operand and result in the inputs' dtype
+    b_u = tl.dot(b_a, (b_v * b_b[:, None]).to(b_v.dtype)).to(b_v.dtype)
+    b_kb = b_k * b_b[:, None]
+    b_kb *= tl.exp2(b_g)[:, None]
+    b_w = tl.dot(b_a, b_kb.to(b_k.dtype)).to(b_k.dtype)
+    # the fused chain's step (state_chain._state_chain_kernel)
+    b_s = S.to(b_w.dtype)
+    b_vn = b_u - tl.dot(b_w, b_s)
+    if OUTPUT:
+        b_q = tl.load(q_ptr + (t[:, None] * H + i_hk) * K + o_k[None, :], mask=t_ok[:, None], other=0.0)
+        b_o = _chunk_output(b_q, b_s, b_kt, b_vn, b_g, t_ok, causal, scale)
+        tl.store(o_ptr + p_v, b_o.to(o_ptr.dtype.element_ty), mask=m_v)
+    b_vn = b_vn * tl.where(t_ok, tl.exp2(g_last - b_g), 0.0)[:, None]
+    S = S * tl.exp2(g_last)
+    return tl.dot(b_kt, b_vn.to(b_kt.dtype), S)
+
+
+@triton.jit
+def _questions_chunked_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, a_ptr, o_ptr, h0_ptr, start_ptr, len_ptr,
+                              from_ptr, sub_lo_ptr, sub_hi_ptr, scale, H: tl.constexpr, HV: tl.constexpr,
+                              K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+                              NESTED: tl.constexpr):
+    i_v = tl.program_id(0)
+    i_nh = tl.program_id(1).to(tl.int64)
+    i_n = i_nh // HV
+    i_h = i_nh % HV
+    i_hk = i_h // (HV // H)  # grouped value heads: value head h reads key head h // (HV // H)
+    n = tl.load(len_ptr + i_n).to(tl.int64)
+    if n == 0:
+        return
+    bos = tl.load(start_ptr + i_n).to(tl.int64)
+    o_k = tl.arange(0, K)
+    o_v = i_v * BV + tl.arange(0, BV)
+    o_t = tl.arange(0, BT)
+    v_ok = o_v < V
+    causal = o_t[:, None] >= o_t[None, :]
+    S = tl.zeros([K, BV], dtype=tl.float32)
+    row = tl.load(from_ptr + i_n).to(tl.int64)  # the state's final state (-1: a zero state)
+    if row >= 0:
+        S += tl.load(h0_ptr + (row * HV + i_h) * K * V + o_k[:, None] * V + o_v[None, :], mask=v_ok[None, :],
+                     other=0.0)
+    if NESTED:  # a leaf: its sub-trunk's chunks first (a question row of its own: chunks from its first token)
+        lo = tl.load(sub_lo_ptr + bos).to(tl.int64)
+        m = tl.load(sub_hi_ptr + bos).to(tl.int64) - lo
+        for c0 in range(0, m, BT):
+            S = _question_step(S, q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, a_ptr, o_ptr, lo, m, c0, i_h, i_hk, o_k,
+                               o_t, o_v, v_ok, causal, scale, H, HV, K, V, BT, False)
+    for c0 in range(0, n, BT):
+        S = _question_step(S, q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, a_ptr, o_ptr, bos, n, c0, i_h, i_hk, o_k, o_t,
+                           o_v, v_ok, causal, scale, H, HV, K, V, BT, True)
+
+
+def questions_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g: torch.Tensor,
+                      A: torch.Tensor, seg_start: torch.Tensor, seg_len: torch.Tensor, initial_state: torch.Tensor,
+                      initial_index: torch.Tensor, scale: float,
+                      sub: tuple[torch.Tensor, torch.Tensor] | None = None, out: torch.Tensor | None = None,
+                      tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """o [T, Hv, V] (q's dtype) of every segment from `initial_state[initial_index[n]]` (-1: zero); rows outside the
+    segments unwritten. q, k [T, Hk, K] and v [T, Hv, V] as the kernels read them (q / k normalised, contiguous);
+    beta [T, Hv]; g [T, Hv] float32: the chunk-local cumulated log2 decays, A [T, Hv, GDN_CHUNK]: the solved
+    (I + A)^-1 rows, both over chunks that start at each segment's first token (fla's cumsum and kkt + solve steps
+    over the question rows, `fla.gated_delta_states_chunked`). `sub`: (sub_lo, sub_hi) [T] int32 of a nested fork:
+    a segment whose first token has a non-empty range [lo, hi) (itself a segment, so its g / A are its own chunks')
+    runs those rows first, without outputs (`reference.gated_delta`'s semantics). `tiles`: (value columns, warps,
+    stages); one fixed choice keeps batch invariance."""
+    T, HK, K = k.shape
+    HV, V = v.shape[1], v.shape[2]
+    if K & (K - 1) or K < 16:
+        raise ValueError(f"the key head dim must be a power of two >= 16, not {K}")
+    if q.shape != k.shape or g.shape != (T, HV) or beta.shape != (T, HV) or A.shape != (T, HV, GDN_CHUNK):
+        raise ValueError(f"q {tuple(q.shape)} / k {tuple(k.shape)} / v {tuple(v.shape)} / beta {tuple(beta.shape)} / "
+                         f"g {tuple(g.shape)} / A {tuple(A.shape)} do not match [T={T}, Hk={HK} / Hv={HV}, K={K}, "
+                         f"chunk {GDN_CHUNK}]")
+    o = torch.empty(T, HV, V, dtype=q.dtype, device=q.device) if out is None else out
+    N = seg_start.shape[0]
+    if N == 0:
+        return o
+    if initial_state.shape[0] == 0:  # nothing to read: a dummy pointer that no program loads (every index is -1)
+        initial_state = torch.zeros(1, HV, K, V, dtype=torch.float32, device=q.device)
+    BV, warps, stages = tiles or (BLOCK_V, NUM_WARPS, NUM_STAGES)
+    BV = min(BV, max(16, triton.next_power_of_2(V)))
+    if sub is not None and any(t.shape != (T,) for t in sub):
+        raise ValueError(f"sub_lo / sub_hi must be [T={T}], got {[tuple(t.shape) for t in sub]}")
+    sub_lo, sub_hi = sub if sub is not None else (seg_start, seg_start)  # read with a nested fork only
+    _questions_chunked_kernel[(triton.cdiv(V, BV), N * HV)](
+        q.contiguous(), k.contiguous(), v.contiguous(), beta.contiguous(), g.float().contiguous(), A.contiguous(), o,
+        initial_state.float().contiguous(), seg_start.contiguous(), seg_len.contiguous(), initial_index.contiguous(),
+        sub_lo.contiguous(), sub_hi.contiguous(), float(scale), H=HK, HV=HV, K=K, V=V, BT=GDN_CHUNK, BV=BV,
+        NESTED=sub is not None, num_warps=warps, num_stages=stages)
+    return o

@@ -1,0 +1,134 @@
+"""The fork's questions in chunked form (`fork_parts(chunked=True)`: `gated_delta_fla_states_chunked` +
+`gated_delta_questions_chunked`, what the GDN layer runs with fla.CHUNKED_QUESTIONS) on the GPU: the states' rows
+and final states with the bits of the laid-out fork whose questions run token by token (the state call's extra chunk
+rows change no state chunk), the questions' rows matching the reference fork and the recurrent question kernel
+within rounding, nested forks (a leaf runs its sub-trunk's chunks first) against the reference's nested fork, and the
+ops' schemas / fake tensors. The kernel's fp32 sums against the reference on the CPU: tests/test_triton_kernels.py
+(`test_gated_delta_questions_chunked_*`)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flide.config import GDN_CHUNK
+from flide.ops.gated_delta import (BRANCH_KERNELS, CHUNKED_QUESTION_KERNELS, LAID_OUT_STATE_KERNELS, fork_parts,
+                                   fork_tables)
+from flide.ops.gated_delta.l2norm import prepare_qkv
+from flide.ops.gated_norm.reference import select_rows
+from flide.ops.registry import _NESTED, resolve
+from flide.testing import random_round_tensors
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+# fla's Triton dots run in tf32 for fp32 inputs; bf16 inputs keep bf16 intermediates (as test_gated_delta_gpu.py)
+TOL = {torch.float32: 5e-3, torch.bfloat16: 3e-2}
+SCALE = 128 ** -0.5
+
+
+def rel_err(out, ref) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm().clamp(min=1e-12)).item()
+
+
+def laid_out(tokens: int, dtype, seed: int, hv: int, longest: int):
+    """A random round on the GPU and its inputs laid out as the fused conv writes them (q / k normalised)."""
+    r = random_round_tensors(random.Random(seed), tokens, max_requests=8, max_questions=12, max_state=700,
+                             max_question=longest).to("cuda")
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q, k = (torch.randn(tokens, 4, 128, device="cuda", generator=g).to(dtype) for _ in range(2))
+    v = torch.randn(tokens, hv, 128, device="cuda", generator=g).to(dtype)
+    decay = -F.softplus(torch.randn(tokens, hv, device="cuda", generator=g)) * 0.5
+    beta = torch.sigmoid(torch.randn(tokens, hv, device="cuda", generator=g)).to(dtype)
+    raw = (q, k, v, decay, beta)
+    qn, kn, vn = prepare_qkv(q, k, v, True)
+    return (qn, kn, vn, decay, beta), raw, r
+
+
+def layer_fork(x, meta, tables, chunked: bool, **kwargs):
+    """The laid-out `fla` fork as the GDN layer runs it, questions chunked or token by token."""
+    fla = resolve("gated_delta", "fla")
+    parts = fork_parts(fla, *x, *meta, SCALE, False, branch_kernel=BRANCH_KERNELS[fla],
+                       state_kernel=LAID_OUT_STATE_KERNELS[fla], tables=tables, laid_out=True, chunked=chunked,
+                       **kwargs)
+    return select_rows(*parts[:5]), parts.finals
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("tokens,longest", [(500, 70), (3600, 200), (8192, 300)],
+                         ids=["fused-chain", "split-call", "bucket8192"])
+@pytest.mark.parametrize("hv", [16, 32], ids=["Hv16", "Hv32"])
+def test_chunked_questions_match_the_reference_and_keep_the_states_bits(tokens, longest, hv, dtype):
+    x, raw, r = laid_out(tokens, dtype, seed=tokens + hv, hv=hv, longest=longest)
+    meta = (r.state_start, r.state_len, r.branch_start, r.branch_len, r.branch_state)
+    tables = fork_tables(r.state_start, r.state_len, r.branch_start, r.branch_len, r.state_chunks, r.branch_chunks,
+                         branch_state=r.branch_state)
+    o, finals = layer_fork(x, meta, tables, chunked=True)
+    o_rec, finals_rec = layer_fork(x, meta, tables, chunked=False)
+    used = r.state_len > 0  # empty states' final rows: unwritten by the state call from the tables
+    assert torch.equal(finals[used], finals_rec[used])
+    states = torch.arange(tokens, device="cuda") < int(r.state_start[0] + r.state_len.sum())
+    assert torch.equal(o[states], o_rec[states])
+    end = int(r.branch_start[0] + r.branch_len.sum())
+    questions = ~states & (torch.arange(tokens, device="cuda") < end)
+    assert questions.any() and torch.isfinite(o).all() and (o[end:] == 0).all()
+    ref_o, _ = fork_parts_reference(raw, meta)
+    assert rel_err(o[questions], ref_o[questions]) < TOL[dtype]
+    assert rel_err(o[questions], o_rec[questions]) < TOL[dtype]
+    # the same round again: the same bits (no atomics, no autotuning between calls)
+    o2, _ = layer_fork(x, meta, tables, chunked=True)
+    assert torch.equal(o, o2)
+
+
+def fork_parts_reference(raw, meta):
+    from flide.ops.gated_delta import fork
+
+    return fork(resolve("gated_delta", "reference"), *(t.float() for t in raw), *meta, SCALE, True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("heads", [(16, 16), (16, 32)], ids=["Hk16-Hv16", "Hk16-Hv32"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_chunked_questions_nested_fork_matches_the_reference(seed, heads, dtype):
+    """Sub-trunks of 3-120 tokens (one or two chunks) with 2-4 leaves each, in a shuffled order: every row against
+    the reference's nested fork (each leaf re-runs its sub-trunk's rows), the leaves alone too; states, sub-trunks
+    and plain questions with the bits of the chunked fork without sub-trunks."""
+    from test_gated_delta_nested_gpu import inputs, leaf_tokens, meta, nested_round, reference_fork, sub
+
+    r = nested_round(seed)
+    x_raw = inputs(r, dtype, seed + 100, heads)
+    q, k, v, decay, beta = x_raw
+    x = (*prepare_qkv(q, k, v, True), decay, beta)
+    nb = r["branch_len"].shape[0]
+    chunks = [(i, c) for i, n in enumerate(r["branch_len"].tolist()) for c in range(-(-n // GDN_CHUNK))]
+    branch_chunks = torch.tensor(chunks + [(nb, 0)] * 3, device="cuda")
+    tables = fork_tables(*meta(r)[:4], r["state_chunks"], branch_chunks, branch_state=r["branch_state"])
+    o, finals = layer_fork(x, meta(r), tables, chunked=True, sub=sub(r))
+    o_plain, finals_plain = layer_fork(x, meta(r), tables, chunked=True)
+    ref_o, _ = reference_fork(x_raw, r)
+    leaves = leaf_tokens(r)
+    assert torch.isfinite(o).all()
+    assert rel_err(o, ref_o) < TOL[dtype]
+    assert rel_err(o[leaves], ref_o[leaves]) < TOL[dtype]
+    assert torch.equal(finals, finals_plain) and torch.equal(o[~leaves], o_plain[~leaves])
+    assert not torch.equal(o[leaves], o_plain[leaves])
+    assert _NESTED[("gated_delta", "fla")] is not None  # the layer keeps its nested companion registered
+
+
+def test_chunked_question_ops_opcheck_on_cuda():
+    """The two custom ops: schemas, fake tensors (as torch.compile traces them)."""
+    x, _, r = laid_out(500, torch.bfloat16, seed=31, hv=16, longest=70)
+    t = fork_tables(r.state_start, r.state_len, r.branch_start, r.branch_len, r.state_chunks, r.branch_chunks,
+                    branch_state=r.branch_state)
+    states_op, questions_op = CHUNKED_QUESTION_KERNELS[resolve("gated_delta", "fla")]
+    args = (*x, t.all_cu_seqlens, t.all_chunks, t.state_cu_seqlens, t.state_chunks, t.state_chunk_offsets,
+            t.long_chunks, t.long_chunk_offsets, SCALE)
+    checks = ("test_schema", "test_faketensor")
+    torch.library.opcheck(states_op, args, test_utils=checks)
+    _, finals, gamma, solved = states_op(*args)
+    q, k, v, _, beta = x
+    torch.library.opcheck(questions_op, (q, k, v, beta, gamma, solved, r.branch_start, r.branch_len, finals,
+                                         t.branch_from, r.branch_start, r.branch_start, SCALE, False),
+                          test_utils=checks)

@@ -474,6 +474,12 @@ else:
         _, _, gamma, solved = delta_wy.wy_reference(k, v, g, beta, r.branch_start, r.branch_len, with_solve=True)
         out = delta_chunked.questions_chunked(q, k, v, beta, gamma, solved, r.branch_start, r.branch_len, finals,
                                               r.branch_state, 0.3, out=poisoned(tokens, Hv, V, dtype=torch.float32))
+        # programs taking the rows in turns of 3 (or one row each): the same bits, each row's sums its own
+        for programs in (3, r.branch_len.shape[0]):
+            again = delta_chunked.questions_chunked(q, k, v, beta, gamma, solved, r.branch_start, r.branch_len,
+                                                    finals, r.branch_state, 0.3, row_programs=programs,
+                                                    out=poisoned(tokens, Hv, V, dtype=torch.float32))
+            assert torch.equal(again.nan_to_num(7.0), out.nan_to_num(7.0))
         rows = torch.zeros(tokens, dtype=torch.bool)
         for start, length in zip(r.branch_start.tolist(), r.branch_len.tolist()):
             rows[start:start + length] = True

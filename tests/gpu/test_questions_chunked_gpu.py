@@ -95,7 +95,7 @@ def test_chunked_questions_nested_fork_matches_the_reference(seed, heads, dtype)
     """Sub-trunks of 3-120 tokens (one or two chunks) with 2-4 leaves each, in a shuffled order: every row against
     the reference's nested fork (each leaf re-runs its sub-trunk's rows), the leaves alone too; states, sub-trunks
     and plain questions with the bits of the chunked fork without sub-trunks."""
-    from test_gated_delta_nested_gpu import inputs, leaf_tokens, meta, nested_round, reference_fork, sub
+    from .test_gated_delta_nested_gpu import inputs, leaf_tokens, meta, nested_round, reference_fork, sub
 
     r = nested_round(seed)
     x_raw = inputs(r, dtype, seed + 100, heads)

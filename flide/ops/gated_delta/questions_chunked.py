@@ -13,7 +13,7 @@ chain ran ~50 us a chunk step. Here:
 - this kernel forms a question chunk's w = A (beta e^g k) and u = A (beta v) itself, from A and the tokens, with the
   products and roundings of fla's w / u step, then runs the fused chain's step (`state_chain.py`: the chunk's new
   values from the state, its outputs, the state moved), bf16 products with fp32 accumulators as fla's kernels.
-One program per (question row, value head, BV value columns); rows without tokens return at once. A nested fork's
+Programs per (value head, BV value columns) run the question rows in turn (ROW_PROGRAMS of them). A nested fork's
 leaf (a question whose first token names a sub-trunk range [lo, hi), `round.py`: always a question row of the same
 request) first runs its sub-trunk's chunks from the state, without outputs, then its own: a sub-trunk is a line of
 tens of tokens, one chunk step, so no state is stored for leaves to share (unlike the recurrent kernel's slots).
@@ -32,10 +32,17 @@ import triton.language as tl
 from ...config import GDN_CHUNK
 from .state_chain import _chunk_output
 
-# value columns a program, warps, stages: the fused state chain's (state_chain.py), whose step this is
+# value columns a program, warps, stages: the fused state chain's (state_chain.py), whose step this is. As compiled for
+# sm_90 (benchmarks/ops/kernel_resources.py): bf16 236 registers, no spills, 117 KB of shared memory at 2 stages, so
+# one or two programs an SM; fp32 inputs take one stage (two need 255 KB, over sm_90's 227)
 BLOCK_V = 32
 NUM_WARPS = 4
 NUM_STAGES = 2
+# Programs per (value tile, value head) along the question rows, each running rows i, i + P, ... up to the last row
+# with tokens. A program per capacity row was ~20x slower on the H100 (session 36: QuALITY 3.3 ms over 18 layers
+# for 16 questions): a bucket's 512 question rows x 16 heads x 4 tiles are 32k programs of 117 KB each, two at a time
+# an SM, nearly all returning at once, and their launches alone took the time
+ROW_PROGRAMS = 16
 
 
 @triton.jit
@@ -75,46 +82,52 @@ def _question_step(S, q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, a_ptr, o_ptr, bos, n
     return tl.dot(b_kt, b_vn.to(b_kt.dtype), S)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "P"])
 def _questions_chunked_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, a_ptr, o_ptr, h0_ptr, start_ptr, len_ptr,
-                              from_ptr, sub_lo_ptr, sub_hi_ptr, scale, H: tl.constexpr, HV: tl.constexpr,
+                              from_ptr, sub_lo_ptr, sub_hi_ptr, scale, N, P, H: tl.constexpr, HV: tl.constexpr,
                               K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
                               NESTED: tl.constexpr):
     i_v = tl.program_id(0)
-    i_nh = tl.program_id(1).to(tl.int64)
-    i_n = i_nh // HV
-    i_h = i_nh % HV
+    i_h = tl.program_id(1).to(tl.int64)
+    i_p = tl.program_id(2)
     i_hk = i_h // (HV // H)  # grouped value heads: value head h reads key head h // (HV // H)
-    n = tl.load(len_ptr + i_n).to(tl.int64)
-    if n == 0:
-        return
-    bos = tl.load(start_ptr + i_n).to(tl.int64)
     o_k = tl.arange(0, K)
     o_v = i_v * BV + tl.arange(0, BV)
     o_t = tl.arange(0, BT)
     v_ok = o_v < V
     causal = o_t[:, None] >= o_t[None, :]
-    S = tl.zeros([K, BV], dtype=tl.float32)
-    row = tl.load(from_ptr + i_n).to(tl.int64)  # the state's final state (-1: a zero state)
-    if row >= 0:
-        S += tl.load(h0_ptr + (row * HV + i_h) * K * V + o_k[:, None] * V + o_v[None, :], mask=v_ok[None, :],
-                     other=0.0)
-    if NESTED:  # a leaf: its sub-trunk's chunks first (a question row of its own: chunks from its first token)
-        lo = tl.load(sub_lo_ptr + bos).to(tl.int64)
-        m = tl.load(sub_hi_ptr + bos).to(tl.int64) - lo
-        for c0 in range(0, m, BT):
-            S = _question_step(S, q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, a_ptr, o_ptr, lo, m, c0, i_h, i_hk, o_k,
-                               o_t, o_v, v_ok, causal, scale, H, HV, K, V, BT, False)
-    for c0 in range(0, n, BT):
-        S = _question_step(S, q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, a_ptr, o_ptr, bos, n, c0, i_h, i_hk, o_k, o_t,
-                           o_v, v_ok, causal, scale, H, HV, K, V, BT, True)
+    # the rows up to the last one with tokens (a bucket's capacity is mostly spare rows at the end): one vector load
+    # of the lengths per 128 rows instead of a program per spare row
+    last = 0
+    for r0 in range(0, N, 128):
+        o_r = r0 + tl.arange(0, 128)
+        lens = tl.load(len_ptr + o_r, mask=o_r < N, other=0)
+        last = tl.maximum(last, tl.max(tl.where(lens > 0, o_r + 1, 0)))
+    for i_n in range(i_p, last, P):
+        n = tl.load(len_ptr + i_n).to(tl.int64)
+        if n > 0:
+            bos = tl.load(start_ptr + i_n).to(tl.int64)
+            S = tl.zeros([K, BV], dtype=tl.float32)
+            row = tl.load(from_ptr + i_n).to(tl.int64)  # the state's final state (-1: a zero state)
+            if row >= 0:
+                S += tl.load(h0_ptr + (row * HV + i_h) * K * V + o_k[:, None] * V + o_v[None, :], mask=v_ok[None, :],
+                             other=0.0)
+            if NESTED:  # a leaf: its sub-trunk's chunks first (a question row of its own: chunks from its first token)
+                lo = tl.load(sub_lo_ptr + bos).to(tl.int64)
+                m = tl.load(sub_hi_ptr + bos).to(tl.int64) - lo
+                for c0 in range(0, m, BT):
+                    S = _question_step(S, q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, a_ptr, o_ptr, lo, m, c0, i_h, i_hk,
+                                       o_k, o_t, o_v, v_ok, causal, scale, H, HV, K, V, BT, False)
+            for c0 in range(0, n, BT):
+                S = _question_step(S, q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, a_ptr, o_ptr, bos, n, c0, i_h, i_hk, o_k,
+                                   o_t, o_v, v_ok, causal, scale, H, HV, K, V, BT, True)
 
 
 def questions_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g: torch.Tensor,
                       A: torch.Tensor, seg_start: torch.Tensor, seg_len: torch.Tensor, initial_state: torch.Tensor,
                       initial_index: torch.Tensor, scale: float,
                       sub: tuple[torch.Tensor, torch.Tensor] | None = None, out: torch.Tensor | None = None,
-                      tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
+                      tiles: tuple[int, int, int] | None = None, row_programs: int | None = None) -> torch.Tensor:
     """o [T, Hv, V] (q's dtype) of every segment from `initial_state[initial_index[n]]` (-1: zero); rows outside the
     segments unwritten. q, k [T, Hk, K] and v [T, Hv, V] as the kernels read them (q / k normalised, contiguous);
     beta [T, Hv]; g [T, Hv] float32: the chunk-local cumulated log2 decays, A [T, Hv, GDN_CHUNK]: the solved
@@ -122,7 +135,8 @@ def questions_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: t
     over the question rows, `fla.gated_delta_states_chunked`). `sub`: (sub_lo, sub_hi) [T] int32 of a nested fork:
     a segment whose first token has a non-empty range [lo, hi) (itself a segment, so its g / A are its own chunks')
     runs those rows first, without outputs (`reference.gated_delta`'s semantics). `tiles`: (value columns, warps,
-    stages); one fixed choice keeps batch invariance."""
+    stages); one fixed choice keeps batch invariance (a row's sums do not depend on which program runs it).
+    `row_programs`: programs along the rows (default ROW_PROGRAMS)."""
     T, HK, K = k.shape
     HV, V = v.shape[1], v.shape[2]
     if K & (K - 1) or K < 16:
@@ -137,14 +151,15 @@ def questions_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: t
         return o
     if initial_state.shape[0] == 0:  # nothing to read: a dummy pointer that no program loads (every index is -1)
         initial_state = torch.zeros(1, HV, K, V, dtype=torch.float32, device=q.device)
-    BV, warps, stages = tiles or (BLOCK_V, NUM_WARPS, NUM_STAGES)
+    BV, warps, stages = tiles or (BLOCK_V, NUM_WARPS, NUM_STAGES if q.element_size() <= 2 else 1)
     BV = min(BV, max(16, triton.next_power_of_2(V)))
+    P = max(1, min(ROW_PROGRAMS if row_programs is None else row_programs, N))
     if sub is not None and any(t.shape != (T,) for t in sub):
         raise ValueError(f"sub_lo / sub_hi must be [T={T}], got {[tuple(t.shape) for t in sub]}")
     sub_lo, sub_hi = sub if sub is not None else (seg_start, seg_start)  # read with a nested fork only
-    _questions_chunked_kernel[(triton.cdiv(V, BV), N * HV)](
+    _questions_chunked_kernel[(triton.cdiv(V, BV), HV, P)](
         q.contiguous(), k.contiguous(), v.contiguous(), beta.contiguous(), g.float().contiguous(), A.contiguous(), o,
         initial_state.float().contiguous(), seg_start.contiguous(), seg_len.contiguous(), initial_index.contiguous(),
-        sub_lo.contiguous(), sub_hi.contiguous(), float(scale), H=HK, HV=HV, K=K, V=V, BT=GDN_CHUNK, BV=BV,
+        sub_lo.contiguous(), sub_hi.contiguous(), float(scale), N, P, H=HK, HV=HV, K=K, V=V, BT=GDN_CHUNK, BV=BV,
         NESTED=sub is not None, num_warps=warps, num_stages=stages)
     return o

@@ -27,7 +27,7 @@ if not INTERPRETED:
     from flide.testing import run_in_triton_interpreter
 
     @pytest.mark.parametrize("kernel", ["fork_conv", "fork_attention", "gated_delta_branches", "gated_delta_l2norm",
-                                        "gated_delta_questions_wy", "gated_delta_questions_chunked",
+                                        "gated_delta_questions_wy", "gated_delta_questions_chunked", "gated_delta_w_u",
                                         "gated_delta_state_chain", "gated_norm",
                                         "qk_prep"])
     def test_in_the_triton_interpreter(kernel):
@@ -47,6 +47,7 @@ else:
     from flide.ops.gated_delta import questions_wy as delta_wy
     from flide.ops.gated_delta import reference as delta_ref
     from flide.ops.gated_delta import state_chain as delta_chain
+    from flide.ops.gated_delta import wy_form as delta_w_u
     from flide.ops.gated_norm import reference as norm_ref
     from flide.ops.gated_norm import triton as norm_triton
     from flide.ops.qk_prep import reference as prep_ref
@@ -523,6 +524,29 @@ else:
         for row in s.plain:  # sub-trunks and plain questions: the plain call's bits
             lo, n = int(s.branch_start[row]), int(s.branch_len[row])
             assert torch.equal(out[lo:lo + n], plain[lo:lo + n])
+
+    @pytest.mark.parametrize("tokens,heads,longest", CHUNKED_CASES,
+                             ids=[f"T{t}-Hk{h[0]}-Hv{h[1]}-K{h[2]}-V{h[3]}-S{m}" for t, h, m in CHUNKED_CASES])
+    def test_gated_delta_w_u_matches_the_reference(tokens, heads, longest):
+        """The w / u step over a random round's state chunk table (spare rows included: they write nothing) from the
+        reference's solved rows: w and u equal to `wy_reference`'s on every state token (fp32)."""
+        from flide.ops.gated_delta import fla as delta_fla
+
+        Hk, Hv, K, V = heads
+        r = tiny_round(tokens, seed=tokens + 5, max_state=longest)
+        _, k, v, g, beta = gdn_inputs(tokens, heads, seed=41, decay=0.3)
+        w_ref, u_ref, gamma, solved = delta_wy.wy_reference(k, v, g, beta, r.state_start, r.state_len,
+                                                            with_solve=True)
+        cu = delta_fla.bounds(r.state_start, r.state_len)
+        chunks = delta_fla.chunk_table(cu, tokens // 64 + r.state_start.shape[0] + 1)
+        w, u = delta_w_u.w_u(k[None], v[None], beta[None], solved[None], gamma[None], cu, chunks)
+        rows = torch.zeros(tokens, dtype=torch.bool)
+        for start, length in zip(r.state_start.tolist(), r.state_len.tolist()):
+            rows[start:start + length] = True
+        assert rows.any() and (r.state_len.max() > 64 or longest <= 64)
+        torch.testing.assert_close(w[0][rows], w_ref[rows], atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(u[0][rows], u_ref[rows], atol=2e-5 * max(1.0, u_ref.abs().max().item()),
+                                   rtol=1e-5)
 
     def test_gated_delta_questions_chunked_kernel_is_interpreted():
         assert isinstance(delta_chunked._questions_chunked_kernel, InterpretedFunction)

@@ -558,6 +558,7 @@ def test_kkt_warps_keep_the_bits(tokens, monkeypatch):
 
     x, r = inputs(tokens, torch.bfloat16, seed=29, hk=16, hv=16)  # pinned at 2 warps
     meta = (r.state_start, r.state_len, r.branch_start, r.branch_len, r.branch_state)
+    monkeypatch.setattr(fla_module, "OWN_W_U", False)  # fla's intra step and w / u (ours: test_own_w_u_...)
     monkeypatch.setattr(fla_module, "KKT_ONE_WARP_TOKENS", None)
     want_o, want_finals = fork(kernel("fla"), *x, *meta, 128 ** -0.5, True)
     assert fla_module.autotuner(fla_module._kkt_kernel()).flide_pinned[16].num_warps == 2
@@ -567,6 +568,39 @@ def test_kkt_warps_keep_the_bits(tokens, monkeypatch):
     monkeypatch.setattr(fla_module, "KKT_ONE_WARP_TOKENS", 0)
     o, finals = fork(kernel("fla"), *x, *meta, 128 ** -0.5, True)
     assert ours and torch.equal(finals, want_finals) and torch.equal(o, want_o)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("tokens", [500, 3072, 8192])
+@pytest.mark.parametrize("heads", [(16, 16), (16, 32)], ids=["Hk16-Hv16", "Hk16-Hv32"])
+def test_own_w_u_keeps_fla_s_bits(tokens, heads, dtype, monkeypatch):
+    """fla.OWN_W_U: our w / u kernel (spare chunk rows return at once) gives fla's `recompute_w_u_fwd` bits on every
+    chunk's tokens from the same A, and the fork (state rows, final states, questions) the bits of fla's step."""
+    from fla.ops.gated_delta_rule.wy_fast import recompute_w_u_fwd
+
+    from flide.config import GDN_CHUNK
+    from flide.ops.gated_delta import fla as fla_module
+    from flide.ops.gated_delta.wy_form import w_u
+
+    x, r = inputs(tokens, dtype, seed=tokens + heads[1], hk=heads[0], hv=heads[1])
+    q, k, v, decay, beta = x
+    cu = fla_module.bounds(r.state_start, r.state_len)
+    chunks = fla_module.chunk_table(cu, tokens // GDN_CHUNK + r.state_start.shape[0] + 1)
+    kn = F.normalize(k.float(), dim=-1).to(dtype)[None].contiguous()
+    g = fla_module._fla_steps()[0](decay[None].float(), chunk_size=GDN_CHUNK, scale=fla_module._fla_steps()[4],
+                                   cu_seqlens=cu, chunk_indices=chunks)
+    b = beta[None].to(dtype).contiguous()
+    A = fla_module._solve(kn, g, b, cu, chunks)
+    w, u = w_u(kn, v[None].contiguous(), b, A, g, cu, chunks)
+    w_fla, u_fla = recompute_w_u_fwd(k=kn, v=v[None].contiguous(), beta=b, A=A, g=g, cu_seqlens=cu,
+                                     chunk_indices=chunks)
+    rows = torch.arange(tokens, device="cuda") < int(cu[-1])
+    assert torch.equal(w[0][rows], w_fla[0][rows]) and torch.equal(u[0][rows], u_fla[0][rows])
+    meta = (r.state_start, r.state_len, r.branch_start, r.branch_len, r.branch_state)
+    o, finals = fork(kernel("fla"), *x, *meta, 128 ** -0.5, True)
+    monkeypatch.setattr(fla_module, "OWN_W_U", False)
+    o_fla, finals_fla = fork(kernel("fla"), *x, *meta, 128 ** -0.5, True)
+    assert torch.equal(finals, finals_fla) and torch.equal(o, o_fla)
 
 
 def wy_fork(x, r):

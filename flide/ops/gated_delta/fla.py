@@ -293,9 +293,29 @@ def _kkt_kernel():
     return chunk_gated_delta_rule_fwd_kkt_solve_kernel
 
 
+# The w / u step by our kernel (`wy_form.w_u`: fla's products and roundings, but a spare chunk row returns at once)
+# instead of fla's `recompute_w_u_fwd`, which computes every spare row of a bucket's chunk table as a masked chunk
+# (161 of the 8,192 bucket's 257 rows for one QuALITY state). False: fla's step (the A/B).
+OWN_W_U = True
+
+
+def _w_u(k, v, beta, A, g, cu_seqlens, chunk_indices):
+    if OWN_W_U and k.is_cuda:
+        from .wy_form import w_u
+
+        return w_u(k, v, beta, A, g, cu_seqlens, chunk_indices)
+    from fla.ops.gated_delta_rule.wy_fast import recompute_w_u_fwd
+
+    return recompute_w_u_fwd(k=k, v=v, beta=beta, A=A, g=g, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
+
+
 def _intra(intra, k, v, g, beta, cu_seqlens, chunk_indices):
     """fla-core 0.6.0's `chunk_gated_delta_rule_fwd_intra` for our calls (varlen, 64-token chunks, gates given),
-    with the fused kkt + solve kernel at 1 warp a program on long streams (KKT_ONE_WARP_TOKENS)."""
+    with the fused kkt + solve kernel at 1 warp a program on long streams (KKT_ONE_WARP_TOKENS) and the w / u step
+    by our kernel (OWN_W_U)."""
+    if OWN_W_U and k.is_cuda:
+        A = _solve(k, g, beta, cu_seqlens, chunk_indices)
+        return (*_w_u(k, v, beta, A, g, cu_seqlens, chunk_indices), A)
     B, T, H, K = k.shape
     HV = beta.shape[2]
     tuner = autotuner(_kkt_kernel())
@@ -513,11 +533,9 @@ def run(q, k, v, g, beta, cu_seqlens, chunk_indices, h0, scale: float, use_qk_l2
     # chunk to chunk (and each sequence's final state), then the outputs
     prep_cu, prep_chunks = prep if prep is not None else (cu_seqlens, chunk_indices)
     g = cumsum(g[None].float(), chunk_size=GDN_CHUNK, scale=rcp_ln2, cu_seqlens=prep_cu, chunk_indices=prep_chunks)
-    if solve_prep:  # A over every chunk of `prep`, w / u (fla's step, no early return on spare rows) over the call's
-        from fla.ops.gated_delta_rule.wy_fast import recompute_w_u_fwd
-
+    if solve_prep:  # A over every chunk of `prep`, w / u over the call's own (the questions form theirs themselves)
         A = _solve(k, g, beta, prep_cu, prep_chunks)
-        w, u = recompute_w_u_fwd(k=k, v=v, beta=beta, A=A, g=g, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
+        w, u = _w_u(k, v, beta, A, g, cu_seqlens, chunk_indices)
     else:
         w, u, A = _intra(intra, k, v, g, beta, prep_cu, prep_chunks)
     if _fused_chain(k, qn.shape[0], h0):

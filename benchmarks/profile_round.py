@@ -37,7 +37,7 @@ FAMILIES = [  # first match wins: (family, substrings of the kernel name)
     ("gemm", ("gemm", "cutlass", "sm90_xmma", "nvjet", "cublas", "matmul", "mm_")),
     ("attention", ("flex", "attention", "attn")),
     ("gated delta", ("chunk_", "_branch_", "gated_delta", "gdn_questions", "l2norm", "solve_tril", "recompute_w_u",
-                     "kkt", "fwd_h", "fwd_o", "cumsum")),
+                     "kkt", "fwd_h", "fwd_o", "cumsum", "questions_chunked", "_w_u_", "_state_chain")),
     ("conv", ("fork_conv", "conv")),
     ("copies", ("memcpy", "memset", "copy", "fill")),
 ]

@@ -548,6 +548,9 @@ else:
         torch.testing.assert_close(u[0][rows], u_ref[rows], atol=2e-5 * max(1.0, u_ref.abs().max().item()),
                                    rtol=1e-5)
 
+    def test_gated_delta_w_u_kernel_is_interpreted():
+        assert isinstance(delta_w_u._w_u_kernel, InterpretedFunction)
+
     def test_gated_delta_questions_chunked_kernel_is_interpreted():
         assert isinstance(delta_chunked._questions_chunked_kernel, InterpretedFunction)
 

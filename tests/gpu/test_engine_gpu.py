@@ -92,6 +92,26 @@ def test_nested_forks_equal_pipeline_on_gpu():
     assert max(max_difference(a, b) for a, b in zip(alone, together)) < 2e-3
 
 
+def test_chunked_questions_equal_pipeline_on_gpu(monkeypatch):
+    """fla.CHUNKED_QUESTIONS (read at patch time): the questions' gated delta in chunked form (questions_chunked.py)
+    on random requests with long questions, and on judge-shaped ones with nested forks (each leaf runs its
+    sub-trunk's chunks), graphs on, against the pipeline."""
+    from flide.ops.gated_delta import fla
+    from flide.testing import candidate_request
+
+    monkeypatch.setattr(fla, "CHUNKED_QUESTIONS", True)
+    variant_equals_pipeline("fla", seed=7)
+    rng = random.Random(12)
+    requests = [candidate_request(rng) for _ in range(8)]
+    tok = tiny_tokenizer()
+    model = tiny_model("qwen3_5_text").cuda()
+    expected = [pipeline("decision", model=model, tokenizer=tok)(r) for r in requests]
+    engine = flide.patch(model, tok, config={**FAST, "runtime": {"device": "cuda", "nested_forks": "on"}})
+    assert any(getattr(block.mixer, "chunked_questions", False) for block in engine.flat.blocks)
+    got = engine.decide(requests)
+    assert max(max_difference(e, g) for e, g in zip(expected, got)) < 2e-3
+
+
 def test_a_second_engine_on_one_model_leaves_the_first_exact_on_gpu():
     """Two engines patched on ONE model, graphs on: the first still answers as the pipeline after the second is built
     (session 25: 0.065 off before each engine kept its own fused MLP buffer; the second patch had freed the first's

@@ -597,6 +597,7 @@ def test_own_w_u_keeps_fla_s_bits(tokens, heads, dtype, monkeypatch):
     rows = torch.arange(tokens, device="cuda") < int(cu[-1])
     assert torch.equal(w[0][rows], w_fla[0][rows]) and torch.equal(u[0][rows], u_fla[0][rows])
     meta = (r.state_start, r.state_len, r.branch_start, r.branch_len, r.branch_state)
+    monkeypatch.setattr(fla_module, "OWN_W_U", True)
     o, finals = fork(kernel("fla"), *x, *meta, 128 ** -0.5, True)
     monkeypatch.setattr(fla_module, "OWN_W_U", False)
     o_fla, finals_fla = fork(kernel("fla"), *x, *meta, 128 ** -0.5, True)

@@ -3,6 +3,8 @@ device), `fla` (fla-core's chunked Triton kernels with fixed-capacity chunk list
 and our recurrent Triton kernel, `branches.py`, for the questions; CUDA), `fla_wy` (the same state call, whose
 chunk-local steps also prepare the questions' WY form, and our chunked question kernel, `questions_wy.py`; CUDA),
 `fla_cuda` (fla's state call, and our recurrent question kernel in CUDA C, `questions_cuda.py`, compiled by NVRTC).
+`fla` with `fla.CHUNKED_QUESTIONS` (off: unmeasured in its current form): the laid-out fork's questions in chunked
+form on the tensor cores (`questions_chunked.py`), nested forks included (CHUNKED_QUESTION_KERNELS).
 
 Nested forks (`runtime.nested_forks`): a leaf question's prompt is state + sub-trunk + leaf, its sub-trunk a shared
 question line laid out once as a question segment of its own. Only the question call changes: each leaf continues

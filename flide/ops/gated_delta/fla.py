@@ -247,7 +247,15 @@ SEGMENT_SCAN = False
 # gate cumsum and kkt + solve launches also cover the questions' chunks (`gated_delta_states_chunked`), and one launch
 # runs every question's chunks from its state's final state, w / u formed in the kernel. False: the recurrent
 # question kernel (`branches.py`), token by token.
-CHUNKED_QUESTIONS = True
+# Off until measured. Session 36, H100, first form (a program per capacity question row; replay GPU ms chunked vs
+# recurrent, `h100_profile_0_8b_session36_{chunked_v1,recurrent}.json`): RACE 2.79 vs 3.04 (question call 0.42 vs
+# 0.71), but QuALITY 30.29 vs 29.74 (3.31 vs 3.06), MultiRC 4.89 vs 4.01, sweep 64 21.3 vs 15.6, 16 RACE 27.4 vs 26.1:
+# the 8,192 bucket's 512 question rows x 16 heads x 4 value tiles were 32k programs of 117 KB of shared memory, two
+# an SM, nearly all returning at once. The form here (programs take the rows in turns: ROW_PROGRAMS) is unmeasured:
+# the device refused every later start. GPU-checked (first form, bf16): the states' bits unchanged, the questions
+# within rounding of the reference (tests/gpu/test_questions_chunked_gpu.py), the engine equal to the pipeline with
+# it on (tests/gpu/test_engine_gpu.py, 5 passed).
+CHUNKED_QUESTIONS = False
 
 # Whether the fork's state call (`gated_delta_states`, from the round's tables) stores the final states of empty
 # sequences where our chain runs. They are zero rows that nobody reads (the fork starts an empty state's questions
@@ -295,8 +303,10 @@ def _kkt_kernel():
 
 # The w / u step by our kernel (`wy_form.w_u`: fla's products and roundings, but a spare chunk row returns at once)
 # instead of fla's `recompute_w_u_fwd`, which computes every spare row of a bucket's chunk table as a masked chunk
-# (161 of the 8,192 bucket's 257 rows for one QuALITY state). False: fla's step (the A/B).
-OWN_W_U = True
+# (161 of the 8,192 bucket's 257 rows for one QuALITY state; the step took 1.01 ms of QuALITY's 29.7 ms replay on the
+# H100). Off until its bits (tests/gpu/test_gated_delta_gpu.py::test_own_w_u_keeps_fla_s_bits) and speed are
+# measured on a GPU (session 36 wrote it; the device refused every start after). False: fla's step.
+OWN_W_U = False
 
 
 def _w_u(k, v, beta, A, g, cu_seqlens, chunk_indices):

@@ -6,6 +6,7 @@ fast fork attention and the batch-invariant one (the CUDA default).
     python benchmarks/ops/kernel_resources.py --conv-maxnreg 128 96   # the bf16 conv under register caps
     python benchmarks/ops/kernel_resources.py --questions 200         # the question kernel: own cap, none, 200
     python benchmarks/ops/kernel_resources.py --state-chain           # the state call's fused h + o kernel, per tile
+    python benchmarks/ops/kernel_resources.py --chunked-questions     # the chunked question kernel and the w / u step
 
 Compiles each kernel ahead of time for a CUDA target (triton.compile on an ASTSource, the pointers and strides
 marked 16-divisible as the JIT would mark them: without that hint loads are not vectorised nor pipelined and the
@@ -178,6 +179,33 @@ def state_chain(heads_v: int, tiles: tuple[int, int, int]) -> str:
     return resources(_compile(sc._state_chain_kernel, sig, consts, tiles[1], tiles[2]))
 
 
+def chunked_questions(dtype: str, heads_v: int, tiles: tuple[int, int, int], nested: bool) -> str:
+    """The chunked question kernel (`gated_delta.questions_chunked`): 16 key heads of 128, `heads_v` value heads,
+    tiles (value columns, warps, stages), beta as the fused conv hands it over (the inputs' dtype)."""
+    from flide.ops.gated_delta import questions_chunked as qc
+
+    ptr = f"*{dtype}"
+    sig = {n: ptr for n in ("q_ptr", "k_ptr", "v_ptr", "a_ptr", "o_ptr", "beta_ptr")}
+    sig |= {"g_ptr": "*fp32", "h0_ptr": "*fp32", "start_ptr": "*i64", "len_ptr": "*i64", "from_ptr": "*i64",
+            "sub_lo_ptr": "*i32", "sub_hi_ptr": "*i32", "scale": "fp32", "N": "i32", "P": "i32"}
+    consts = {"H": 16, "HV": heads_v, "K": 128, "V": 128, "BT": 64, "BV": tiles[0], "NESTED": nested}
+    sig.update({n: "constexpr" for n in consts})
+    sig = {n: sig[n] for n in qc._questions_chunked_kernel.arg_names}
+    return resources(_compile(qc._questions_chunked_kernel, sig, consts, tiles[1], tiles[2]))
+
+
+def w_u(heads_v: int) -> str:
+    """The w / u step with spare rows returning at once (`gated_delta.wy_form`), bf16, at its launch config."""
+    from flide.ops.gated_delta import wy_form as wf
+
+    sig = {n: "*bf16" for n in ("k_ptr", "v_ptr", "beta_ptr", "a_ptr", "w_ptr", "u_ptr")}
+    sig |= {"g_ptr": "*fp32", "cu_ptr": "*i64", "chunks_ptr": "*i64", "T": "i32"}
+    consts = {"H": 16, "HV": heads_v, "K": 128, "V": 128, "BT": 64, "BK": wf.BLOCK, "BV": wf.BLOCK}
+    sig.update({n: "constexpr" for n in consts})
+    sig = {n: sig[n] for n in wf._w_u_kernel.arg_names}
+    return resources(_compile(wf._w_u_kernel, sig, consts, wf.NUM_WARPS, 3 if heads_v <= 16 else 2))
+
+
 def main() -> None:
     import torch
 
@@ -192,7 +220,24 @@ def main() -> None:
                              "columns): at its own cap (MAX_REGISTERS), none, and these caps")
     parser.add_argument("--state-chain", action="store_true",
                         help="only the state call's fused h + o kernel, bf16, at 16 and 32 value heads, per tile")
+    parser.add_argument("--chunked-questions", action="store_true",
+                        help="only the chunked question kernel (bf16 per tile, plain and nested; fp32 at its one "
+                             "stage) and the w / u step")
     args = parser.parse_args()
+    if args.chunked_questions:
+        from flide.ops.gated_delta import questions_chunked as qc
+
+        default = (qc.BLOCK_V, qc.NUM_WARPS, qc.NUM_STAGES)
+        for heads_v in (16, 32):
+            for tiles in (default, (16, 4, 2), (32, 4, 1), (64, 8, 2)):
+                for nested in (False, True):
+                    print(f"chunked questions bf16 Hv{heads_v} BV{tiles[0]} w{tiles[1]} s{tiles[2]} "
+                          f"{'nested' if nested else 'plain'}: {chunked_questions('bf16', heads_v, tiles, nested)}",
+                          flush=True)
+            print(f"chunked questions fp32 Hv{heads_v} BV{qc.BLOCK_V} w{qc.NUM_WARPS} s1 nested: "
+                  f"{chunked_questions('fp32', heads_v, (qc.BLOCK_V, qc.NUM_WARPS, 1), True)}", flush=True)
+            print(f"w / u step bf16 Hv{heads_v}: {w_u(heads_v)}", flush=True)
+        return
     if args.state_chain:
         from flide.ops.gated_delta import state_chain as sc
 

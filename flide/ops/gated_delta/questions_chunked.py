@@ -33,8 +33,10 @@ from ...config import GDN_CHUNK
 from .state_chain import _chunk_output
 
 # value columns a program, warps, stages: the fused state chain's (state_chain.py), whose step this is. As compiled for
-# sm_90 (benchmarks/ops/kernel_resources.py): bf16 236 registers, no spills, 117 KB of shared memory at 2 stages, so
-# one or two programs an SM; fp32 inputs take one stage (two need 255 KB, over sm_90's 227)
+# sm_90 (`benchmarks/ops/kernel_resources.py --chunked-questions`, Triton 3.9 here): bf16 at 16 value heads 255
+# registers, 60 bytes of spills (nested 116), 85 KB of shared memory at 2 stages: two programs an SM. Loading k a
+# second time transposed instead of `tl.trans` took 117 KB (one program an SM) for 28 bytes less of spills. fp32
+# inputs take one stage (two need 255 KB, over sm_90's 227)
 BLOCK_V = 32
 NUM_WARPS = 4
 NUM_STAGES = 2
@@ -54,7 +56,7 @@ def _question_step(S, q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, a_ptr, o_ptr, bos, n
     t = bos + c0 + o_t
     t_ok = (c0 + o_t) < n
     b_k = tl.load(k_ptr + (t[:, None] * H + i_hk) * K + o_k[None, :], mask=t_ok[:, None], other=0.0)  # [BT, K]
-    b_kt = tl.load(k_ptr + (t[None, :] * H + i_hk) * K + o_k[:, None], mask=t_ok[None, :], other=0.0)  # [K, BT]
+    b_kt = tl.trans(b_k)  # [K, BT]
     # beta in the inputs' dtype, as fla's steps read it (the conv may hand it over in float32)
     b_b = tl.load(beta_ptr + t * HV + i_h, mask=t_ok, other=0.0).to(k_ptr.dtype.element_ty)
     b_g = tl.load(g_ptr + t * HV + i_h, mask=t_ok, other=0.0).to(tl.float32)

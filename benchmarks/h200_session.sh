@@ -21,6 +21,7 @@
 #     bash benchmarks/h200_session.sh verify     GPU tests of the question kernel + its forms/tiles at 0.8B's shapes ~6 min
 #     bash benchmarks/h200_session.sh wy         GPU tests + op bench + latency of the questions' chunked (WY) form ~8 min
 #     bash benchmarks/h200_session.sh attn_split the value-column split of the invariant attention: bits test, op bench, replay A/B ~8 min
+#     bash benchmarks/h200_session.sh chunked    the chunked question call and own w / u step: GPU tests, replay A/B   ~8 min
 #     bash benchmarks/h200_session.sh serve      issue 4: the http bench twice (req/s 1/8/32/64, one-client gap) + serve A/B ~9 min
 #     bash benchmarks/h200_session.sh sh 'CMDS'  any commands, after the same set-up (a session's own mix of parts)
 # Logs and results go to $OUT.
@@ -188,6 +189,41 @@ verify)
         --streams ${VERIFY_STREAMS:-RACE@bucket 2000+64x40 sweep1@bucket sweep8@bucket} \
         --no-ceilings --sweep --out "$OUT/ops_gated_delta.json" > "$OUT/ops_gated_delta.log" 2>&1
     echo "gated delta bench rc=$?" | tee -a "$OUT/summary.txt"; grep -o '"impl": "[^"]*".*"ms": [0-9.]*' "$OUT/ops_gated_delta.log" ;;
+chunked)
+    # Session 36's opt-in chunked question call (fla.CHUNKED_QUESTIONS) and own w / u step (fla.OWN_W_U), both off
+    # until measured (NOTES, Session 36): their GPU tests, then the replay A/B of 0.8B (main / both on / chunked
+    # questions at 8 and 32 row programs), ~8 min with a fresh start's compiles
+    timeout ${TEST_S:-150} python3 -m pytest -q -p no:logging --tb=short tests/gpu/test_questions_chunked_gpu.py \
+        tests/gpu/test_gated_delta_gpu.py tests/gpu/test_engine_gpu.py -k "chunked or own_w_u or kkt_warps" \
+        > "$OUT/chunked_tests.log" 2>&1; echo "tests rc=$? $(tail -1 "$OUT/chunked_tests.log")"
+    grep -E "^FAILED|^E  " "$OUT/chunked_tests.log" | head -20
+    P="python3 benchmarks/profile_round.py --config-json shared/models/qwen3_5/configs/qwen3.5-0.8b.json \
+        --tokenizer shared/models/qwen3_5 --data shared/data --repeats 15 --profile-runs 2 \
+        --workloads race multirc quality quality1 sweep1 sweep8 sweep64 race@16"
+    on="flide.ops.gated_delta.fla.CHUNKED_QUESTIONS=True flide.ops.gated_delta.fla.OWN_W_U=True"
+    for ab in "main" "on $on" "wu flide.ops.gated_delta.fla.OWN_W_U=True" \
+              "rows8 $on flide.ops.gated_delta.questions_chunked.ROW_PROGRAMS=8" \
+              "rows32 $on flide.ops.gated_delta.questions_chunked.ROW_PROGRAMS=32"; do
+        name=${ab%% *}; set_arg=""; [ "$name" != main ] && set_arg="--set ${ab#* }"
+        timeout ${PROFILE_S:-90} $P $set_arg --out "$OUT/profile_$name.json" > "$OUT/profile_$name.log" 2>&1
+        echo "profile $name rc=$?"
+    done
+    python3 - <<'PY'
+import json, os
+KERNELS = ("_questions_chunked_kernel", "_branch_kernel", "chunk_gated_delta_rule_fwd_kkt_solve_kernel",
+           "_w_u_kernel", "recompute_w_u_fwd_kernel", "_state_chain_kernel")
+for name in ("main", "on", "wu", "rows8", "rows32"):
+    try:
+        r = json.load(open(os.environ["OUT"] + f"/profile_{name}.json"))
+    except Exception as error:
+        print(name, error); continue
+    for row in r["rows"]:
+        p = row.get("profile") or {}
+        top = dict(p.get("top_kernels_ms") or [])
+        print(name, row["workload"], row["stream_tokens"], row["latency_ms"], p.get("gpu_ms_total"),
+              {k: top[k] for k in KERNELS if k in top})
+PY
+    ;;
 attn_split)
     # Session 33's opt-in value-column split of the invariant attention (triton_invariant.V_SPLIT_DIM; NOTES,
     # Session 33 item 3): its GPU bits test, the op bench (a "2 value parts" row per stream), then the replay A/B of

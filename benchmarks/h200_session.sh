@@ -191,8 +191,8 @@ verify)
     echo "gated delta bench rc=$?" | tee -a "$OUT/summary.txt"; grep -o '"impl": "[^"]*".*"ms": [0-9.]*' "$OUT/ops_gated_delta.log" ;;
 chunked)
     # Session 36's opt-in chunked question call (fla.CHUNKED_QUESTIONS) and own w / u step (fla.OWN_W_U), both off
-    # until measured (NOTES, Session 36): their GPU tests, then the replay A/B of 0.8B (main / both on / chunked
-    # questions at 8 and 32 row programs), ~8 min with a fresh start's compiles
+    # until measured (NOTES, Session 36): their GPU tests, then the replay A/B of 0.8B (main / both on / with stored
+    # sub-trunk states / at 8 row programs; each kernel's own ms shows w / u apart), ~8.5 min with a start's compiles
     timeout ${TEST_S:-150} python3 -m pytest -q -p no:logging --tb=short tests/gpu/test_questions_chunked_gpu.py \
         tests/gpu/test_gated_delta_gpu.py tests/gpu/test_engine_gpu.py -k "chunked or own_w_u or kkt_warps" \
         > "$OUT/chunked_tests.log" 2>&1; echo "tests rc=$? $(tail -1 "$OUT/chunked_tests.log")"
@@ -201,9 +201,8 @@ chunked)
         --tokenizer shared/models/qwen3_5 --data shared/data --repeats 15 --profile-runs 2 \
         --workloads race multirc quality quality1 sweep1 sweep8 sweep64 race@16"
     on="flide.ops.gated_delta.fla.CHUNKED_QUESTIONS=True flide.ops.gated_delta.fla.OWN_W_U=True"
-    for ab in "main" "on $on" "wu flide.ops.gated_delta.fla.OWN_W_U=True" \
-              "rows8 $on flide.ops.gated_delta.questions_chunked.ROW_PROGRAMS=8" \
-              "rows32 $on flide.ops.gated_delta.questions_chunked.ROW_PROGRAMS=32"; do
+    for ab in "main" "on $on" "stored $on flide.ops.gated_delta.questions_chunked.STORED_SUB_STATES=True" \
+              "rows8 $on flide.ops.gated_delta.questions_chunked.ROW_PROGRAMS=8"; do
         name=${ab%% *}; set_arg=""; [ "$name" != main ] && set_arg="--set ${ab#* }"
         timeout ${PROFILE_S:-90} $P $set_arg --out "$OUT/profile_$name.json" > "$OUT/profile_$name.log" 2>&1
         echo "profile $name rc=$?"
@@ -212,7 +211,7 @@ chunked)
 import json, os
 KERNELS = ("_questions_chunked_kernel", "_branch_kernel", "chunk_gated_delta_rule_fwd_kkt_solve_kernel",
            "_w_u_kernel", "recompute_w_u_fwd_kernel", "_state_chain_kernel")
-for name in ("main", "on", "wu", "rows8", "rows32"):
+for name in ("main", "on", "stored", "rows8"):
     try:
         r = json.load(open(os.environ["OUT"] + f"/profile_{name}.json"))
     except Exception as error:

@@ -497,6 +497,8 @@ else:
         before its sub-trunk, plain questions between, a spare row, padding."""
         from test_gated_delta_nested import inputs, nested_stream
 
+        from flide.ops.gated_delta import SUB_STATE_SLOTS
+
         s = nested_stream(sub_len)
         Hv, K, V = 2, 16, 32
         q, k, v, g, beta = inputs(s.T, (1, Hv, K, V), l2norm=False, seed=3)
@@ -524,6 +526,20 @@ else:
         for row in s.plain:  # sub-trunks and plain questions: the plain call's bits
             lo, n = int(s.branch_start[row]), int(s.branch_len[row])
             assert torch.equal(out[lo:lo + n], plain[lo:lo + n])
+        # stored sub-trunk states (two launches): every slotted leaf from its sub-trunk's state, the others (a cap of
+        # one slot) re-running theirs: the bits of the one-launch call
+        for cap in (SUB_STATE_SLOTS, 1):
+            slots = s.slots(cap)
+            assert (slots >= 0).any() and (cap > 1 or (slots[[leaf for leaf, _ in s.leaves]] < 0).any())
+            old_switch = delta_chunked.STORED_SUB_STATES
+            delta_chunked.STORED_SUB_STATES = True
+            try:
+                stored = delta_chunked.questions_chunked(q, k, v, beta, gamma, solved, s.branch_start, s.branch_len,
+                                                         finals, s.branch_state, 0.3, sub=sub, sub_slot=slots,
+                                                         out=poisoned(s.T, Hv, V, dtype=torch.float32))
+            finally:
+                delta_chunked.STORED_SUB_STATES = old_switch
+            assert torch.equal(stored.nan_to_num(7.0), out.nan_to_num(7.0))
 
     @pytest.mark.parametrize("tokens,heads,longest", CHUNKED_CASES,
                              ids=[f"T{t}-Hk{h[0]}-Hv{h[1]}-K{h[2]}-V{h[3]}-S{m}" for t, h, m in CHUNKED_CASES])

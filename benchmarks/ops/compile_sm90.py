@@ -185,13 +185,15 @@ def main() -> int:
             {"num_warps": warps, "num_stages": stages})
     # the chunked question call (questions_chunked.py, bf16: the laid-out fork's), plain and nested; beta as the fused
     # conv hands it over (float32) and in bf16
-    for hv, nested, beta in ((16, False, "*fp32"), (16, True, "*fp32"), (32, True, "*bf16")):
+    # (PHASE 0: one launch; 1 / 2: the two launches of stored sub-trunk states, questions_chunked.STORED_SUB_STATES)
+    for hv, nested, beta, phase in ((16, False, "*fp32", 0), (16, True, "*fp32", 0), (32, True, "*bf16", 0),
+                                    (16, True, "*bf16", 1), (16, True, "*bf16", 2)):
         ok &= compile_one(
-            f"gated_delta chunked questions bf16 Hv{hv} nested={nested} beta {beta}",
+            f"gated_delta chunked questions bf16 Hv{hv} nested={nested} beta {beta} phase {phase}",
             questions_chunked._questions_chunked_kernel,
             {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "a_ptr", "o_ptr")} |
-            {"g_ptr": "*fp32", "h0_ptr": "*fp32", "beta_ptr": beta}, "*i64", {"scale": "fp32"},
-            dict(H=16, HV=hv, K=128, V=128, BT=64, BV=questions_chunked.BLOCK_V, NESTED=nested),
+            {"g_ptr": "*fp32", "h0_ptr": "*fp32", "subs_ptr": "*fp32", "beta_ptr": beta}, "*i64", {"scale": "fp32"},
+            dict(H=16, HV=hv, K=128, V=128, BT=64, BV=questions_chunked.BLOCK_V, NESTED=nested, PHASE=phase),
             {"num_warps": questions_chunked.NUM_WARPS, "num_stages": questions_chunked.NUM_STAGES})
     # the two-level chain (segment_scan.py): the segments' fused chain from start states by index, the transitions,
     # the combine

@@ -179,7 +179,7 @@ def state_chain(heads_v: int, tiles: tuple[int, int, int]) -> str:
     return resources(_compile(sc._state_chain_kernel, sig, consts, tiles[1], tiles[2]))
 
 
-def chunked_questions(dtype: str, heads_v: int, tiles: tuple[int, int, int], nested: bool) -> str:
+def chunked_questions(dtype: str, heads_v: int, tiles: tuple[int, int, int], nested: bool, phase: int = 0) -> str:
     """The chunked question kernel (`gated_delta.questions_chunked`): 16 key heads of 128, `heads_v` value heads,
     tiles (value columns, warps, stages), beta as the fused conv hands it over (the inputs' dtype)."""
     from flide.ops.gated_delta import questions_chunked as qc
@@ -187,8 +187,10 @@ def chunked_questions(dtype: str, heads_v: int, tiles: tuple[int, int, int], nes
     ptr = f"*{dtype}"
     sig = {n: ptr for n in ("q_ptr", "k_ptr", "v_ptr", "a_ptr", "o_ptr", "beta_ptr")}
     sig |= {"g_ptr": "*fp32", "h0_ptr": "*fp32", "start_ptr": "*i64", "len_ptr": "*i64", "from_ptr": "*i64",
-            "sub_lo_ptr": "*i32", "sub_hi_ptr": "*i32", "scale": "fp32", "N": "i32", "P": "i32"}
-    consts = {"H": 16, "HV": heads_v, "K": 128, "V": 128, "BT": 64, "BV": tiles[0], "NESTED": nested}
+            "sub_lo_ptr": "*i32", "sub_hi_ptr": "*i32", "slot_ptr": "*i32", "subs_ptr": "*fp32", "scale": "fp32",
+            "N": "i32", "P": "i32"}
+    consts = {"H": 16, "HV": heads_v, "K": 128, "V": 128, "BT": 64, "BV": tiles[0], "NESTED": nested,
+              "PHASE": phase}
     sig.update({n: "constexpr" for n in consts})
     sig = {n: sig[n] for n in qc._questions_chunked_kernel.arg_names}
     return resources(_compile(qc._questions_chunked_kernel, sig, consts, tiles[1], tiles[2]))
@@ -234,6 +236,9 @@ def main() -> None:
                     print(f"chunked questions bf16 Hv{heads_v} BV{tiles[0]} w{tiles[1]} s{tiles[2]} "
                           f"{'nested' if nested else 'plain'}: {chunked_questions('bf16', heads_v, tiles, nested)}",
                           flush=True)
+            for phase in (1, 2):  # the two launches of stored sub-trunk states
+                print(f"chunked questions bf16 Hv{heads_v} default tiles nested, stored sub-trunk states, launch "
+                      f"{phase}: {chunked_questions('bf16', heads_v, default, True, phase)}", flush=True)
             print(f"chunked questions fp32 Hv{heads_v} BV{qc.BLOCK_V} w{qc.NUM_WARPS} s1 nested: "
                   f"{chunked_questions('fp32', heads_v, (qc.BLOCK_V, qc.NUM_WARPS, 1), True)}", flush=True)
             print(f"w / u step bf16 Hv{heads_v}: {w_u(heads_v)}", flush=True)

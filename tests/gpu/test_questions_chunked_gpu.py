@@ -91,7 +91,7 @@ def fork_parts_reference(raw, meta):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("heads", [(16, 16), (16, 32)], ids=["Hk16-Hv16", "Hk16-Hv32"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_chunked_questions_nested_fork_matches_the_reference(seed, heads, dtype):
+def test_chunked_questions_nested_fork_matches_the_reference(seed, heads, dtype, monkeypatch):
     """Sub-trunks of 3-120 tokens (one or two chunks) with 2-4 leaves each, in a shuffled order: every row against
     the reference's nested fork (each leaf re-runs its sub-trunk's rows), the leaves alone too; states, sub-trunks
     and plain questions with the bits of the chunked fork without sub-trunks."""
@@ -115,6 +115,12 @@ def test_chunked_questions_nested_fork_matches_the_reference(seed, heads, dtype)
     assert torch.equal(finals, finals_plain) and torch.equal(o[~leaves], o_plain[~leaves])
     assert not torch.equal(o[leaves], o_plain[leaves])
     assert _NESTED[("gated_delta", "fla")] is not None  # the layer keeps its nested companion registered
+    # stored sub-trunk states (two launches, questions_chunked.STORED_SUB_STATES): the bits of re-running them
+    from flide.ops.gated_delta import questions_chunked
+
+    monkeypatch.setattr(questions_chunked, "STORED_SUB_STATES", True)
+    o_stored, finals_stored = layer_fork(x, meta(r), tables, chunked=True, sub=sub(r))
+    assert torch.equal(o_stored, o) and torch.equal(finals_stored, finals)
 
 
 def test_chunked_question_ops_opcheck_on_cuda():
@@ -130,5 +136,5 @@ def test_chunked_question_ops_opcheck_on_cuda():
     _, finals, gamma, solved = states_op(*args)
     q, k, v, _, beta = x
     torch.library.opcheck(questions_op, (q, k, v, beta, gamma, solved, r.branch_start, r.branch_len, finals,
-                                         t.branch_from, r.branch_start, r.branch_start, SCALE, False),
+                                         t.branch_from, r.branch_start, r.branch_start, r.branch_start, SCALE, False),
                           test_utils=checks)

@@ -191,18 +191,21 @@ def _fake_states_chunked(q, k, v, g, beta, all_cu_seqlens, all_chunks, cu_seqlen
 def gated_delta_questions_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
                                   g: torch.Tensor, A: torch.Tensor, seg_start: torch.Tensor, seg_len: torch.Tensor,
                                   initial_state: torch.Tensor, initial_index: torch.Tensor, sub_lo: torch.Tensor,
-                                  sub_hi: torch.Tensor, scale: float, nested: bool) -> torch.Tensor:
+                                  sub_hi: torch.Tensor, sub_slot: torch.Tensor, scale: float,
+                                  nested: bool) -> torch.Tensor:
     """The question call in chunked form (`questions_chunked.py`) from the chunked state call's g and A; `nested`: a
-    leaf first runs its sub-trunk's chunks (`sub_lo` / `sub_hi`, read only then)."""
+    leaf first runs its sub-trunk's chunks (`sub_lo` / `sub_hi`, read only then), or with
+    `questions_chunked.STORED_SUB_STATES` starts from its sub-trunk's stored state (`sub_slot`, `sub_slots`)."""
     from . import questions_chunked  # imported on first use: `import flide` must not need triton
 
     return questions_chunked.questions_chunked(q, k, v, beta, g, A, seg_start, seg_len, initial_state, initial_index,
-                                               scale, sub=(sub_lo, sub_hi) if nested else None)
+                                               scale, sub=(sub_lo, sub_hi) if nested else None,
+                                               sub_slot=sub_slot if nested else None)
 
 
 @gated_delta_questions_chunked.register_fake
 def _fake_questions_chunked(q, k, v, beta, g, A, seg_start, seg_len, initial_state, initial_index, sub_lo, sub_hi,
-                            scale, nested):
+                            sub_slot, scale, nested):
     return q.new_empty(v.shape)
 
 
@@ -540,9 +543,10 @@ def fork_parts(kernel, q, k, v, g, beta, state_start, state_len, branch_start, b
             o_states, finals, gamma, solved = states_call(
                 q, k, v, g, beta, tables.all_cu_seqlens, tables.all_chunks, tables.state_cu_seqlens,
                 tables.state_chunks, tables.state_chunk_offsets, tables.long_chunks, tables.long_chunk_offsets, scale)
-            sub_lo, sub_hi = (sub[0], sub[1]) if sub is not None else (branch_start, branch_start)  # unread then
+            # (sub_lo, sub_hi, the rows' sub-trunk state slots), unread without sub-trunks
+            nest = sub[:3] if sub is not None else (branch_start, branch_start, branch_start)
             o_branches = questions_call(q, k, v, beta, gamma, solved, branch_start, branch_len, finals, branch_state,
-                                        sub_lo, sub_hi, scale, sub is not None)
+                                        *nest, scale, sub is not None)
             return ForkParts(o_states, o_branches, *spans(state_start, state_len, branch_start, branch_len, tables),
                              finals)
         o_states, finals = state_kernel(q, k, v, g, beta, tables.state_cu_seqlens, tables.state_chunks,

@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from ...config import GDN_CHUNK
+from . import SUB_STATE_SLOTS
 from .state_chain import _chunk_output
 
 # value columns a program, warps, stages: the fused state chain's (state_chain.py), whose step this is. As compiled for
@@ -45,6 +46,11 @@ NUM_STAGES = 2
 # for 16 questions): a bucket's 512 question rows x 16 heads x 4 tiles are 32k programs of 117 KB each, two at a time
 # an SM, nearly all returning at once, and their launches alone took the time
 ROW_PROGRAMS = 16
+# A nested fork's leaves start from their sub-trunk's state stored by a first launch (rows with a slot:
+# `gated_delta.sub_slots`, up to SUB_STATE_SLOTS sub-trunks a round), instead of each re-running its sub-trunk's
+# chunks in one launch. A sub-trunk of 60-180 tokens (the profile's sweep 64: 16 of them, 64 leaves of 2 tokens) is
+# 1-3 chunk steps a leaf; a judge's question line (MultiRC: 12-25 tokens) is one. Unmeasured (session 36): off.
+STORED_SUB_STATES = False
 
 
 @triton.jit
@@ -84,11 +90,23 @@ def _question_step(S, q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, a_ptr, o_ptr, bos, n
     return tl.dot(b_kt, b_vn.to(b_kt.dtype), S)
 
 
+@triton.jit
+def _state_of(h0_ptr, from_ptr, i_n, i_h, o_k, o_v, v_ok, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+              BV: tl.constexpr):
+    """Row i_n's start: its state's final state slice (-1: a zero state)."""
+    S = tl.zeros([K, BV], dtype=tl.float32)
+    row = tl.load(from_ptr + i_n).to(tl.int64)
+    if row >= 0:
+        S += tl.load(h0_ptr + (row * HV + i_h) * K * V + o_k[:, None] * V + o_v[None, :], mask=v_ok[None, :],
+                     other=0.0)
+    return S
+
+
 @triton.jit(do_not_specialize=["N", "P"])
 def _questions_chunked_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, a_ptr, o_ptr, h0_ptr, start_ptr, len_ptr,
-                              from_ptr, sub_lo_ptr, sub_hi_ptr, scale, N, P, H: tl.constexpr, HV: tl.constexpr,
-                              K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
-                              NESTED: tl.constexpr):
+                              from_ptr, sub_lo_ptr, sub_hi_ptr, slot_ptr, subs_ptr, scale, N, P, H: tl.constexpr,
+                              HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                              BV: tl.constexpr, NESTED: tl.constexpr, PHASE: tl.constexpr):
     i_v = tl.program_id(0)
     i_h = tl.program_id(1).to(tl.int64)
     i_p = tl.program_id(2)
@@ -107,29 +125,51 @@ def _questions_chunked_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, a_ptr, o_ptr
         last = tl.maximum(last, tl.max(tl.where(lens > 0, o_r + 1, 0)))
     for i_n in range(i_p, last, P):
         n = tl.load(len_ptr + i_n).to(tl.int64)
-        if n > 0:
-            bos = tl.load(start_ptr + i_n).to(tl.int64)
-            S = tl.zeros([K, BV], dtype=tl.float32)
-            row = tl.load(from_ptr + i_n).to(tl.int64)  # the state's final state (-1: a zero state)
-            if row >= 0:
-                S += tl.load(h0_ptr + (row * HV + i_h) * K * V + o_k[:, None] * V + o_v[None, :], mask=v_ok[None, :],
-                             other=0.0)
-            if NESTED:  # a leaf: its sub-trunk's chunks first (a question row of its own: chunks from its first token)
-                lo = tl.load(sub_lo_ptr + bos).to(tl.int64)
-                m = tl.load(sub_hi_ptr + bos).to(tl.int64) - lo
-                for c0 in range(0, m, BT):
+        bos = tl.load(start_ptr + i_n).to(tl.int64)
+        lo = bos
+        m = n * 0  # a leaf's sub-trunk rows [lo, lo + m) (a question row of its own: chunks from its first token)
+        if NESTED:
+            lo = tl.load(sub_lo_ptr + bos, mask=n > 0, other=0).to(tl.int64)
+            m = tl.load(sub_hi_ptr + bos, mask=n > 0, other=0).to(tl.int64) - lo
+        # PHASE 0: every row, a leaf re-running its sub-trunk; with stored sub-trunk states, PHASE 1 the rows that
+        # are no leaf (a sub-trunk with a slot stores its state after its tokens), PHASE 2 the leaves
+        run = n > 0
+        if PHASE == 1:
+            run = run & (m <= 0)
+        if PHASE == 2:
+            run = run & (m > 0)
+        if run:
+            slot = i_n * 0 - 1
+            if PHASE != 0:
+                slot = tl.load(slot_ptr + i_n).to(tl.int64)
+            slot_at = (slot * HV + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
+            if PHASE == 2:
+                if slot >= 0:  # its sub-trunk's state, stored by the first launch
+                    S = tl.load(subs_ptr + slot_at, mask=v_ok[None, :], other=0.0)
+                else:
+                    S = _state_of(h0_ptr, from_ptr, i_n, i_h, o_k, o_v, v_ok, HV, K, V, BV)
+                    for c0 in range(0, m, BT):
+                        S = _question_step(S, q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, a_ptr, o_ptr, lo, m, c0, i_h,
+                                           i_hk, o_k, o_t, o_v, v_ok, causal, scale, H, HV, K, V, BT, False)
+            else:
+                S = _state_of(h0_ptr, from_ptr, i_n, i_h, o_k, o_v, v_ok, HV, K, V, BV)
+                for c0 in range(0, m, BT):  # PHASE 0's leaves (m is 0 for the other rows)
                     S = _question_step(S, q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, a_ptr, o_ptr, lo, m, c0, i_h, i_hk,
                                        o_k, o_t, o_v, v_ok, causal, scale, H, HV, K, V, BT, False)
             for c0 in range(0, n, BT):
                 S = _question_step(S, q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, a_ptr, o_ptr, bos, n, c0, i_h, i_hk, o_k,
                                    o_t, o_v, v_ok, causal, scale, H, HV, K, V, BT, True)
+            if PHASE == 1:
+                if slot >= 0:
+                    tl.store(subs_ptr + slot_at, S, mask=v_ok[None, :])
 
 
 def questions_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g: torch.Tensor,
                       A: torch.Tensor, seg_start: torch.Tensor, seg_len: torch.Tensor, initial_state: torch.Tensor,
                       initial_index: torch.Tensor, scale: float,
                       sub: tuple[torch.Tensor, torch.Tensor] | None = None, out: torch.Tensor | None = None,
-                      tiles: tuple[int, int, int] | None = None, row_programs: int | None = None) -> torch.Tensor:
+                      tiles: tuple[int, int, int] | None = None, row_programs: int | None = None,
+                      sub_slot: torch.Tensor | None = None) -> torch.Tensor:
     """o [T, Hv, V] (q's dtype) of every segment from `initial_state[initial_index[n]]` (-1: zero); rows outside the
     segments unwritten. q, k [T, Hk, K] and v [T, Hv, V] as the kernels read them (q / k normalised, contiguous);
     beta [T, Hv]; g [T, Hv] float32: the chunk-local cumulated log2 decays, A [T, Hv, GDN_CHUNK]: the solved
@@ -138,7 +178,10 @@ def questions_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: t
     a segment whose first token has a non-empty range [lo, hi) (itself a segment, so its g / A are its own chunks')
     runs those rows first, without outputs (`reference.gated_delta`'s semantics). `tiles`: (value columns, warps,
     stages); one fixed choice keeps batch invariance (a row's sums do not depend on which program runs it).
-    `row_programs`: programs along the rows (default ROW_PROGRAMS)."""
+    `row_programs`: programs along the rows (default ROW_PROGRAMS). `sub_slot` (with `sub`; [N] int32, the rows'
+    `gated_delta.sub_slots`): with STORED_SUB_STATES, two launches instead of one, the first running every row that
+    is no leaf and storing each slotted sub-trunk's state after its tokens, the second the leaves, a slotted leaf
+    from its sub-trunk's stored state (the same steps in the same order as re-running them: the same bits)."""
     T, HK, K = k.shape
     HV, V = v.shape[1], v.shape[2]
     if K & (K - 1) or K < 16:
@@ -159,9 +202,16 @@ def questions_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: t
     if sub is not None and any(t.shape != (T,) for t in sub):
         raise ValueError(f"sub_lo / sub_hi must be [T={T}], got {[tuple(t.shape) for t in sub]}")
     sub_lo, sub_hi = sub if sub is not None else (seg_start, seg_start)  # read with a nested fork only
-    _questions_chunked_kernel[(triton.cdiv(V, BV), HV, P)](
-        q.contiguous(), k.contiguous(), v.contiguous(), beta.contiguous(), g.float().contiguous(), A.contiguous(), o,
-        initial_state.float().contiguous(), seg_start.contiguous(), seg_len.contiguous(), initial_index.contiguous(),
-        sub_lo.contiguous(), sub_hi.contiguous(), float(scale), N, P, H=HK, HV=HV, K=K, V=V, BT=GDN_CHUNK, BV=BV,
-        NESTED=sub is not None, num_warps=warps, num_stages=stages)
+    stored = sub is not None and sub_slot is not None and STORED_SUB_STATES
+    # the slotted sub-trunks' states (fp32 [slots, Hv, K, V]: 32 MiB on Qwen3.5-0.8B, a transient of the call)
+    subs = (torch.empty(SUB_STATE_SLOTS, HV, K, V, dtype=torch.float32, device=q.device) if stored
+            else initial_state)
+    args = (q.contiguous(), k.contiguous(), v.contiguous(), beta.contiguous(), g.float().contiguous(), A.contiguous(),
+            o, initial_state.float().contiguous(), seg_start.contiguous(), seg_len.contiguous(),
+            initial_index.contiguous(), sub_lo.contiguous(), sub_hi.contiguous(),
+            (sub_slot if stored else seg_start).contiguous(), subs, float(scale), N, P)
+    for phase in ((1, 2) if stored else (0,)):
+        _questions_chunked_kernel[(triton.cdiv(V, BV), HV, P)](
+            *args, H=HK, HV=HV, K=K, V=V, BT=GDN_CHUNK, BV=BV, NESTED=sub is not None, PHASE=phase, num_warps=warps,
+            num_stages=stages)
     return o

@@ -15,8 +15,8 @@ chain ran ~50 us a chunk step. Here:
   values from the state, its outputs, the state moved), bf16 products with fp32 accumulators as fla's kernels.
 Programs per (value head, BV value columns) run the question rows in turn (ROW_PROGRAMS of them). A nested fork's
 leaf (a question whose first token names a sub-trunk range [lo, hi), `round.py`: always a question row of the same
-request) first runs its sub-trunk's chunks from the state, without outputs, then its own: a sub-trunk is a line of
-tens of tokens, one chunk step, so no state is stored for leaves to share (unlike the recurrent kernel's slots).
+request) first runs its sub-trunk's chunks from the state, without outputs, then its own (a judge's question line
+is one chunk step); or, with STORED_SUB_STATES, starts from its sub-trunk's state that a first launch stored.
 
 A question's chunks start at its own first token and its sums depend on its own tokens and state only:
 batch-invariant. Runs on CPU tensors under TRITON_INTERPRET=1 (fp32 there, what the CPU tests check against the
@@ -42,9 +42,10 @@ BLOCK_V = 32
 NUM_WARPS = 4
 NUM_STAGES = 2
 # Programs per (value tile, value head) along the question rows, each running rows i, i + P, ... up to the last row
-# with tokens. A program per capacity row was ~20x slower on the H100 (session 36: QuALITY 3.3 ms over 18 layers
-# for 16 questions): a bucket's 512 question rows x 16 heads x 4 tiles are 32k programs of 117 KB each, two at a time
-# an SM, nearly all returning at once, and their launches alone took the time
+# with tokens. A program per capacity row lost on the H100 (session 36: QuALITY's question call 3.31 ms over 18
+# layers for 16 questions, quality1's 0.81 ms with NO question row): a bucket's 512 question rows x 16 heads x 4
+# tiles are 32k programs of 117 KB each, one at a time an SM, nearly all returning at once, and their launches alone
+# took the time
 ROW_PROGRAMS = 16
 # A nested fork's leaves start from their sub-trunk's state stored by a first launch (rows with a slot:
 # `gated_delta.sub_slots`, up to SUB_STATE_SLOTS sub-trunks a round), instead of each re-running its sub-trunk's

@@ -199,6 +199,25 @@ def test_fork_parts_refuses_sub_without_a_nested_call_or_with_wy():
                               True, s.sub_lo)
 
 
+def test_fork_parts_refuses_chunked_questions_without_their_variant_or_tables():
+    """`fork_parts(chunked=True)`: a variant outside CHUNKED_QUESTION_KERNELS, or round tables without the questions'
+    chunk rows (`fork_tables` without `branch_chunks`), is a clear error, not a wrong call."""
+    import random
+
+    from flide.ops.gated_delta import fork_tables
+    from flide.testing import random_round_tensors
+
+    r = random_round_tensors(random.Random(2), 200, max_requests=3, max_questions=3, max_state=40, max_question=12)
+    x = inputs(200, HEADS[0], True)
+    meta = (r.state_start, r.state_len, r.branch_start, r.branch_len, r.branch_state)
+    for branch_chunks in (r.branch_chunks, None):
+        tables = fork_tables(r.state_start, r.state_len, r.branch_start, r.branch_len, r.state_chunks, branch_chunks,
+                             branch_state=r.branch_state)
+        with pytest.raises(ValueError, match="CHUNKED_QUESTION_KERNELS"):
+            fork_parts(gated_delta_reference, *x, *meta, SCALE, False, state_kernel=gated_delta_reference,
+                       tables=tables, laid_out=True, chunked=True)
+
+
 def test_fork_parts_passes_the_ranges_to_the_question_call_only():
     """The nested companion replaces the question call (`branch_kernel` too), with the round's ranges; the state
     call runs as without them."""

@@ -70,14 +70,14 @@ def main() -> None:
     variants += [(None, None, True)] if args.fla_outputs else []
     device = "cuda"
     hk, hv, dim = 16, args.value_heads, 128
-    cumsum, intra, fwd_h, fwd_o, rcp_ln2 = fla._fla_steps()  # with Flide's sm_90 pins
+    cumsum, _, fwd_h, fwd_o, rcp_ln2 = fla._fla_steps()  # with Flide's sm_90 pins
     rows = []
     for name in args.streams:
         r, (q, k, v, g, beta), tables = state_call_inputs(streams[name], hk, hv, dim, device)
         T = r.seg_lo.shape[0]
         cu, chunks, offsets = tables.state_cu_seqlens, tables.state_chunks, tables.state_chunk_offsets
         gc = cumsum(g[None].float(), chunk_size=GDN_CHUNK, scale=rcp_ln2, cu_seqlens=cu, chunk_indices=chunks)
-        w, u, _ = fla._intra(intra, k[None], v[None], gc, beta[None], cu, chunks)
+        w, u, _ = fla._intra(k[None], v[None], gc, beta[None], cu, chunks)
         scale = dim ** -0.5
 
         def fla_h_o():

@@ -63,7 +63,7 @@ def _fla_steps():
 # measured (sm_90, bf16, per value-head count: `bench_fla_configs.py [--value-heads 32]`,
 # benchmarks/results/ops_fla_configs{,_hv32}_h200.md) each kernel runs one config instead (one of its own, or one
 # the bench timed outside fla's list with `--extra`): the best or tied-best on every stream measured, the same on
-# every bucket (at 16 value heads the kkt + solve kernel at 1 warp on long streams: `_intra`). The pin is a pruning
+# every bucket (at 16 value heads the kkt + solve kernel at 1 warp on long streams: `_solve`). The pin is a pruning
 # of fla's autotuners for the process, so fla's other callers get it too; fp32 inputs keep the autotuner (their
 # tiles need more shared memory: the h kernel's pinned config does not fit in fp32), and so do head counts the bench
 # has not measured.
@@ -195,7 +195,7 @@ def _fwd_h_unfilled(k, w, u, g=None, initial_state=None, output_final_state=True
 # 25.1 us a layer with 1 warp) but 17-25 % slower than 1 warp on every stream of 2,048 tokens and more, where many
 # chunks fill the card (sweep 1 bucket 45 vs 60 us, 16 RACE 110 vs 126, QuALITY-sized 149 vs 180;
 # `bench_fla_configs.py`, benchmarks/results/ops_fla_configs_h200.md, session 23). Streams of at least this many
-# tokens launch it with 1 warp (`_intra`, where a pin above holds more warps; at 32 value heads 1 warp is the pin
+# tokens launch it with 1 warp (`_solve`, where a pin above holds more warps; at 32 value heads 1 warp is the pin
 # itself); both launches use the same MMA shapes and the same order of sums (bits checked equal:
 # tests/gpu/test_gated_delta_gpu.py::test_kkt_warps_keep_the_bits). None: the pinned 2 warps everywhere. A pin of
 # fla-core 0.6.0's kernel signature, like EMPTY_FINAL_STATE.
@@ -319,41 +319,25 @@ def _w_u(k, v, beta, A, g, cu_seqlens, chunk_indices):
     return recompute_w_u_fwd(k=k, v=v, beta=beta, A=A, g=g, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
 
 
-def _intra(intra, k, v, g, beta, cu_seqlens, chunk_indices):
-    """fla-core 0.6.0's `chunk_gated_delta_rule_fwd_intra` for our calls (varlen, 64-token chunks, gates given),
-    with the fused kkt + solve kernel at 1 warp a program on long streams (KKT_ONE_WARP_TOKENS) and the w / u step
-    by our kernel (OWN_W_U)."""
-    if OWN_W_U and k.is_cuda:
-        A = _solve(k, g, beta, cu_seqlens, chunk_indices)
-        return (*_w_u(k, v, beta, A, g, cu_seqlens, chunk_indices), A)
-    B, T, H, K = k.shape
-    HV = beta.shape[2]
-    tuner = autotuner(_kkt_kernel())
-    # only where the sm_90 pins (PIN_CONFIGS) apply with more warps: where this was measured
-    pinned = _pinned_for(getattr(tuner, "flide_pinned", None), k, HV)
-    if pinned is None or pinned.num_warps == 1 or KKT_ONE_WARP_TOKENS is None or T < KKT_ONE_WARP_TOKENS:
-        return intra(k=k, v=v, g=g, beta=beta, cu_seqlens=cu_seqlens, chunk_size=GDN_CHUNK,
-                     chunk_indices=chunk_indices)
-    from fla.ops.gated_delta_rule.wy_fast import recompute_w_u_fwd
-
-    kernel = tuner.fn  # the jitted kernel under fla's heuristics and autotuner
-    A = torch.zeros(B, T, HV, GDN_CHUNK, device=k.device, dtype=k.dtype)  # the kernel stores the lower blocks only
-    kernel[(chunk_indices.shape[0], B * HV)](
-        k=k, g=g, beta=beta, A=A, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, T=T, H=H, HV=HV, K=K,
-        BT=GDN_CHUNK, BC=16, BK=64, USE_G=True, IS_VARLEN=True, num_warps=1, num_stages=3)
-    w, u = recompute_w_u_fwd(k=k, v=v, beta=beta, A=A, g=g, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
-    return w, u, A
+def _intra(k, v, g, beta, cu_seqlens, chunk_indices):
+    """fla-core 0.6.0's `chunk_gated_delta_rule_fwd_intra` for our calls (varlen, 64-token chunks, gates given) ->
+    (w, u, A): its fused kkt + solve step as `_solve` launches it, then the w / u step (`_w_u`: fla's, or ours with
+    OWN_W_U). fla's own function launches the same two kernels with the same arguments (the solve at its autotuned,
+    i.e. pinned, config), so where `_solve` keeps that config the bits are fla's."""
+    A = _solve(k, g, beta, cu_seqlens, chunk_indices)
+    return (*_w_u(k, v, beta, A, g, cu_seqlens, chunk_indices), A)
 
 
 def _solve(k, g, beta, cu_seqlens, chunk_indices):
-    """A [1, T, Hv, GDN_CHUNK]: fla's fused kkt + solve step alone over the chunk rows `chunk_indices` (spare rows
-    return at once), launched as `_intra` launches it for the same stream (1 warp on long streams), so each chunk's
-    rows have the bits `_intra` gives them; rows outside the chunks and every upper block stay zero."""
+    """A [1, T, Hv, GDN_CHUNK]: fla's fused kkt + solve step over the chunk rows `chunk_indices` (spare rows return
+    at once), at 1 warp a program on long streams (KKT_ONE_WARP_TOKENS), else as fla's intra step launches it (its
+    autotuner, i.e. the pin); rows outside the chunks and every upper block stay zero."""
     B, T, H, K = k.shape
     HV = beta.shape[2]
     A = torch.zeros(B, T, HV, GDN_CHUNK, device=k.device, dtype=k.dtype)  # the kernel stores the lower blocks only
     kernel = _kkt_kernel()
     tuner = autotuner(kernel)
+    # only where the sm_90 pins (PIN_CONFIGS) apply with more warps: where this was measured
     pinned = _pinned_for(getattr(tuner, "flide_pinned", None), k, HV)
     args = dict(k=k, g=g, beta=beta, A=A, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, T=T, H=H, HV=HV, K=K,
                 BT=GDN_CHUNK, BC=16)
@@ -486,14 +470,18 @@ def gated_delta_states_wy(q, k, v, g, beta, all_cu_seqlens, all_chunks, cu_seqle
     return out[:4] + out[5:]  # the questions' WY form replaces v
 
 
+def _check_laid_out(q, k, v) -> None:
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not x.is_contiguous():
+            raise ValueError(f"{name} must be contiguous [T, H, D] (laid out as fla's kernels read it)")
+
+
 def gated_delta_states_laid_out(q, k, v, g, beta, cu_seqlens, chunk_indices, offsets, scale: float,
                                 split: tuple[torch.Tensor, torch.Tensor] | None = None):
     """`gated_delta_states` on q, k and v already laid out as fla's kernels read them (contiguous [T, H, D]; q and k
     normalised: the GDN layer's fused conv, `fork_conv_qkv`, writes them so), which the question call then reads
     too. Returns (o [T, Hv, V], final [N, Hv, K, V] float32; rows of empty sequences as `gated_delta_states`')."""
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if not x.is_contiguous():
-            raise ValueError(f"{name} must be contiguous [T, H, D] (laid out as fla's kernels read it)")
+    _check_laid_out(q, k, v)
     return run(q, k, v, g, beta, cu_seqlens, chunk_indices, None, scale, False, offsets, laid_out=True,
                split=split, empty_finals=EMPTY_STATE_FINALS)[:2]
 
@@ -505,9 +493,7 @@ def gated_delta_states_chunked(q, k, v, g, beta, all_cu_seqlens, all_chunks, cu_
     question call. Returns (o [T, Hv, V], final [N, Hv, K, V] float32, g [T, Hv] float32 chunk-local log2 cumsums,
     A [T, Hv, GDN_CHUNK] the solved rows). The states' rows, final states included, have the bits of
     `gated_delta_states_laid_out` (each chunk's cumsum and solve are its own; w / u over the states as there)."""
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if not x.is_contiguous():
-            raise ValueError(f"{name} must be contiguous [T, H, D] (laid out as fla's kernels read it)")
+    _check_laid_out(q, k, v)
     out = run(q, k, v, g, beta, cu_seqlens, chunk_indices, None, scale, False, offsets,
               prep=(all_cu_seqlens, all_chunks), laid_out=True, split=split, empty_finals=EMPTY_STATE_FINALS,
               solve_prep=True)
@@ -529,7 +515,7 @@ def run(q, k, v, g, beta, cu_seqlens, chunk_indices, h0, scale: float, use_qk_l2
     writes every row). `solve_prep` (with `prep`): only the kkt + solve step runs over `prep`'s chunks, w / u over the
     call's own, and what comes back after q, k, v is (gate cumsums [T, Hv] float32 log2 units, A [T, Hv, GDN_CHUNK]:
     the solved rows) for the chunked question call (`questions_chunked.py`)."""
-    cumsum, intra, fwd_h, fwd_o, rcp_ln2 = _fla_steps()
+    cumsum, _, fwd_h, fwd_o, rcp_ln2 = _fla_steps()
     # q, k and v as fla's kernels index them (contiguous [T, H, D]), q / k normalised by ours, not fla's: one launch
     # configuration for every stream (see l2norm.py); they may be column slices of the conv's output (the model
     # passes them so): read in place, written as new tensors, which the question call reads too
@@ -547,7 +533,7 @@ def run(q, k, v, g, beta, cu_seqlens, chunk_indices, h0, scale: float, use_qk_l2
         A = _solve(k, g, beta, prep_cu, prep_chunks)
         w, u = _w_u(k, v, beta, A, g, cu_seqlens, chunk_indices)
     else:
-        w, u, A = _intra(intra, k, v, g, beta, prep_cu, prep_chunks)
+        w, u, A = _intra(k, v, g, beta, prep_cu, prep_chunks)
     if _fused_chain(k, qn.shape[0], h0):
         # the chunk-to-chunk steps in one launch, outputs included (state_chain.py): the sequences without the
         # trailing empty one, whose only use is to give fla's chunk rows a name

@@ -23,9 +23,9 @@ def rel_err(out, ref) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm().clamp(min=1e-12)).item()
 
 
-def inputs(tokens: int, dtype, seed: int, hk: int = 4, hv: int = 8, d: int = 128):
+def inputs(tokens: int, dtype, seed: int, hk: int = 4, hv: int = 8, d: int = 128, longest: int = 70):
     rng = random.Random(seed)
-    r = random_round_tensors(rng, tokens, max_requests=8, max_questions=12, max_state=700, max_question=70)
+    r = random_round_tensors(rng, tokens, max_requests=8, max_questions=12, max_state=700, max_question=longest)
     r = r.to("cuda")
     g = torch.Generator(device="cuda").manual_seed(seed)
     q, k = (torch.randn(tokens, hk, d, device="cuda", generator=g).to(dtype) for _ in range(2))
@@ -548,8 +548,8 @@ def test_fused_state_chain_keeps_a_state_s_bits_wherever_it_lies():
 @pytest.mark.parametrize("tokens", [500, 3072])
 def test_kkt_warps_keep_the_bits(tokens, monkeypatch):
     """fla.KKT_ONE_WARP_TOKENS: the fused kkt + solve kernel launched at 1 warp a program (our launch, on sm_90 with
-    16-bit inputs) gives the bits of fla's own intra step at the pinned 2 warps, so a request's answers do not depend
-    on its round's bucket."""
+    16-bit inputs) gives the bits of its launch at the pinned 2 warps (as fla's own intra step launches it), so a
+    request's answers do not depend on its round's bucket."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the configs are pinned (and the 1-warp launch runs) on sm_90 only")
     import fla.ops.gated_delta_rule.wy_fast as wy_fast
@@ -562,7 +562,7 @@ def test_kkt_warps_keep_the_bits(tokens, monkeypatch):
     monkeypatch.setattr(fla_module, "KKT_ONE_WARP_TOKENS", None)
     want_o, want_finals = fork(kernel("fla"), *x, *meta, 128 ** -0.5, True)
     assert fla_module.autotuner(fla_module._kkt_kernel()).flide_pinned[16].num_warps == 2
-    ours = []  # the one-warp launch calls w / u's step from its module (fla's intra step has its own binding)
+    ours = []  # w / u's step, called from its module after the kkt + solve launch
     step = wy_fast.recompute_w_u_fwd
     monkeypatch.setattr(wy_fast, "recompute_w_u_fwd", lambda *a, **kw: ours.append(1) or step(*a, **kw))
     monkeypatch.setattr(fla_module, "KKT_ONE_WARP_TOKENS", 0)

@@ -8,11 +8,8 @@ ops' schemas / fake tensors. The kernel's fp32 sums against the reference on the
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
-import torch.nn.functional as F
 
 from flide.config import GDN_CHUNK
 from flide.ops.gated_delta import (BRANCH_KERNELS, CHUNKED_QUESTION_KERNELS, LAID_OUT_STATE_KERNELS, fork_parts,
@@ -20,29 +17,19 @@ from flide.ops.gated_delta import (BRANCH_KERNELS, CHUNKED_QUESTION_KERNELS, LAI
 from flide.ops.gated_delta.l2norm import prepare_qkv
 from flide.ops.gated_norm.reference import select_rows
 from flide.ops.registry import _NESTED, resolve
-from flide.testing import random_round_tensors
+
+from .test_gated_delta_gpu import TOL, inputs, rel_err
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-# fla's Triton dots run in tf32 for fp32 inputs; bf16 inputs keep bf16 intermediates (as test_gated_delta_gpu.py)
-TOL = {torch.float32: 5e-3, torch.bfloat16: 3e-2}
 SCALE = 128 ** -0.5
 
 
-def rel_err(out, ref) -> float:
-    return ((out.float() - ref.float()).norm() / ref.float().norm().clamp(min=1e-12)).item()
-
-
 def laid_out(tokens: int, dtype, seed: int, hv: int, longest: int):
-    """A random round on the GPU and its inputs laid out as the fused conv writes them (q / k normalised)."""
-    r = random_round_tensors(random.Random(seed), tokens, max_requests=8, max_questions=12, max_state=700,
-                             max_question=longest).to("cuda")
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    q, k = (torch.randn(tokens, 4, 128, device="cuda", generator=g).to(dtype) for _ in range(2))
-    v = torch.randn(tokens, hv, 128, device="cuda", generator=g).to(dtype)
-    decay = -F.softplus(torch.randn(tokens, hv, device="cuda", generator=g)) * 0.5
-    beta = torch.sigmoid(torch.randn(tokens, hv, device="cuda", generator=g)).to(dtype)
-    raw = (q, k, v, decay, beta)
+    """A random round on the GPU (`test_gated_delta_gpu.inputs`, 4 key heads) and its inputs laid out as the fused
+    conv writes them (q / k normalised): (laid out, raw, round)."""
+    raw, r = inputs(tokens, dtype, seed, hk=4, hv=hv, longest=longest)
+    q, k, v, decay, beta = raw
     qn, kn, vn = prepare_qkv(q, k, v, True)
     return (qn, kn, vn, decay, beta), raw, r
 

@@ -64,6 +64,13 @@ else:
     def poisoned(*shape, dtype) -> torch.Tensor:
         return torch.full(shape, float("nan"), dtype=dtype)
 
+    def segment_rows(tokens: int, starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """[tokens] bool: the rows that the segments (starts, lengths) cover."""
+        rows = torch.zeros(tokens, dtype=torch.bool)
+        for start, length in zip(starts.tolist(), lengths.tolist()):
+            rows[start:start + length] = True
+        return rows
+
     # -----------------------------------------------------------------------------------------------------------------
     # fork_conv
     # -----------------------------------------------------------------------------------------------------------------
@@ -398,9 +405,7 @@ else:
                                         l2norm)
         out = delta_branches.branches(q, k, v, g, beta, r.branch_start, r.branch_len, finals, r.branch_state, 0.3,
                                       l2norm, out=poisoned(tokens, Hv, V, dtype=torch.float32), form=form)
-        rows = torch.zeros(tokens, dtype=torch.bool)
-        for start, length in zip(r.branch_start.tolist(), r.branch_len.tolist()):
-            rows[start:start + length] = True
+        rows = segment_rows(tokens, r.branch_start, r.branch_len)
         assert rows.any() and (r.branch_len.max() > 16 or longest < 16)
         # recurrent vs chunked sums in fp32: rounding relative to the outputs' size (without l2norm they grow)
         scale = max(1.0, want[rows].abs().max().item())
@@ -440,9 +445,7 @@ else:
         w, u, gamma = delta_wy.wy_reference(k, v, g, beta, r.branch_start, r.branch_len)
         out = delta_wy.questions_wy(q, k, w, u, gamma, r.branch_start, r.branch_len, finals, r.branch_state, 0.3,
                                     out=poisoned(tokens, Hv, V, dtype=torch.float32))
-        rows = torch.zeros(tokens, dtype=torch.bool)
-        for start, length in zip(r.branch_start.tolist(), r.branch_len.tolist()):
-            rows[start:start + length] = True
+        rows = segment_rows(tokens, r.branch_start, r.branch_len)
         assert rows.any() and (r.branch_len.max() > 64 or longest <= 64)
         assert out[~rows].isnan().all()
         scale = max(1.0, want[rows].abs().max().item())
@@ -481,16 +484,14 @@ else:
                                                     finals, r.branch_state, 0.3, row_programs=programs,
                                                     out=poisoned(tokens, Hv, V, dtype=torch.float32))
             assert torch.equal(again.nan_to_num(7.0), out.nan_to_num(7.0))
-        rows = torch.zeros(tokens, dtype=torch.bool)
-        for start, length in zip(r.branch_start.tolist(), r.branch_len.tolist()):
-            rows[start:start + length] = True
+        rows = segment_rows(tokens, r.branch_start, r.branch_len)
         assert rows.any() and (r.branch_len.max() > 64 or longest <= 64)
         assert out[~rows].isnan().all()
         scale = max(1.0, want[rows].abs().max().item())
         torch.testing.assert_close(out[rows], want[rows], atol=2e-5 * scale, rtol=1e-5)
 
     @pytest.mark.parametrize("sub_len", [9, 70], ids=["sub9", "sub70"])
-    def test_gated_delta_questions_chunked_nested_leaves_continue_their_sub_trunk(sub_len):
+    def test_gated_delta_questions_chunked_nested_leaves_continue_their_sub_trunk(sub_len, monkeypatch):
         """A nested fork's question call in chunked form: each leaf runs its sub-trunk's chunks (one or two: a
         sub-trunk of 9 or 70 tokens) from its state's final state, then its own, as the reference's nested call
         (`reference.gated_delta(sub_lo, sub_hi)`); every other row as the plain call. Hand-built stream: a leaf
@@ -514,9 +515,7 @@ else:
                                               out=poisoned(s.T, Hv, V, dtype=torch.float32))
         plain = delta_chunked.questions_chunked(q, k, v, beta, gamma, solved, s.branch_start, s.branch_len, finals,
                                                 s.branch_state, 0.3)
-        rows = torch.zeros(s.T, dtype=torch.bool)
-        for start, length in zip(s.branch_start.tolist(), s.branch_len.tolist()):
-            rows[start:start + length] = True
+        rows = segment_rows(s.T, s.branch_start, s.branch_len)
         assert out[~rows].isnan().all() and s.leaves
         scale = max(1.0, want[rows].abs().max().item())
         torch.testing.assert_close(out[rows], want[rows], atol=2e-5 * scale, rtol=1e-5)
@@ -531,14 +530,10 @@ else:
         for cap in (SUB_STATE_SLOTS, 1):
             slots = s.slots(cap)
             assert (slots >= 0).any() and (cap > 1 or (slots[[leaf for leaf, _ in s.leaves]] < 0).any())
-            old_switch = delta_chunked.STORED_SUB_STATES
-            delta_chunked.STORED_SUB_STATES = True
-            try:
-                stored = delta_chunked.questions_chunked(q, k, v, beta, gamma, solved, s.branch_start, s.branch_len,
-                                                         finals, s.branch_state, 0.3, sub=sub, sub_slot=slots,
-                                                         out=poisoned(s.T, Hv, V, dtype=torch.float32))
-            finally:
-                delta_chunked.STORED_SUB_STATES = old_switch
+            monkeypatch.setattr(delta_chunked, "STORED_SUB_STATES", True)
+            stored = delta_chunked.questions_chunked(q, k, v, beta, gamma, solved, s.branch_start, s.branch_len,
+                                                     finals, s.branch_state, 0.3, sub=sub, sub_slot=slots,
+                                                     out=poisoned(s.T, Hv, V, dtype=torch.float32))
             assert torch.equal(stored.nan_to_num(7.0), out.nan_to_num(7.0))
 
     @pytest.mark.parametrize("tokens,heads,longest", CHUNKED_CASES,
@@ -556,9 +551,7 @@ else:
         cu = delta_fla.bounds(r.state_start, r.state_len)
         chunks = delta_fla.chunk_table(cu, tokens // 64 + r.state_start.shape[0] + 1)
         w, u = delta_w_u.w_u(k[None], v[None], beta[None], solved[None], gamma[None], cu, chunks)
-        rows = torch.zeros(tokens, dtype=torch.bool)
-        for start, length in zip(r.state_start.tolist(), r.state_len.tolist()):
-            rows[start:start + length] = True
+        rows = segment_rows(tokens, r.state_start, r.state_len)
         assert rows.any() and (r.state_len.max() > 64 or longest <= 64)
         torch.testing.assert_close(w[0][rows], w_ref[rows], atol=2e-5, rtol=1e-5)
         torch.testing.assert_close(u[0][rows], u_ref[rows], atol=2e-5 * max(1.0, u_ref.abs().max().item()),
@@ -596,9 +589,7 @@ else:
         cu = delta_fla.bounds(r.state_start, r.state_len)[:-1]  # the states' sequences (the layout: contiguous)
         w, u, gamma = delta_wy.wy_reference(k, v, g, beta, r.state_start, r.state_len)
         out, final = delta_chain.state_chain(q, k, w, u, gamma, cu, 0.3, h0 if initial else None)
-        rows = torch.zeros(tokens, dtype=torch.bool)
-        for start, length in zip(r.state_start.tolist(), r.state_len.tolist()):
-            rows[start:start + length] = True
+        rows = segment_rows(tokens, r.state_start, r.state_len)
         assert rows.any() and (r.state_len.max() > 64 or longest <= 64) and (r.state_len == 0).any()
         scale = max(1.0, want[rows].abs().max().item())
         torch.testing.assert_close(out[rows], want[rows], atol=2e-5 * scale, rtol=1e-5)
@@ -662,9 +653,7 @@ else:
         # and with its own outputs kernel (the default): the same outputs as the oracle's o step
         own, own_final = delta_chain.state_chain_split(q, k, w, u, gamma, cu_all, 0.3, split, long_chunks,
                                                        long_offsets)
-        rows = torch.zeros(tokens, dtype=torch.bool)
-        for start, length in zip(r.state_start.tolist(), r.state_len.tolist()):
-            rows[start:start + length] = True
+        rows = segment_rows(tokens, r.state_start, r.state_len)
         scale = max(1.0, want[rows].abs().max().item())
         torch.testing.assert_close(out[rows], want[rows], atol=2e-5 * scale, rtol=1e-5)
         torch.testing.assert_close(final, want_final, atol=2e-5 * max(1.0, want_final.abs().max().item()), rtol=1e-5)
@@ -676,7 +665,7 @@ else:
             assert torch.equal(skip[rows], own[rows]) and torch.equal(skip_final[lens > 0], own_final[lens > 0])
         # the LONG part stored, for each long sequence's chunk, the state the reference has before it
         for s_i in torch.nonzero(lens > split).flatten().tolist():
-            start, length = int(r.state_start[s_i]), int(lens[s_i])
+            length = int(lens[s_i])
             for c in range(0, (length + 63) // 64):
                 _, before = delta_ref.gated_delta(q, k, v, g, beta, r.state_start[s_i:s_i + 1],
                                                   torch.tensor([c * 64]), torch.zeros(0, Hv, K, V),
@@ -709,9 +698,7 @@ else:
         w, u, gamma = delta_wy.wy_reference(k, v, g, beta, r.state_start, r.state_len)
         n = lens.shape[0]
         out, final = segment_scan.state_chain_segments(q, k, w, u, gamma, tables, n, 0.3, segment)
-        rows = torch.zeros(tokens, dtype=torch.bool)
-        for start, length in zip(r.state_start.tolist(), lens.tolist()):
-            rows[start:start + length] = True
+        rows = segment_rows(tokens, r.state_start, lens)
         scale = max(1.0, want[rows].abs().max().item())
         torch.testing.assert_close(out[rows], want[rows], atol=2e-5 * scale, rtol=1e-5)
         torch.testing.assert_close(final, want_final, atol=2e-5 * max(1.0, want_final.abs().max().item()), rtol=1e-5)
@@ -790,9 +777,7 @@ else:
         out = delta_branches.branches(q, k, v, g, beta, r.branch_start, r.branch_len, finals, r.branch_state, 0.3,
                                       True, out=poisoned(tokens, Hv, V, dtype=torch.float32), form="chunk",
                                       tiles=tiles)
-        rows = torch.zeros(tokens, dtype=torch.bool)
-        for start, length in zip(r.branch_start.tolist(), r.branch_len.tolist()):
-            rows[start:start + length] = True
+        rows = segment_rows(tokens, r.branch_start, r.branch_len)
         assert r.branch_len.max() > tiles[2]
         torch.testing.assert_close(out[rows], want[rows], atol=2e-5, rtol=1e-5)
 

@@ -170,18 +170,21 @@ def main() -> int:
                 {"num_warps": questions_wy.NUM_WARPS, "num_stages": questions_wy.NUM_STAGES})
     # the state call's fused h + o steps (bf16 only), and the split call's parts (state_chain.SHORT / LONG)
     # (EMPTY_FINALS False: the fork's state call from the round's tables, `state_chain(empty_finals=False)`)
-    for hv, h0, part, empty in ((16, False, "EVERY", False), (32, False, "EVERY", True), (16, True, "EVERY", True),
-                                (16, False, "SHORT", False), (16, False, "LONG", True), (32, False, "LONG", True)):
+    # (ROWS: programs that take the sequences in turns, the fork's EVERY / SHORT launches: state_chain.ROW_PROGRAMS)
+    for hv, h0, part, empty, rows in ((16, False, "EVERY", False, True), (32, False, "EVERY", True, False),
+                                      (16, True, "EVERY", True, False), (16, False, "SHORT", False, True),
+                                      (16, False, "LONG", True, False), (32, False, "LONG", True, False),
+                                      (16, False, "EVERY", False, False)):
         # the tiles each part launches at (`state_chain_split`: the LONG part at LONG_TILES)
         bv, warps, stages = (state_chain.LONG_TILES if part == "LONG" else
                              (state_chain.BLOCK_V, state_chain.NUM_WARPS, state_chain.NUM_STAGES))
         ok &= compile_one(
-            f"gated_delta state chain bf16 Hv{hv} initial states={h0} part {part} empty finals={empty}",
+            f"gated_delta state chain bf16 Hv{hv} initial states={h0} part {part} empty finals={empty} rows={rows}",
             state_chain._state_chain_kernel,
             {n: "*bf16" for n in ("q_ptr", "k_ptr", "w_ptr", "u_ptr", "o_ptr", "h_ptr", "vn_ptr")} |
             {"g_ptr": "*fp32", "h0_ptr": "*fp32", "ht_ptr": "*fp32"}, "*i64", {"scale": "fp32", "split": "i32"},
             dict(H=16, HV=hv, K=128, V=128, BT=64, BV=bv, USE_H0=h0, PART=getattr(state_chain, part).value,
-                 EMPTY_FINALS=empty, INDEXED=False),
+                 EMPTY_FINALS=empty, INDEXED=False, ROWS=rows),
             {"num_warps": warps, "num_stages": stages})
     # the chunked question call (questions_chunked.py, bf16: the laid-out fork's), plain and nested; beta as the fused
     # conv hands it over (float32) and in bf16
@@ -203,7 +206,7 @@ def main() -> int:
             {n: "*bf16" for n in ("q_ptr", "k_ptr", "w_ptr", "u_ptr", "o_ptr", "h_ptr", "vn_ptr")} |
             {"g_ptr": "*fp32", "h0_ptr": "*fp32", "ht_ptr": "*fp32"}, "*i32", {"scale": "fp32", "split": "i32"},
             dict(H=16, HV=hv, K=128, V=128, BT=64, BV=state_chain.BLOCK_V, USE_H0=False, PART=state_chain.EVERY.value,
-                 EMPTY_FINALS=False, INDEXED=True),
+                 EMPTY_FINALS=False, INDEXED=True, ROWS=False),
             {"num_warps": state_chain.NUM_WARPS, "num_stages": state_chain.NUM_STAGES})
         bc, warps, stages = segment_scan.TRANSITION_TILES
         ok &= compile_one(

@@ -43,6 +43,13 @@ import triton.language as tl
 BLOCK_V = 32
 NUM_WARPS = 4
 NUM_STAGES = 2
+# Programs per (value tile, value head) that take a launch's sequences in turns, in the fork's calls (no final state
+# stored for empty sequences) of the EVERY and SHORT parts; 0: a program per (sequence, value head, value tile). A
+# bucket's state list is mostly spare rows (the 8,192 bucket: 128 rows for one QuALITY state, whose SHORT launch then
+# has nothing to run), and a program of ~108 KB of shared memory per spare row, two at a time an SM, costs its launch:
+# the chunked question kernel measured ~20x slower so (session 36; questions_chunked.ROW_PROGRAMS). A sequence's sums
+# do not depend on which program runs it: the same bits
+ROW_PROGRAMS = 16
 
 
 # What a launch of `_state_chain_kernel` does (its PART, a compile-time constant: each a binary of its own, so the
@@ -66,79 +73,109 @@ def _chunk_output(b_q, b_s, b_kt, b_v, b_g, t_ok, causal, scale):
     return b_o * scale + tl.dot(b_a.to(b_q.dtype), b_v.to(b_q.dtype)) * scale
 
 
-@triton.jit(do_not_specialize=["T", "split"])
-def _state_chain_kernel(q_ptr, k_ptr, w_ptr, u_ptr, g_ptr, o_ptr, h0_ptr, ht_ptr, cu_ptr, h_ptr, vn_ptr, rows_ptr,
-                        h0_row_ptr, final_row_ptr, scale, T, split, H: tl.constexpr, HV: tl.constexpr,
-                        K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, USE_H0: tl.constexpr,
-                        PART: tl.constexpr, EMPTY_FINALS: tl.constexpr, INDEXED: tl.constexpr):
-    i_v = tl.program_id(0)
-    i_nh = tl.program_id(1).to(tl.int64)
-    i_n = i_nh // HV
-    i_h = i_nh % HV
+@triton.jit
+def _chain_sequence(q_ptr, k_ptr, w_ptr, u_ptr, g_ptr, o_ptr, h0_ptr, ht_ptr, cu_ptr, h_ptr, vn_ptr, rows_ptr,
+                    h0_row_ptr, final_row_ptr, scale, split, i_v, i_n, i_h, H: tl.constexpr, HV: tl.constexpr,
+                    K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, USE_H0: tl.constexpr,
+                    PART: tl.constexpr, EMPTY_FINALS: tl.constexpr, INDEXED: tl.constexpr):
+    """Sequence i_n's chain for value head i_h and value tile i_v (see `_state_chain_kernel`)."""
+    i_nh = i_n * HV + i_h
     i_hk = i_h // (HV // H)  # grouped value heads: value head h reads key head h // (HV // H)
     bos = tl.load(cu_ptr + i_n).to(tl.int64)
     n = tl.load(cu_ptr + i_n + 1).to(tl.int64) - bos
-    if not EMPTY_FINALS:  # an empty sequence's final state (zero) is not stored: see `state_chain(empty_finals=)`
-        if n == 0:
-            return
+    # whether this part runs the sequence: an empty sequence's final state (zero) is not stored without EMPTY_FINALS
+    # (see `state_chain(empty_finals=)`); SHORT takes the sequences of at most `split` tokens, LONG the others
+    run = (n > 0) | EMPTY_FINALS
     if PART == SHORT:
-        if n > split:
-            return
+        run = run & (n <= split)
     if PART == LONG:
-        if n <= split:
-            return
-        row0 = tl.load(rows_ptr + i_n).to(tl.int64)  # the sequence's first chunk row of h (`split_tables`)
-    o_k = tl.arange(0, K)
-    o_v = i_v * BV + tl.arange(0, BV)
-    o_t = tl.arange(0, BT)
-    v_ok = o_v < V
-    state_at = i_nh * K * V + o_k[:, None] * V + o_v[None, :]
-    S = tl.zeros([K, BV], dtype=tl.float32)
-    if INDEXED:
-        # a segment of a long sequence (segment_scan.py): its initial state at row h0_row of h0 (-1: zero, a
-        # sequence's first segment), its final state at row final_row of ht (-1: not stored, an inner segment)
-        h0_row = tl.load(h0_row_ptr + i_n).to(tl.int64)
-        if h0_row >= 0:
-            S += tl.load(h0_ptr + (h0_row * HV + i_h) * K * V + o_k[:, None] * V + o_v[None, :],
-                         mask=v_ok[None, :], other=0.0)
-        final_row = tl.load(final_row_ptr + i_n).to(tl.int64)
-        state_at = (final_row * HV + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
-    elif USE_H0:
-        S += tl.load(h0_ptr + state_at, mask=v_ok[None, :], other=0.0)
-    causal = o_t[:, None] >= o_t[None, :]
-    for c0 in range(0, n, BT):
-        t = bos + c0 + o_t
-        t_ok = (c0 + o_t) < n
-        b_kt = tl.load(k_ptr + (t[None, :] * H + i_hk) * K + o_k[:, None], mask=t_ok[None, :], other=0.0)  # [K, BT]
-        b_w = tl.load(w_ptr + (t[:, None] * HV + i_h) * K + o_k[None, :], mask=t_ok[:, None], other=0.0)
-        p_uo = (t[:, None] * HV + i_h) * V + o_v[None, :]
-        m_uo = t_ok[:, None] & v_ok[None, :]
-        b_u = tl.load(u_ptr + p_uo, mask=m_uo, other=0.0)
-        b_g = tl.load(g_ptr + t * HV + i_h, mask=t_ok, other=0.0).to(tl.float32)
-        g_last = tl.load(g_ptr + (bos + tl.minimum(c0 + BT, n) - 1) * HV + i_h).to(tl.float32)
-        b_s = S.to(b_w.dtype)
-        # the chain: the chunk's new values from the state
-        b_v = b_u - tl.dot(b_w, b_s)
+        run = run & (n > split)
+    if run:
+        row0 = 0
         if PART == LONG:
-            # the state before the chunk and its new values, where fla's h step puts them (h row: the chunk's row of
-            # the call's long-sequence chunk table), for fla's o step to compute the outputs from
-            h_at = ((row0 + c0 // BT) * HV + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
-            tl.store(h_ptr + h_at, b_s, mask=v_ok[None, :])
-            tl.store(vn_ptr + p_uo, b_v.to(vn_ptr.dtype.element_ty), mask=m_uo)
-        else:
-            # the chunk's outputs (off the chain)
-            b_q = tl.load(q_ptr + (t[:, None] * H + i_hk) * K + o_k[None, :], mask=t_ok[:, None], other=0.0)
-            b_o = _chunk_output(b_q, b_s, b_kt, b_v, b_g, t_ok, causal, scale)
-            tl.store(o_ptr + p_uo, b_o.to(o_ptr.dtype.element_ty), mask=m_uo)
-        # the state after the chunk
-        b_v = b_v * tl.where(t_ok, tl.exp2(g_last - b_g), 0.0)[:, None]
-        S = S * tl.exp2(g_last)
-        S = tl.dot(b_kt, b_v.to(b_kt.dtype), S)
-    if INDEXED:
+            row0 = tl.load(rows_ptr + i_n).to(tl.int64)  # the sequence's first chunk row of h (`split_tables`)
+        o_k = tl.arange(0, K)
+        o_v = i_v * BV + tl.arange(0, BV)
+        o_t = tl.arange(0, BT)
+        v_ok = o_v < V
+        state_at = i_nh * K * V + o_k[:, None] * V + o_v[None, :]
+        S = tl.zeros([K, BV], dtype=tl.float32)
+        final_row = i_n
+        if INDEXED:
+            # a segment of a long sequence (segment_scan.py): its initial state at row h0_row of h0 (-1: zero, a
+            # sequence's first segment), its final state at row final_row of ht (-1: not stored, an inner segment)
+            h0_row = tl.load(h0_row_ptr + i_n).to(tl.int64)
+            if h0_row >= 0:
+                S += tl.load(h0_ptr + (h0_row * HV + i_h) * K * V + o_k[:, None] * V + o_v[None, :],
+                             mask=v_ok[None, :], other=0.0)
+            final_row = tl.load(final_row_ptr + i_n).to(tl.int64)
+            state_at = (final_row * HV + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
+        elif USE_H0:
+            S += tl.load(h0_ptr + state_at, mask=v_ok[None, :], other=0.0)
+        causal = o_t[:, None] >= o_t[None, :]
+        for c0 in range(0, n, BT):
+            t = bos + c0 + o_t
+            t_ok = (c0 + o_t) < n
+            b_kt = tl.load(k_ptr + (t[None, :] * H + i_hk) * K + o_k[:, None], mask=t_ok[None, :], other=0.0)
+            b_w = tl.load(w_ptr + (t[:, None] * HV + i_h) * K + o_k[None, :], mask=t_ok[:, None], other=0.0)
+            p_uo = (t[:, None] * HV + i_h) * V + o_v[None, :]
+            m_uo = t_ok[:, None] & v_ok[None, :]
+            b_u = tl.load(u_ptr + p_uo, mask=m_uo, other=0.0)
+            b_g = tl.load(g_ptr + t * HV + i_h, mask=t_ok, other=0.0).to(tl.float32)
+            g_last = tl.load(g_ptr + (bos + tl.minimum(c0 + BT, n) - 1) * HV + i_h).to(tl.float32)
+            b_s = S.to(b_w.dtype)
+            # the chain: the chunk's new values from the state
+            b_v = b_u - tl.dot(b_w, b_s)
+            if PART == LONG:
+                # the state before the chunk and its new values, where fla's h step puts them (h row: the chunk's row
+                # of the call's long-sequence chunk table), for fla's o step to compute the outputs from
+                h_at = ((row0 + c0 // BT) * HV + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
+                tl.store(h_ptr + h_at, b_s, mask=v_ok[None, :])
+                tl.store(vn_ptr + p_uo, b_v.to(vn_ptr.dtype.element_ty), mask=m_uo)
+            else:
+                # the chunk's outputs (off the chain)
+                b_q = tl.load(q_ptr + (t[:, None] * H + i_hk) * K + o_k[None, :], mask=t_ok[:, None], other=0.0)
+                b_o = _chunk_output(b_q, b_s, b_kt, b_v, b_g, t_ok, causal, scale)
+                tl.store(o_ptr + p_uo, b_o.to(o_ptr.dtype.element_ty), mask=m_uo)
+            # the state after the chunk
+            b_v = b_v * tl.where(t_ok, tl.exp2(g_last - b_g), 0.0)[:, None]
+            S = S * tl.exp2(g_last)
+            S = tl.dot(b_kt, b_v.to(b_kt.dtype), S)
         if final_row >= 0:
             tl.store(ht_ptr + state_at, S, mask=v_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["T", "split", "P"])
+def _state_chain_kernel(q_ptr, k_ptr, w_ptr, u_ptr, g_ptr, o_ptr, h0_ptr, ht_ptr, cu_ptr, h_ptr, vn_ptr, rows_ptr,
+                        h0_row_ptr, final_row_ptr, scale, T, split, N, P, H: tl.constexpr, HV: tl.constexpr,
+                        K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, USE_H0: tl.constexpr,
+                        PART: tl.constexpr, EMPTY_FINALS: tl.constexpr, INDEXED: tl.constexpr,
+                        ROWS: tl.constexpr):
+    i_v = tl.program_id(0)
+    if ROWS:
+        # programs (value tile, value head, p) run sequences p, p + P, ... up to the last one this part runs (the
+        # spare rows at the end of a bucket's state list cost one vector load, not a program each: ROW_PROGRAMS)
+        i_h = tl.program_id(1).to(tl.int64)
+        i_p = tl.program_id(2)
+        last = 0
+        for r0 in range(0, N, 128):
+            o_r = r0 + tl.arange(0, 128)
+            lo = tl.load(cu_ptr + o_r, mask=o_r < N, other=0)
+            lens = tl.load(cu_ptr + o_r + 1, mask=o_r < N, other=0) - lo
+            wanted = lens > 0
+            if PART == SHORT:
+                wanted = wanted & (lens <= split)
+            last = tl.maximum(last, tl.max(tl.where(wanted, o_r + 1, 0)))
+        for i_n in range(i_p, last, P):
+            # (i_h * 0 + i_n: the row index in int64, the loop's own being int32, a Python int in the interpreter)
+            _chain_sequence(q_ptr, k_ptr, w_ptr, u_ptr, g_ptr, o_ptr, h0_ptr, ht_ptr, cu_ptr, h_ptr, vn_ptr, rows_ptr,
+                            h0_row_ptr, final_row_ptr, scale, split, i_v, i_h * 0 + i_n, i_h, H, HV, K, V, BT, BV,
+                            USE_H0, PART, EMPTY_FINALS, INDEXED)
     else:
-        tl.store(ht_ptr + state_at, S, mask=v_ok[None, :])
+        i_nh = tl.program_id(1).to(tl.int64)
+        _chain_sequence(q_ptr, k_ptr, w_ptr, u_ptr, g_ptr, o_ptr, h0_ptr, ht_ptr, cu_ptr, h_ptr, vn_ptr, rows_ptr,
+                        h0_row_ptr, final_row_ptr, scale, split, i_v, i_nh // HV, i_nh % HV, H, HV, K, V, BT, BV,
+                        USE_H0, PART, EMPTY_FINALS, INDEXED)
 
 
 # the outputs kernel's (value columns, warps, stages), and the LONG chain's (bench_state_chain.py, session 31: on the
@@ -194,7 +231,7 @@ def _check(q, k, w, u, g) -> None:
 
 
 def _launch(q, k, w, u, g, cu_seqlens, scale, o, final, initial_state, chunk, tiles, part=EVERY, split=0,
-            h=None, v_new=None, rows=None, empty_finals=True, indexed=None) -> None:
+            h=None, v_new=None, rows=None, empty_finals=True, indexed=None, row_programs=None) -> None:
     """One launch of `_state_chain_kernel` over the sequences of `cu_seqlens`. `indexed` (h0 [R, Hv, K, V] float32,
     h0_row [N], final_row [N]; segment_scan.py): each sequence's initial state from row h0_row of h0 (-1: zero) and
     its final state to row final_row of `final` (-1: none), instead of row n of both."""
@@ -216,12 +253,18 @@ def _launch(q, k, w, u, g, cu_seqlens, scale, o, final, initial_state, chunk, ti
         h0, h0_row, final_row = indexed
     q, k, w, u, g = (x.contiguous() for x in (q, k, w, u, g.float()))  # as the kernel indexes them (no-ops here)
     cu_seqlens = cu_seqlens.contiguous()
+    # programs taking the sequences in turns (ROW_PROGRAMS): where every sequence a program skips is one whose final
+    # state is not stored (EMPTY_FINALS off), and not for LONG, whose one long sequence runs beside the spare rows
+    P = ROW_PROGRAMS if row_programs is None else row_programs
+    rows_mode = P > 0 and not empty_finals and part != LONG and indexed is None
+    grid = (triton.cdiv(V, BV), HV, min(P, N)) if rows_mode else (triton.cdiv(V, BV), N * HV)
     # h / v_new / rows: read and written by the LONG part only (any valid pointer otherwise)
-    _state_chain_kernel[(triton.cdiv(V, BV), N * HV)](
+    _state_chain_kernel[grid](
         q, k, w, u, g, o, h0, final, cu_seqlens, o if h is None else h, o if v_new is None else v_new,
-        cu_seqlens if rows is None else rows.contiguous(), h0_row, final_row, float(scale), T, int(split), H=HK,
-        HV=HV, K=K, V=V, BT=chunk, BV=BV, USE_H0=initial_state is not None, PART=part.value,
-        EMPTY_FINALS=empty_finals, INDEXED=indexed is not None, num_warps=warps, num_stages=stages)
+        cu_seqlens if rows is None else rows.contiguous(), h0_row, final_row, float(scale), T, int(split), N,
+        max(1, min(P, N)), H=HK, HV=HV, K=K, V=V, BT=chunk, BV=BV, USE_H0=initial_state is not None,
+        PART=part.value, EMPTY_FINALS=empty_finals, INDEXED=indexed is not None, ROWS=rows_mode, num_warps=warps,
+        num_stages=stages)
 
 
 def state_chain(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, g: torch.Tensor,

@@ -218,6 +218,30 @@ def test_fork_parts_refuses_chunked_questions_without_their_variant_or_tables():
                        tables=tables, laid_out=True, chunked=True)
 
 
+def test_nested_rows_and_the_combined_tables_that_leave_them_out():
+    """`nested_rows`: the leaves and the sub-trunks they continue (not the plain questions, the spare row or a
+    sub-trunk no leaf names). `fla.combined_tables(skip_branches=)`: those rows' chunk rows name the trailing empty
+    sequence (spare rows, which fla's steps skip), every other chunk row and every sequence bound as without it."""
+    from flide.ops.gated_delta import fla, nested_rows
+
+    s = nested_stream(70)
+    nested = nested_rows(s.branch_start, s.branch_len, s.sub_lo, s.sub_hi)
+    assert nested.tolist() == [True, True, True, False, True, False, True, True, False]
+    state_cu = fla.bounds(s.state_start, s.state_len)
+    state_chunks = fla.chunk_table(state_cu, 4)
+    branch_chunks = fla.chunk_table(fla.bounds(s.branch_start, s.branch_len), 12)
+    ns, nb = len(s.state_len), len(s.branch_len)
+    cu, rows = fla.combined_tables(state_cu, state_chunks, s.branch_len, branch_chunks)
+    cu_skip, rows_skip = fla.combined_tables(state_cu, state_chunks, s.branch_len, branch_chunks, nested)
+    assert torch.equal(cu_skip, cu) and torch.equal(rows_skip[:4], rows[:4])
+    for row, skipped, (seq, chunk) in zip(rows[4:].tolist(), rows_skip[4:].tolist(), branch_chunks.tolist()):
+        if seq < nb and nested[seq]:
+            assert skipped == [ns + nb, chunk] and cu[ns + nb] == cu[ns + nb + 1]
+        else:
+            assert skipped == row
+    assert sum(seq < nb and bool(nested[seq]) for seq, _ in branch_chunks.tolist()) == 7  # P: two chunks
+
+
 def test_fork_parts_passes_the_ranges_to_the_question_call_only():
     """The nested companion replaces the question call (`branch_kernel` too), with the round's ranges; the state
     call runs as without them."""

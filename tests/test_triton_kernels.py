@@ -536,6 +536,48 @@ else:
                                                      out=poisoned(s.T, Hv, V, dtype=torch.float32))
             assert torch.equal(stored.nan_to_num(7.0), out.nan_to_num(7.0))
 
+    @pytest.mark.parametrize("sub_len", [9, 70], ids=["sub9", "sub70"])
+    def test_gated_delta_questions_chunked_split_nested_match_the_reference(sub_len):
+        """A nested fork's question call split by rows (`questions_split_nested`): the leaves and the sub-trunks they
+        continue by the recurrent nested kernel (raw gates; the sub-trunks' stored states, flags zero again after),
+        the other rows in chunked form from the solved rows of their own chunks only (as the combined tables leave
+        the nested rows out). Every question row equal to the reference's nested call (fp32), nothing else written;
+        each part's rows with the bits of its kernel called alone on its rows."""
+        from test_gated_delta_nested import inputs, nested_stream
+
+        from flide.ops.gated_delta import nested_rows, new_sub_flags
+
+        s = nested_stream(sub_len)
+        Hv, K, V = 2, 16, 32
+        q, k, v, g, beta = inputs(s.T, (1, Hv, K, V), l2norm=False, seed=5)
+        none = torch.full_like(s.state_start, -1)
+        _, finals = delta_ref.gated_delta(q, k, v, g, beta, s.state_start, s.state_len, torch.zeros(0, Hv, K, V),
+                                          none, 0.3, False)
+        sub = (s.sub_lo, s.sub_hi)
+        want, _ = delta_ref.gated_delta(q, k, v, g, beta, s.branch_start, s.branch_len, finals, s.branch_state, 0.3,
+                                        False, *sub)
+        nested = nested_rows(s.branch_start, s.branch_len, *sub)
+        assert set(nested.nonzero().flatten().tolist()) == {row for pair in s.leaves for row in pair}
+        zero = torch.zeros_like(s.branch_len)
+        plain_len, nested_len = torch.where(nested, zero, s.branch_len), torch.where(nested, s.branch_len, zero)
+        _, _, gamma, solved = delta_wy.wy_reference(k, v, g, beta, s.branch_start, plain_len, with_solve=True)
+        flags = new_sub_flags(Hv, V)
+        out = delta_chunked.questions_split_nested(q, k, v, g, beta, gamma, solved, s.branch_start, plain_len,
+                                                   nested_len, finals, s.branch_state, *sub, s.slots(), flags, 0.3,
+                                                   out=poisoned(s.T, Hv, V, dtype=torch.float32))
+        assert not flags.any()
+        rows = segment_rows(s.T, s.branch_start, s.branch_len)
+        assert out[~rows].isnan().all()
+        scale = max(1.0, want[rows].abs().max().item())
+        torch.testing.assert_close(out[rows], want[rows], atol=2e-5 * scale, rtol=1e-5)
+        recurrent = delta_branches.branches(q, k, v, g, beta, s.branch_start, nested_len, finals, s.branch_state,
+                                            0.3, False, sub=sub)
+        chunked = delta_chunked.questions_chunked(q, k, v, beta, gamma, solved, s.branch_start, plain_len, finals,
+                                                  s.branch_state, 0.3)
+        for part, lens in ((recurrent, nested_len), (chunked, plain_len)):
+            part_rows = segment_rows(s.T, s.branch_start, lens)
+            assert part_rows.any() and torch.equal(out[part_rows], part[part_rows])
+
     @pytest.mark.parametrize("tokens,heads,longest", CHUNKED_CASES,
                              ids=[f"T{t}-Hk{h[0]}-Hv{h[1]}-K{h[2]}-V{h[3]}-S{m}" for t, h, m in CHUNKED_CASES])
     def test_gated_delta_w_u_matches_the_reference(tokens, heads, longest):

@@ -20,7 +20,7 @@ from ..ops.gated_delta import ForkTables, fork_tables
 from ..ops.resume import per_round_tables
 from ..round import RoundTensors
 from .fused import fuse, project
-from .layers import FlatContext, conv_range, sub_state_slots
+from .layers import FlatContext, conv_range, question_lens, sub_state_slots
 
 ROUND_FIELDS = len(RoundTensors.__dataclass_fields__)  # a block's trailing inputs: the round's fields, then extras
 
@@ -106,7 +106,7 @@ class FlatBlock(nn.Module):
         nested = fields[ROUND_FIELDS:]
         conv, slots = (tuple(nested[:2]), nested[2]) if nested else (None, None)
         return self.run_deferred(h, pending, FlatContext(r, cos, sin, tables=tables, conv_range=conv,
-                                                         sub_slot=slots))
+                                                         sub_slot=slots, question_lens=tuple(nested[3:5]) or None))
 
     def run_deferred(self, h: torch.Tensor, pending: torch.Tensor,
                      ctx: FlatContext) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,6 +151,9 @@ class FlatModel(nn.Module):
         # a GDN layer runs nested forks (`runtime.nested_forks`): the conv's ranges are derived once per forward
         self.nested = any(getattr(block.mixer, "nested_op", None) is not None and hasattr(block.mixer, "conv_op")
                           for block in self.blocks)
+        # and its chunked question calls leave the leaves and their sub-trunks to the recurrent kernel: their rows
+        # are split off once per forward (`layers.question_lens`) and their chunks left out of the combined tables
+        self.split_nested = self.nested and any(getattr(block.mixer, "split_nested", False) for block in self.blocks)
 
     def mixer(self, layer: nn.Module) -> nn.Module:
         return layer.linear_attn if hasattr(layer, "linear_attn") else layer.self_attn
@@ -186,13 +189,15 @@ class FlatModel(nn.Module):
             fields = tuple(value.clone() if torch.compiler.is_compiling() else value for _, value in r.items())
             r = RoundTensors(*fields)
             # the GDN forks' round tables, once for all layers (not derived again in each)
+            lens = question_lens(r) if self.split_nested else ()
             tables = fork_tables(r.state_start, r.state_len, r.branch_start, r.branch_len, r.state_chunks,
-                                 r.branch_chunks if self.question_chunks else None, branch_state=r.branch_state)
+                                 r.branch_chunks if self.question_chunks else None, branch_state=r.branch_state,
+                                 skip_branches=lens[1] > 0 if lens else None)
             # nested forks: the conv's ranges and the sub-trunk state slots once for all GDN layers (two pointwise
-            # kernels a layer otherwise, and a dozen small ops)
-            nested = (*conv_range(r), sub_state_slots(r)) if self.nested else ()
+            # kernels a layer otherwise, and a dozen small ops), and the split question rows
+            nested = (*conv_range(r), sub_state_slots(r), *lens) if self.nested else ()
             ctx = FlatContext(r, cos[0], sin[0], tables=tables, conv_range=tuple(nested[:2]) or None,
-                              sub_slot=nested[2] if nested else None)
+                              sub_slot=nested[2] if nested else None, question_lens=tuple(nested[3:5]) or None)
             # each block returns its MLP output un-added, for the next block's input-norm kernel to add
             # (`run_deferred`); the first adds zeros (h + 0 has h's bits), so every block has one signature and
             # compiles as one region per layer kind

@@ -22,7 +22,7 @@ from ..ops.gated_delta import (BRANCH_KERNELS, CHUNKED_QUESTION_KERNELS, LAID_OU
 from ..ops.gated_delta import fla as gated_delta_fla
 from ..ops.gated_delta import fork_parts as gated_delta_fork_parts
 from ..ops.gated_delta import fork_resumable as gated_delta_fork_resumable
-from ..ops.gated_delta import new_sub_flags, sub_slots
+from ..ops.gated_delta import nested_rows, new_sub_flags, sub_slots
 from ..ops.gated_norm.reference import select_rows
 from ..round import RoundTensors
 
@@ -46,6 +46,9 @@ class FlatContext:
     # nested forks: [NB] int32, each branch row's slot for its sub-trunk's stored state (`sub_state_slots`), derived
     # once per forward; None: each GDN layer derives it from the round
     sub_slot: torch.Tensor | None = None
+    # nested forks with chunked questions split off their nested rows (`question_lens`): (plain_len, nested_len)
+    # [NB], derived once per forward; None: each GDN layer derives them from the round
+    question_lens: tuple | None = None
 
 
 def conv_range(r: RoundTensors) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,6 +63,15 @@ def sub_state_slots(r: RoundTensors) -> torch.Tensor:
     """[NB] int32, each branch row's slot for its sub-trunk's state (nested forks, `gated_delta.sub_slots`): the GDN
     question kernel's leaves start from their sub-trunk's stored state instead of re-running its tokens."""
     return sub_slots(r.branch_start, r.branch_len, r.branch_state, r.sub_lo, r.sub_hi)
+
+
+def question_lens(r: RoundTensors) -> tuple[torch.Tensor, torch.Tensor]:
+    """(plain_len, nested_len) [NB]: the question rows' lengths, each row's in the first where it is no leaf and no
+    sub-trunk a leaf continues (`gated_delta.nested_rows`; 0 in the second), else in the second: the chunked and the
+    recurrent part of a nested fork's question call (`fork_parts(question_lens=)`)."""
+    nested = nested_rows(r.branch_start, r.branch_len, r.sub_lo, r.sub_hi)
+    none = torch.zeros_like(r.branch_len)
+    return torch.where(nested, none, r.branch_len), torch.where(nested, r.branch_len, none)
 
 
 class _Swapped(nn.Module):
@@ -214,6 +226,8 @@ class FlideGatedDeltaNet(_Swapped):
         # tables then carry the states' and questions' combined chunk rows (`FlatModel.question_chunks`)
         self.chunked_questions = (self.laid_out_state_op is not None and delta_op in CHUNKED_QUESTION_KERNELS
                                   and gated_delta_fla.CHUNKED_QUESTIONS)
+        # and, in nested forks, the leaves and their sub-trunks by the recurrent nested kernel (read here too)
+        self.split_nested = self.chunked_questions and nested_op is not None and gated_delta_fla.SPLIT_NESTED_QUESTIONS
         # nested forks (`runtime.nested_forks`): the question call whose leaves continue their sub-trunk's state,
         # and the flags they wait on for it (zero between calls: kept here, not filled a call; not in state_dict)
         self.nested_op = nested_op
@@ -273,7 +287,9 @@ class FlideGatedDeltaNet(_Swapped):
                                            chunked=laid_out and self.chunked_questions,
                                            **({} if self.nested_op is None else
                                               {"sub": (r.sub_lo, r.sub_hi, self._sub_slot(ctx), self.sub_flags),
-                                               "nested_kernel": self.nested_op}))
+                                               "nested_kernel": self.nested_op}),
+                                           **({"question_lens": ctx.question_lens or question_lens(r)}
+                                              if laid_out and self.split_nested else {}))
             if self.norm_op is not None:  # the select and the norm in one op
                 normed = self.norm_op(parts.o_states, parts.o_branches, gate, self.norm.weight, parts.states_end,
                                       parts.branches_start, parts.branches_end, self.norm.variance_epsilon)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import random
 
+import pytest
 from transformers import pipeline
 
 import flide
@@ -92,14 +93,17 @@ def test_nested_forks_equal_pipeline_on_gpu():
     assert max(max_difference(a, b) for a, b in zip(alone, together)) < 2e-3
 
 
-def test_chunked_questions_equal_pipeline_on_gpu(monkeypatch):
+@pytest.mark.parametrize("split_nested", [True, False], ids=["nested-rows-recurrent", "nested-rows-chunked"])
+def test_chunked_questions_equal_pipeline_on_gpu(split_nested, monkeypatch):
     """fla.CHUNKED_QUESTIONS (read at patch time): the questions' gated delta in chunked form (questions_chunked.py)
-    on random requests with long questions, and on judge-shaped ones with nested forks (each leaf runs its
-    sub-trunk's chunks), graphs on, against the pipeline."""
+    on random requests with long questions, and on judge-shaped ones with nested forks (the leaves and their
+    sub-trunks by the recurrent kernel, fla.SPLIT_NESTED_QUESTIONS; or each leaf running its sub-trunk's chunks),
+    graphs on, against the pipeline."""
     from flide.ops.gated_delta import fla
     from flide.testing import candidate_request
 
     monkeypatch.setattr(fla, "CHUNKED_QUESTIONS", True)
+    monkeypatch.setattr(fla, "SPLIT_NESTED_QUESTIONS", split_nested)
     variant_equals_pipeline("fla", seed=7)
     rng = random.Random(12)
     requests = [candidate_request(rng) for _ in range(8)]
@@ -108,6 +112,7 @@ def test_chunked_questions_equal_pipeline_on_gpu(monkeypatch):
     expected = [pipeline("decision", model=model, tokenizer=tok)(r) for r in requests]
     engine = flide.patch(model, tok, config={**FAST, "runtime": {"device": "cuda", "nested_forks": "on"}})
     assert any(getattr(block.mixer, "chunked_questions", False) for block in engine.flat.blocks)
+    assert engine.flat.split_nested == split_nested
     got = engine.decide(requests)
     assert max(max_difference(e, g) for e, g in zip(expected, got)) < 2e-3
 

@@ -108,14 +108,33 @@ def test_chunked_questions_nested_fork_matches_the_reference(seed, heads, dtype,
     monkeypatch.setattr(questions_chunked, "STORED_SUB_STATES", True)
     o_stored, finals_stored = layer_fork(x, meta(r), tables, chunked=True, sub=sub(r))
     assert torch.equal(o_stored, o) and torch.equal(finals_stored, finals)
+    # split by rows (`question_lens`, the GDN layer's form with fla.SPLIT_NESTED_QUESTIONS): the leaves and their
+    # sub-trunks by the recurrent nested kernel, the other questions chunked from tables without the nested rows'
+    # chunks: the reference's answers, the states' bits, the plain questions' bits of the chunked call
+    from flide.ops.gated_delta import nested_rows
+
+    nested = nested_rows(r["branch_start"], r["branch_len"], r["sub_lo"], r["sub_hi"])
+    zero = torch.zeros_like(r["branch_len"])
+    lens = (torch.where(nested, zero, r["branch_len"]), torch.where(nested, r["branch_len"], zero))
+    assert lens[0].any() and lens[1].any()
+    split_tables = fork_tables(*meta(r)[:4], r["state_chunks"], branch_chunks, branch_state=r["branch_state"],
+                               skip_branches=nested)
+    o_split, finals_split = layer_fork(x, meta(r), split_tables, chunked=True, sub=sub(r), question_lens=lens)
+    assert rel_err(o_split, ref_o) < TOL[dtype] and rel_err(o_split[leaves], ref_o[leaves]) < TOL[dtype]
+    assert torch.equal(finals_split, finals)
+    starts, ends = r["branch_start"][lens[0] > 0].tolist(), (r["branch_start"] + lens[0])[lens[0] > 0].tolist()
+    plain_rows = torch.zeros(o.shape[0], dtype=torch.bool, device="cuda")
+    for a, b in zip(starts, ends):
+        plain_rows[a:b] = True
+    assert plain_rows.any() and torch.equal(o_split[plain_rows], o_plain[plain_rows])
 
 
 def test_chunked_question_ops_opcheck_on_cuda():
-    """The two custom ops: schemas, fake tensors (as torch.compile traces them)."""
+    """The three custom ops: schemas, fake tensors (as torch.compile traces them)."""
     x, _, r = laid_out(500, torch.bfloat16, seed=31, hv=16, longest=70)
     t = fork_tables(r.state_start, r.state_len, r.branch_start, r.branch_len, r.state_chunks, r.branch_chunks,
                     branch_state=r.branch_state)
-    states_op, questions_op = CHUNKED_QUESTION_KERNELS[resolve("gated_delta", "fla")]
+    states_op, questions_op, split_op = CHUNKED_QUESTION_KERNELS[resolve("gated_delta", "fla")]
     args = (*x, t.all_cu_seqlens, t.all_chunks, t.state_cu_seqlens, t.state_chunks, t.state_chunk_offsets,
             t.long_chunks, t.long_chunk_offsets, SCALE)
     checks = ("test_schema", "test_faketensor")
@@ -124,4 +143,12 @@ def test_chunked_question_ops_opcheck_on_cuda():
     q, k, v, _, beta = x
     torch.library.opcheck(questions_op, (q, k, v, beta, gamma, solved, r.branch_start, r.branch_len, finals,
                                          t.branch_from, r.branch_start, r.branch_start, r.branch_start, SCALE, False),
+                          test_utils=checks)
+    from flide.ops.gated_delta import new_sub_flags
+
+    no_range = torch.zeros(q.shape[0], dtype=torch.int32, device="cuda")
+    no_slot = torch.full_like(r.branch_start, -1, dtype=torch.int32)
+    torch.library.opcheck(split_op, (q, k, v, x[3], beta, gamma, solved, r.branch_start, r.branch_len,
+                                     torch.zeros_like(r.branch_len), finals, t.branch_from, no_range, no_range,
+                                     no_slot, new_sub_flags(v.shape[1], v.shape[2], "cuda"), SCALE),
                           test_utils=checks)

@@ -209,6 +209,29 @@ def _fake_questions_chunked(q, k, v, beta, g, A, seg_start, seg_len, initial_sta
     return q.new_empty(v.shape)
 
 
+@torch.library.custom_op("flide::gated_delta_questions_split_nested", mutates_args=(), device_types="cuda")
+def gated_delta_questions_split_nested(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g_raw: torch.Tensor,
+                                       beta: torch.Tensor, g: torch.Tensor, A: torch.Tensor, seg_start: torch.Tensor,
+                                       plain_len: torch.Tensor, nested_len: torch.Tensor,
+                                       initial_state: torch.Tensor, initial_index: torch.Tensor,
+                                       sub_lo: torch.Tensor, sub_hi: torch.Tensor, sub_slot: torch.Tensor,
+                                       sub_flags: torch.Tensor, scale: float) -> torch.Tensor:
+    """A nested fork's question call with its plain rows in chunked form and its leaves and their sub-trunks by the
+    recurrent nested kernel (`questions_chunked.questions_split_nested`; `sub_flags` are zero before and after the
+    call, as in `gated_delta_branches_nested_triton`, so declared unmutated)."""
+    from . import questions_chunked
+
+    return questions_chunked.questions_split_nested(q, k, v, g_raw, beta, g, A, seg_start, plain_len, nested_len,
+                                                    initial_state, initial_index, sub_lo, sub_hi, sub_slot,
+                                                    sub_flags, scale)
+
+
+@gated_delta_questions_split_nested.register_fake
+def _fake_questions_split_nested(q, k, v, g_raw, beta, g, A, seg_start, plain_len, nested_len, initial_state,
+                                 initial_index, sub_lo, sub_hi, sub_slot, sub_flags, scale):
+    return q.new_empty(v.shape)
+
+
 @torch.library.custom_op("flide::gated_delta_branches_triton", mutates_args=(), device_types="cuda")
 def gated_delta_branches_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                 beta: torch.Tensor, seg_start: torch.Tensor, seg_len: torch.Tensor,
@@ -357,9 +380,12 @@ STATE_KERNELS = {gated_delta_fla: gated_delta_fla_states, gated_delta_fla_wy: ga
 LAID_OUT_STATE_KERNELS = {gated_delta_fla: gated_delta_fla_states_laid_out,
                           gated_delta_fla_cuda: gated_delta_fla_states_laid_out}
 # variants whose laid-out fork can run the questions in chunked form (`fork_parts(chunked=True)`, fla.CHUNKED_QUESTIONS,
-# decided at patch time): (its state call that also solves the questions' chunks, the chunked question call), nested
-# forks included (a leaf runs its sub-trunk's chunks first)
-CHUNKED_QUESTION_KERNELS = {gated_delta_fla: (gated_delta_fla_states_chunked, gated_delta_questions_chunked)}
+# decided at patch time): (its state call that also solves the questions' chunks, the chunked question call, the
+# nested fork's question call that runs the leaves and their sub-trunks by the recurrent nested kernel instead:
+# `fork_parts(question_lens=)`). Without `question_lens` the chunked call runs nested forks too (a leaf runs its
+# sub-trunk's chunks first)
+CHUNKED_QUESTION_KERNELS = {gated_delta_fla: (gated_delta_fla_states_chunked, gated_delta_questions_chunked,
+                                               gated_delta_questions_split_nested)}
 # variants whose fork runs the questions in chunked (WY) form from the state call's chunk-local steps (`fork(wy=)`)
 WY_KERNELS = (gated_delta_fla_wy,)
 
@@ -385,13 +411,17 @@ class ForkTables(NamedTuple):
 
 def fork_tables(state_start: torch.Tensor, state_len: torch.Tensor, branch_start: torch.Tensor,
                 branch_len: torch.Tensor, state_chunks: torch.Tensor,
-                branch_chunks: torch.Tensor | None = None, *, branch_state: torch.Tensor) -> ForkTables:
+                branch_chunks: torch.Tensor | None = None, *, branch_state: torch.Tensor,
+                skip_branches: torch.Tensor | None = None) -> ForkTables:
     """Device ops only (no host sync): under torch.compile, a few fused kernels once per replay. `branch_chunks`
-    (the round's): also the combined tables that only the `fla_wy` fork reads; without it they are empty tensors
-    (separate ones: compile regions take them as inputs, which must not alias). `branch_state`: the round's."""
+    (the round's): also the combined tables that only the chunked question calls read; without it they are empty
+    tensors (separate ones: compile regions take them as inputs, which must not alias). `branch_state`: the round's.
+    `skip_branches` ([NB] bool, with `branch_chunks`): question rows whose chunks the combined tables leave out
+    (spare rows: the nested rows that the recurrent kernel runs, `nested_rows`)."""
     cu_seqlens = fla.bounds(state_start, state_len)
     if branch_chunks is not None:
-        all_cu_seqlens, all_chunks = fla.combined_tables(cu_seqlens, state_chunks, branch_len, branch_chunks)
+        all_cu_seqlens, all_chunks = fla.combined_tables(cu_seqlens, state_chunks, branch_len, branch_chunks,
+                                                         skip_branches)
     else:
         all_cu_seqlens, all_chunks = cu_seqlens.new_empty(0), state_chunks.new_empty(0, 2)
     # a bucket whose state call splits its sequences (fla.split_call; its stream length from the chunk rows'
@@ -453,6 +483,22 @@ def sub_slots(branch_start: torch.Tensor, branch_len: torch.Tensor, branch_state
     return torch.where(found, own[row], own).to(torch.int32)
 
 
+def nested_rows(branch_start: torch.Tensor, branch_len: torch.Tensor, sub_lo: torch.Tensor,
+                sub_hi: torch.Tensor) -> torch.Tensor:
+    """[NB] bool, the question rows of a nested fork that are leaves (tokens, and a non-empty sub-trunk range at the
+    first one) or the sub-trunk a leaf continues (a row with tokens that starts where some leaf's range starts: a
+    sub-trunk is a question row of the leaf's own request, `round.py`). Device ops only, static shapes: derived once
+    per forward. Which rows these are follows from each request alone (batch invariance of the split call,
+    `questions_chunked.questions_split_nested`)."""
+    T = sub_lo.shape[0]
+    first = branch_start.clamp(0, T - 1)
+    lo, hi = sub_lo[first].long(), sub_hi[first].long()
+    leaf = (branch_len > 0) & (hi > lo)
+    starts = torch.zeros(T + 1, dtype=torch.int32, device=branch_start.device)
+    starts = starts.scatter(0, torch.where(leaf, lo, T), 1)[:T]  # the leaves' sub-trunk starts (others: dummy T)
+    return leaf | ((branch_len > 0) & (starts[first] > 0))
+
+
 class ForkParts(NamedTuple):
     """The two calls of a fork before their rows are combined (`fork_parts`): each row of the layer's output comes
     from the call that covers it, rows [0, states_end) from `o_states`, rows [branches_start, branches_end) from
@@ -486,7 +532,8 @@ def fork(kernel, q, k, v, g, beta, state_start, state_len, branch_start, branch_
 def fork_parts(kernel, q, k, v, g, beta, state_start, state_len, branch_start, branch_len, branch_state,
                scale: float, use_qk_l2norm: bool, branch_kernel=None, state_kernel=None,
                tables: ForkTables | None = None, wy: bool = False, laid_out: bool = False,
-               sub: tuple[torch.Tensor, ...] | None = None, nested_kernel=None, chunked: bool = False) -> ForkParts:
+               sub: tuple[torch.Tensor, ...] | None = None, nested_kernel=None, chunked: bool = False,
+               question_lens: tuple[torch.Tensor, torch.Tensor] | None = None) -> ForkParts:
     """Forked gated delta rule, in two calls of one varlen kernel.
 
     Call 1 runs every state from a zero state and keeps each one's final recurrent state (float32); call 2 runs every
@@ -514,6 +561,10 @@ def fork_parts(kernel, q, k, v, g, beta, state_start, state_len, branch_start, b
     `chunked` (with `laid_out` and `tables` whose combined chunk rows cover the questions; the variant is in
     CHUNKED_QUESTION_KERNELS): the questions run in chunked form (`questions_chunked.py`) from the state call's gate
     cumsums and solved rows, nested forks too (only `sub`'s two ranges are read: a leaf runs its sub-trunk's chunks).
+    `question_lens` (with `chunked` and `sub`; (plain_len, nested_len) [NB], the rows' lengths split by
+    `nested_rows`, derived once per forward, with the tables' combined chunk rows leaving the nested rows out:
+    `fork_tables(skip_branches=)`): the plain rows in chunked form and the leaves and their sub-trunks by the
+    recurrent nested kernel, in one call (`questions_chunked.questions_split_nested`).
     """
     if sub is not None:
         if wy:
@@ -539,14 +590,18 @@ def fork_parts(kernel, q, k, v, g, beta, state_start, state_len, branch_start, b
             if kernel not in CHUNKED_QUESTION_KERNELS or tables.all_chunks.shape[0] == 0:
                 raise ValueError("chunked questions need a variant in CHUNKED_QUESTION_KERNELS and the round's "
                                  "combined chunk rows (`fork_tables(branch_chunks=...)`)")
-            states_call, questions_call = CHUNKED_QUESTION_KERNELS[kernel]
+            states_call, questions_call, split_call = CHUNKED_QUESTION_KERNELS[kernel]
             o_states, finals, gamma, solved = states_call(
                 q, k, v, g, beta, tables.all_cu_seqlens, tables.all_chunks, tables.state_cu_seqlens,
                 tables.state_chunks, tables.state_chunk_offsets, tables.long_chunks, tables.long_chunk_offsets, scale)
-            # (sub_lo, sub_hi, the rows' sub-trunk state slots), unread without sub-trunks
-            nest = sub[:3] if sub is not None else (branch_start, branch_start, branch_start)
-            o_branches = questions_call(q, k, v, beta, gamma, solved, branch_start, branch_len, finals, branch_state,
-                                        *nest, scale, sub is not None)
+            if sub is not None and question_lens is not None:
+                o_branches = split_call(q, k, v, g, beta, gamma, solved, branch_start, *question_lens, finals,
+                                        branch_state, *sub, scale)
+            else:
+                # (sub_lo, sub_hi, the rows' sub-trunk state slots), unread without sub-trunks
+                nest = sub[:3] if sub is not None else (branch_start, branch_start, branch_start)
+                o_branches = questions_call(q, k, v, beta, gamma, solved, branch_start, branch_len, finals,
+                                            branch_state, *nest, scale, sub is not None)
             return ForkParts(o_states, o_branches, *spans(state_start, state_len, branch_start, branch_len, tables),
                              finals)
         o_states, finals = state_kernel(q, k, v, g, beta, tables.state_cu_seqlens, tables.state_chunks,

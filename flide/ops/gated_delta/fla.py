@@ -256,6 +256,12 @@ SEGMENT_SCAN = False
 # within rounding of the reference (tests/gpu/test_questions_chunked_gpu.py), the engine equal to the pipeline with
 # it on (tests/gpu/test_engine_gpu.py, 5 passed).
 CHUNKED_QUESTIONS = False
+# With CHUNKED_QUESTIONS, a nested fork's leaves and the sub-trunks they continue run by the recurrent nested kernel
+# and only its other question rows in chunked form (`questions_chunked.questions_split_nested`): a leaf is a few
+# tokens, and a chunk step costs ~20 tokens of recurrent steps. H100, session 37 (all of a round's rows chunked,
+# leaves re-running or reloading their sub-trunks): the 64-question sweep's question call 6.11 / 4.39 ms vs the
+# recurrent kernel's 3.27, MultiRC's 1.57 / 1.49 vs 1.07. False: the chunked call runs the nested rows too.
+SPLIT_NESTED_QUESTIONS = True
 
 # Whether the fork's state call (`gated_delta_states`, from the round's tables) stores the final states of empty
 # sequences where our chain runs. They are zero rows that nobody reads (the fork starts an empty state's questions
@@ -400,13 +406,15 @@ def _chunk_rows(lens: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def combined_tables(state_cu_seqlens: torch.Tensor, state_chunks: torch.Tensor, branch_len: torch.Tensor,
-                    branch_chunks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                    branch_chunks: torch.Tensor, skip_branches: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """(cu_seqlens [NS + NB + 2], chunk rows [Cs + Cb, 2]) of the states and then the questions as one varlen call,
     for the chunk-local steps that run over both (`gated_delta_states_wy`). Sequences 0..NS-1 are the states (their
     rows of `state_cu_seqlens`, [NS + 2]), NS..NS+NB-1 the questions (contiguous from the states' end: the round
     layout), NS+NB the empty one that spare rows name: the states' spare rows (naming NS, the state list's empty
     sequence) are moved there, and the questions' rows (their spare rows name NB) shift by NS. The rows need no
-    order: each chunk is computed on its own. Device ops only."""
+    order: each chunk is computed on its own. `skip_branches` ([NB] bool): the chunk rows of these questions become
+    spare rows too (their sequences keep their bounds: the questions' rows lie in order). Device ops only."""
     ns = state_cu_seqlens.shape[0] - 2
     nb = branch_len.shape[0]
     states_end = state_cu_seqlens[ns:ns + 1]
@@ -414,7 +422,11 @@ def combined_tables(state_cu_seqlens: torch.Tensor, state_chunks: torch.Tensor, 
     cu = torch.cat([state_cu_seqlens[:ns + 1], states_end + branch_len.cumsum(0), questions_end])
     seq = state_chunks[:, :1]
     state_rows = torch.cat([torch.where(seq == ns, torch.full_like(seq, ns + nb), seq), state_chunks[:, 1:]], 1)
-    branch_rows = torch.cat([branch_chunks[:, :1] + ns, branch_chunks[:, 1:]], 1)
+    branch_seq = branch_chunks[:, :1]
+    if skip_branches is not None:  # to the trailing empty sequence, which a spare question row names already (nb)
+        skipped = skip_branches[branch_seq.clamp(max=nb - 1).long()] & (branch_seq < nb)
+        branch_seq = torch.where(skipped, torch.full_like(branch_seq, nb), branch_seq)
+    branch_rows = torch.cat([branch_seq + ns, branch_chunks[:, 1:]], 1)
     return cu.to(state_cu_seqlens.dtype), torch.cat([state_rows, branch_rows]).to(state_chunks.dtype)
 
 

@@ -614,7 +614,7 @@ else:
     @pytest.mark.parametrize("tokens,heads,longest", CHAIN_CASES,
                              ids=[f"T{t}-Hk{h[0]}-Hv{h[1]}-K{h[2]}-V{h[3]}-S{m}" for t, h, m in CHAIN_CASES])
     @pytest.mark.parametrize("initial", [False, True], ids=["from-zero", "from-states"])
-    def test_gated_delta_state_chain_matches_the_reference(tokens, heads, longest, initial):
+    def test_gated_delta_state_chain_matches_the_reference(tokens, heads, longest, initial, monkeypatch):
         """The fused h + o steps on a random round's states (their chunk-local WY form from `wy_reference`, as
         fla's intra step gives it): every state row and every final state (spare sequences' included: their
         initial state) equal to the reference's state call in fp32, and only the state rows written."""
@@ -643,6 +643,12 @@ else:
             out_skip, final_skip = delta_chain.state_chain(q, k, w, u, gamma, cu, 0.3, empty_finals=False)
             used = r.state_len > 0
             assert torch.equal(out_skip[rows], out[rows]) and torch.equal(final_skip[used], final[used])
+            # programs taking the sequences in turns (fewer programs than sequences) or one each: the same bits
+            for programs in (2, 0):
+                monkeypatch.setattr(delta_chain, "ROW_PROGRAMS", programs)
+                out_rows, final_rows = delta_chain.state_chain(q, k, w, u, gamma, cu, 0.3, empty_finals=False)
+                assert torch.equal(out_rows[rows], out[rows]) and torch.equal(final_rows[used], final[used])
+            assert len(r.state_len) > 2
 
     def chunk_outputs_reference(q, k, v_new, h, gamma, cu, chunks, scale):
         """fla's o step in torch (fp32): each chunk row r = (sequence, chunk) of `chunks` takes the state h[r] before

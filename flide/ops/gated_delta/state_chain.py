@@ -48,7 +48,12 @@ NUM_STAGES = 2
 # bucket's state list is mostly spare rows (the 8,192 bucket: 128 rows for one QuALITY state, whose SHORT launch then
 # has nothing to run), and a program of ~108 KB of shared memory per spare row, two at a time an SM, costs its launch:
 # the chunked question kernel measured ~20x slower so (session 36; questions_chunked.ROW_PROGRAMS). A sequence's sums
-# do not depend on which program runs it: the same bits
+# do not depend on which program runs it: the same bits (H100, session 37: `test_gated_delta_gpu.py`'s fused / split
+# chain tests against fla's steps passed with it on). Replay GPU ms on vs 0, same H100, 0.8B
+# (`h100_profile_0_8b_session37_{rows,rows0}.json`): QuALITY 29.45 vs 29.66 (state chain 2.23 vs 2.44), 3,600-token
+# QuALITY 13.33 vs 13.42, 2,000-token state with 8 / 64 questions 13.08 / 15.46 vs 13.19 / 15.57; RACE 3.046 vs 3.036
+# (its 512 bucket's 8 state rows: 0.195 vs 0.186 ms, hence a program per sequence where there are no more sequences
+# than programs)
 ROW_PROGRAMS = 16
 
 

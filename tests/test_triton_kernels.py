@@ -490,25 +490,32 @@ else:
         scale = max(1.0, want[rows].abs().max().item())
         torch.testing.assert_close(out[rows], want[rows], atol=2e-5 * scale, rtol=1e-5)
 
+    def nested_question_call(sub_len: int, seed: int):
+        """test_gated_delta_nested's hand-built nested stream (a sub-trunk of `sub_len` tokens; 2 value heads, K 16,
+        V 32, fp32), the reference state call's final states and the reference's nested question call: (stream,
+        (q, k, v, g, beta), finals, wanted output)."""
+        from test_gated_delta_nested import inputs, nested_stream
+
+        s = nested_stream(sub_len)
+        Hv, K, V = 2, 16, 32
+        x = inputs(s.T, (1, Hv, K, V), l2norm=False, seed=seed)
+        none = torch.full_like(s.state_start, -1)
+        _, finals = delta_ref.gated_delta(*x, s.state_start, s.state_len, torch.zeros(0, Hv, K, V), none, 0.3, False)
+        want, _ = delta_ref.gated_delta(*x, s.branch_start, s.branch_len, finals, s.branch_state, 0.3, False,
+                                        s.sub_lo, s.sub_hi)
+        return s, x, finals, want
+
     @pytest.mark.parametrize("sub_len", [9, 70], ids=["sub9", "sub70"])
     def test_gated_delta_questions_chunked_nested_leaves_continue_their_sub_trunk(sub_len, monkeypatch):
         """A nested fork's question call in chunked form: each leaf runs its sub-trunk's chunks (one or two: a
         sub-trunk of 9 or 70 tokens) from its state's final state, then its own, as the reference's nested call
         (`reference.gated_delta(sub_lo, sub_hi)`); every other row as the plain call. Hand-built stream: a leaf
         before its sub-trunk, plain questions between, a spare row, padding."""
-        from test_gated_delta_nested import inputs, nested_stream
-
         from flide.ops.gated_delta import SUB_STATE_SLOTS
 
-        s = nested_stream(sub_len)
-        Hv, K, V = 2, 16, 32
-        q, k, v, g, beta = inputs(s.T, (1, Hv, K, V), l2norm=False, seed=3)
-        none = torch.full_like(s.state_start, -1)
-        _, finals = delta_ref.gated_delta(q, k, v, g, beta, s.state_start, s.state_len, torch.zeros(0, Hv, K, V),
-                                          none, 0.3, False)
+        s, (q, k, v, g, beta), finals, want = nested_question_call(sub_len, seed=3)
+        Hv, V = v.shape[1:]
         sub = (s.sub_lo, s.sub_hi)
-        want, _ = delta_ref.gated_delta(q, k, v, g, beta, s.branch_start, s.branch_len, finals, s.branch_state, 0.3,
-                                        False, *sub)
         _, _, gamma, solved = delta_wy.wy_reference(k, v, g, beta, s.branch_start, s.branch_len, with_solve=True)
         out = delta_chunked.questions_chunked(q, k, v, beta, gamma, solved, s.branch_start, s.branch_len, finals,
                                               s.branch_state, 0.3, sub=sub,
@@ -543,19 +550,11 @@ else:
         the other rows in chunked form from the solved rows of their own chunks only (as the combined tables leave
         the nested rows out). Every question row equal to the reference's nested call (fp32), nothing else written;
         each part's rows with the bits of its kernel called alone on its rows."""
-        from test_gated_delta_nested import inputs, nested_stream
-
         from flide.ops.gated_delta import nested_rows, new_sub_flags
 
-        s = nested_stream(sub_len)
-        Hv, K, V = 2, 16, 32
-        q, k, v, g, beta = inputs(s.T, (1, Hv, K, V), l2norm=False, seed=5)
-        none = torch.full_like(s.state_start, -1)
-        _, finals = delta_ref.gated_delta(q, k, v, g, beta, s.state_start, s.state_len, torch.zeros(0, Hv, K, V),
-                                          none, 0.3, False)
+        s, (q, k, v, g, beta), finals, want = nested_question_call(sub_len, seed=5)
+        Hv, V = v.shape[1:]
         sub = (s.sub_lo, s.sub_hi)
-        want, _ = delta_ref.gated_delta(q, k, v, g, beta, s.branch_start, s.branch_len, finals, s.branch_state, 0.3,
-                                        False, *sub)
         nested = nested_rows(s.branch_start, s.branch_len, *sub)
         assert set(nested.nonzero().flatten().tolist()) == {row for pair in s.leaves for row in pair}
         zero = torch.zeros_like(s.branch_len)

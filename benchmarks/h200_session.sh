@@ -194,7 +194,7 @@ chunked)
     # their sub-trunks by the recurrent kernel) and own w / u step (fla.OWN_W_U), both off until their GPU tests pass
     # and the A/B wins (NOTES, Session 37): the tests not yet run on a GPU (the engine with it on, the nested fork
     # split by rows and the ops' schemas, our w / u's bits against fla's) in three processes, then the replay A/B of 0.8B
-    # (main / both on; each kernel's own ms shows w / u apart), ~6 min with a start's compiles
+    # (main / both on / both on at 16 value columns; each kernel's own ms shows w / u apart), ~7 min with compiles
     for t in "engine tests/gpu/test_engine_gpu.py -k chunked" \
              "split tests/gpu/test_questions_chunked_gpu.py -k nested_or_opcheck" \
              "wu tests/gpu/test_gated_delta_gpu.py -k own_w_u"; do
@@ -208,7 +208,8 @@ chunked)
         --tokenizer shared/models/qwen3_5 --data shared/data --repeats 15 --profile-runs 2 \
         --workloads race multirc quality quality1 sweep1 sweep8 sweep64 race@16"
     on="flide.ops.gated_delta.fla.CHUNKED_QUESTIONS=True flide.ops.gated_delta.fla.OWN_W_U=True"
-    for ab in "main" "on $on"; do
+    # bv16: 16 value columns a program (sm_90: 246 registers and no spills for the plain rows, vs 255 and 52 bytes)
+    for ab in "main" "on $on" "bv16 $on flide.ops.gated_delta.questions_chunked.BLOCK_V=16"; do
         name=${ab%% *}; set_arg=""; [ "$name" != main ] && set_arg="--set ${ab#* }"
         timeout ${PROFILE_S:-120} $P $set_arg --out "$OUT/profile_$name.json" > "$OUT/profile_$name.log" 2>&1
         echo "profile $name rc=$?"
@@ -217,7 +218,7 @@ chunked)
 import json, os
 KERNELS = ("_questions_chunked_kernel", "_branch_kernel", "chunk_gated_delta_rule_fwd_kkt_solve_kernel",
            "_w_u_kernel", "recompute_w_u_fwd_kernel", "_state_chain_kernel", "chunk_local_cumsum_scalar_kernel")
-for name in ("main", "on"):
+for name in ("main", "on", "bv16"):
     try:
         r = json.load(open(os.environ["OUT"] + f"/profile_{name}.json"))
     except Exception as error:

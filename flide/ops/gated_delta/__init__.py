@@ -455,6 +455,16 @@ def new_sub_flags(heads_v: int, v_dim: int, device: torch.device | str | None = 
     return torch.zeros(SUB_STATE_SLOTS * heads_v * v_dim, dtype=torch.int32, device=device)
 
 
+def _leaf_ranges(branch_start: torch.Tensor, branch_len: torch.Tensor, sub_lo: torch.Tensor,
+                 sub_hi: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(first, lo, hi, leaf) [NB]: each branch row's first token (in bounds whatever an empty row's start: its range
+    is not used), the sub-trunk range [lo, hi) there (int64), and whether the row is a leaf (tokens and a non-empty
+    range)."""
+    first = branch_start.clamp(0, sub_lo.shape[0] - 1)
+    lo, hi = sub_lo[first].long(), sub_hi[first].long()
+    return first, lo, hi, (branch_len > 0) & (hi > lo)
+
+
 def sub_slots(branch_start: torch.Tensor, branch_len: torch.Tensor, branch_state: torch.Tensor,
               sub_lo: torch.Tensor, sub_hi: torch.Tensor, slots: int = SUB_STATE_SLOTS) -> torch.Tensor:
     """[NB] int32, each branch row's slot for its sub-trunk's stored state (nested forks): a sub-trunk row some leaf
@@ -466,10 +476,8 @@ def sub_slots(branch_start: torch.Tensor, branch_len: torch.Tensor, branch_state
     rows at the end, length 0 at start 0, sort last). A leaf takes a slot only where that row is exactly its range
     (starts at lo, ends at hi), forks from the same state and is no leaf itself, so a stored state is always the one
     the leaf would compute; else it keeps -1 and re-runs its sub-trunk (the same answer)."""
-    B, T = branch_start.shape[0], sub_lo.shape[0]
-    first = branch_start.clamp(0, T - 1)  # in bounds whatever an empty row's start (its range is not used)
-    lo, hi = sub_lo[first].long(), sub_hi[first].long()
-    leaf = (branch_len > 0) & (hi > lo)
+    B = branch_start.shape[0]
+    first, lo, hi, leaf = _leaf_ranges(branch_start, branch_len, sub_lo, sub_hi)
     key = torch.where((branch_len == 0) & (branch_start == 0), torch.iinfo(torch.int64).max, branch_start)
     # the last row starting at or before lo: the sub-trunk (rows of length 0 just before it share its start)
     row = (torch.searchsorted(key, lo, right=True) - 1).clamp(0, B - 1)
@@ -491,9 +499,7 @@ def nested_rows(branch_start: torch.Tensor, branch_len: torch.Tensor, sub_lo: to
     per forward. Which rows these are follows from each request alone (batch invariance of the split call,
     `questions_chunked.questions_split_nested`)."""
     T = sub_lo.shape[0]
-    first = branch_start.clamp(0, T - 1)
-    lo, hi = sub_lo[first].long(), sub_hi[first].long()
-    leaf = (branch_len > 0) & (hi > lo)
+    first, lo, _, leaf = _leaf_ranges(branch_start, branch_len, sub_lo, sub_hi)
     starts = torch.zeros(T + 1, dtype=torch.int32, device=branch_start.device)
     starts = starts.scatter(0, torch.where(leaf, lo, T), 1)[:T]  # the leaves' sub-trunk starts (others: dummy T)
     return leaf | ((branch_len > 0) & (starts[first] > 0))

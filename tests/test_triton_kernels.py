@@ -550,15 +550,15 @@ else:
         the other rows in chunked form from the solved rows of their own chunks only (as the combined tables leave
         the nested rows out). Every question row equal to the reference's nested call (fp32), nothing else written;
         each part's rows with the bits of its kernel called alone on its rows."""
-        from flide.ops.gated_delta import nested_rows, new_sub_flags
+        from flide.ops.gated_delta import nested_rows, new_sub_flags, split_question_lens
 
         s, (q, k, v, g, beta), finals, want = nested_question_call(sub_len, seed=5)
         Hv, V = v.shape[1:]
         sub = (s.sub_lo, s.sub_hi)
         nested = nested_rows(s.branch_start, s.branch_len, *sub)
         assert set(nested.nonzero().flatten().tolist()) == {row for pair in s.leaves for row in pair}
-        zero = torch.zeros_like(s.branch_len)
-        plain_len, nested_len = torch.where(nested, zero, s.branch_len), torch.where(nested, s.branch_len, zero)
+        plain_len, nested_len = split_question_lens(s.branch_start, s.branch_len, *sub)
+        assert torch.equal(nested_len > 0, nested) and torch.equal(plain_len + nested_len, s.branch_len)
         _, _, gamma, solved = delta_wy.wy_reference(k, v, g, beta, s.branch_start, plain_len, with_solve=True)
         flags = new_sub_flags(Hv, V)
         out = delta_chunked.questions_split_nested(q, k, v, g, beta, gamma, solved, s.branch_start, plain_len,

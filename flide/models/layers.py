@@ -22,7 +22,7 @@ from ..ops.gated_delta import (BRANCH_KERNELS, CHUNKED_QUESTION_KERNELS, LAID_OU
 from ..ops.gated_delta import fla as gated_delta_fla
 from ..ops.gated_delta import fork_parts as gated_delta_fork_parts
 from ..ops.gated_delta import fork_resumable as gated_delta_fork_resumable
-from ..ops.gated_delta import nested_rows, new_sub_flags, sub_slots
+from ..ops.gated_delta import new_sub_flags, split_question_lens, sub_slots
 from ..ops.gated_norm.reference import select_rows
 from ..round import RoundTensors
 
@@ -66,12 +66,8 @@ def sub_state_slots(r: RoundTensors) -> torch.Tensor:
 
 
 def question_lens(r: RoundTensors) -> tuple[torch.Tensor, torch.Tensor]:
-    """(plain_len, nested_len) [NB]: the question rows' lengths, each row's in the first where it is no leaf and no
-    sub-trunk a leaf continues (`gated_delta.nested_rows`; 0 in the second), else in the second: the chunked and the
-    recurrent part of a nested fork's question call (`fork_parts(question_lens=)`)."""
-    nested = nested_rows(r.branch_start, r.branch_len, r.sub_lo, r.sub_hi)
-    none = torch.zeros_like(r.branch_len)
-    return torch.where(nested, none, r.branch_len), torch.where(nested, r.branch_len, none)
+    """(plain_len, nested_len) [NB] of the round's question rows (`gated_delta.split_question_lens`)."""
+    return split_question_lens(r.branch_start, r.branch_len, r.sub_lo, r.sub_hi)
 
 
 class _Swapped(nn.Module):

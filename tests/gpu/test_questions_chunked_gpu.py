@@ -111,14 +111,12 @@ def test_chunked_questions_nested_fork_matches_the_reference(seed, heads, dtype,
     # split by rows (`question_lens`, the GDN layer's form with fla.SPLIT_NESTED_QUESTIONS): the leaves and their
     # sub-trunks by the recurrent nested kernel, the other questions chunked from tables without the nested rows'
     # chunks: the reference's answers, the states' bits, the plain questions' bits of the chunked call
-    from flide.ops.gated_delta import nested_rows
+    from flide.ops.gated_delta import split_question_lens
 
-    nested = nested_rows(r["branch_start"], r["branch_len"], r["sub_lo"], r["sub_hi"])
-    zero = torch.zeros_like(r["branch_len"])
-    lens = (torch.where(nested, zero, r["branch_len"]), torch.where(nested, r["branch_len"], zero))
+    lens = split_question_lens(r["branch_start"], r["branch_len"], r["sub_lo"], r["sub_hi"])
     assert lens[0].any() and lens[1].any()
     split_tables = fork_tables(*meta(r)[:4], r["state_chunks"], branch_chunks, branch_state=r["branch_state"],
-                               skip_branches=nested)
+                               skip_branches=lens[1] > 0)
     o_split, finals_split = layer_fork(x, meta(r), split_tables, chunked=True, sub=sub(r), question_lens=lens)
     assert rel_err(o_split, ref_o) < TOL[dtype] and rel_err(o_split[leaves], ref_o[leaves]) < TOL[dtype]
     assert torch.equal(finals_split, finals)

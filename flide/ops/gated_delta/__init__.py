@@ -505,6 +505,16 @@ def nested_rows(branch_start: torch.Tensor, branch_len: torch.Tensor, sub_lo: to
     return leaf | ((branch_len > 0) & (starts[first] > 0))
 
 
+def split_question_lens(branch_start: torch.Tensor, branch_len: torch.Tensor, sub_lo: torch.Tensor,
+                        sub_hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(plain_len, nested_len) [NB]: each question row's length in the first where it is no leaf and no sub-trunk a
+    leaf continues (`nested_rows`; 0 in the second), else in the second: the chunked and the recurrent part of a
+    nested fork's question call (`fork_parts(question_lens=)`). Device ops only."""
+    nested = nested_rows(branch_start, branch_len, sub_lo, sub_hi)
+    none = torch.zeros_like(branch_len)
+    return torch.where(nested, none, branch_len), torch.where(nested, branch_len, none)
+
+
 class ForkParts(NamedTuple):
     """The two calls of a fork before their rows are combined (`fork_parts`): each row of the layer's output comes
     from the call that covers it, rows [0, states_end) from `o_states`, rows [branches_start, branches_end) from

@@ -45,6 +45,12 @@ class KernelConfig:
     # is on CUDA with Triton (H200, session 22: 30 launches fewer a 0.8B replay, RACE GPU -1.4 %, QuALITY -0.6 %),
     # `on` requires it (an error elsewhere), `off` keeps the modules (YAML true / false read as on / off)
     fuse_attention_prep: str = "auto"
+    # a GDN layer's question call: every question from its state's recurrent state by the recurrent kernel
+    # (`recurrent`), or in chunked form from the state call's chunk-local steps (`chunked`: 64-token chunk steps, the
+    # kkt + solve over the questions' chunks too; a nested fork's leaves and the sub-trunks they continue stay
+    # recurrent). Needs the fused conv layout with `gated_delta: fla` (CUDA); `auto`: chunked there where
+    # `flide.ops.gated_delta.fla.CHUNKED_QUESTIONS` says (its comment has the measurements), else recurrent
+    gated_delta_questions: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -249,6 +255,7 @@ _CHOICES = {
     ("runtime", "nested_forks"): ("auto", "on", "off"),
     ("runtime", "graphs"): ("auto", "on", "off"),
     ("kernels", "fuse_attention_prep"): ("auto", "on", "off"),
+    ("kernels", "gated_delta_questions"): ("auto", "recurrent", "chunked"),
     ("runtime", "compiler"): ("inductor", "cudagraphs"),
     ("runtime", "rounding"): ("eager", "fused"),
     ("runtime", "residual"): ("model", "float32"),

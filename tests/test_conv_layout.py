@@ -52,3 +52,40 @@ def test_the_switch_is_validated_and_changes_no_cpu_answer():
     on = flide.patch(tiny_model("qwen3_5_text"), tok).decide(request)
     off = flide.patch(tiny_model("qwen3_5_text"), tok, config={"kernels": {"fuse_conv_layout": False}}).decide(request)
     assert on == off  # the CPU's variants (reference conv and gated delta) have no fused form either way
+
+
+@pytest.mark.parametrize("form,chunked", [("recurrent", False), ("chunked", True), ("auto", None)])
+def test_the_question_form_is_decided_when_a_layer_is_swapped_in(form, chunked):
+    """`kernels.gated_delta_questions`: chunked question calls only where the layer has the fused layout and a variant
+    with a chunked question call (fla); auto follows fla.CHUNKED_QUESTIONS."""
+    from flide.ops.gated_delta import fla
+
+    layer = FlideGatedDeltaNet(gdn_original(), fork_conv.fork_conv_triton, gated_delta.gated_delta_fla,
+                               question_form=form)
+    assert layer.chunked_questions is (fla.CHUNKED_QUESTIONS if chunked is None else chunked)
+
+
+@pytest.mark.parametrize("conv,delta,fuse", [
+    ("fork_conv_triton", "gated_delta_fla", False),  # no fused layout
+    ("fork_conv_triton", "gated_delta_fla_cuda", True),  # no chunked question call
+    ("fork_conv_reference", "gated_delta_reference", True),  # the CPU's variants
+])
+def test_chunked_questions_where_a_layer_cannot_is_an_error_naming_the_field(conv, delta, fuse):
+    conv_op, delta_op = getattr(fork_conv, conv), getattr(gated_delta, delta)
+    with pytest.raises(ValueError, match="gated_delta_questions"):
+        FlideGatedDeltaNet(gdn_original(), conv_op, delta_op, fuse_conv_layout=fuse, question_form="chunked")
+    assert not FlideGatedDeltaNet(gdn_original(), conv_op, delta_op, fuse_conv_layout=fuse,
+                                  question_form="auto").chunked_questions
+
+
+def test_the_question_form_is_validated_and_recurrent_changes_no_cpu_answer():
+    tok = tiny_tokenizer()
+    with pytest.raises(ValueError, match="gated_delta_questions"):
+        flide.patch(tiny_model("qwen3_5_text"), tok, config={"kernels": {"gated_delta_questions": "wy"}})
+    with pytest.raises(ValueError, match="gated_delta_questions"):  # the CPU's reference variant has no chunked call
+        flide.patch(tiny_model("qwen3_5_text"), tok, config={"kernels": {"gated_delta_questions": "chunked"}})
+    request = {"state": "The cat sat on the mat.", "questions": {"q": {"type": "noul", "instructions": "A cat?"}}}
+    auto = flide.patch(tiny_model("qwen3_5_text"), tok).decide(request)
+    recurrent = flide.patch(tiny_model("qwen3_5_text"), tok,
+                            config={"kernels": {"gated_delta_questions": "recurrent"}}).decide(request)
+    assert auto == recurrent

@@ -34,11 +34,12 @@ def supported_model_types() -> list[str]:
 
 
 def swap_mixers(text_model: nn.Module, ops: dict, fuse_conv_layout: bool = True,
-                qk_prep: Callable | None = None, nested_ops: dict | None = None) -> None:
+                qk_prep: Callable | None = None, nested_ops: dict | None = None, question_form: str = "auto") -> None:
     """Replaces every decoder layer's attention / Gated DeltaNet module with Flide's (idempotent); `ops` is
     `resolve_all(kernels)`, `fuse_conv_layout` `kernels.fuse_conv_layout`, `qk_prep` the attention layers' fused q / k
     preparation (`kernels.fuse_attention_prep`), used where the layer's is the one it computes; `nested_ops` the
-    variants' nested-fork companions (`flide.ops.registry.nested`) when rounds may hold sub-trunks, else None."""
+    variants' nested-fork companions (`flide.ops.registry.nested`) when rounds may hold sub-trunks, else None;
+    `question_form` `kernels.gated_delta_questions`."""
     nested_ops = nested_ops or {}
     for index, layer in enumerate(text_model.layers):
         for name in ("input_layernorm", "post_attention_layernorm", "mlp"):
@@ -49,7 +50,8 @@ def swap_mixers(text_model: nn.Module, ops: dict, fuse_conv_layout: bool = True,
             original = getattr(layer.linear_attn, "original", layer.linear_attn)
             layer.linear_attn = FlideGatedDeltaNet(original, ops["fork_conv"], ops["gated_delta"],
                                                    ops["gated_norm"], fuse_conv_layout=fuse_conv_layout,
-                                                   nested_op=nested_ops.get("gated_delta"))
+                                                   nested_op=nested_ops.get("gated_delta"),
+                                                   question_form=question_form)
         elif hasattr(layer, "self_attn"):
             original = getattr(layer.self_attn, "original", layer.self_attn)
             layer.self_attn = FlideAttention(original, ops["fork_attention"], qk_prep,
@@ -77,7 +79,7 @@ def adapt(model: nn.Module, tokenizer, kernels: KernelConfig, residual: str = "m
             raise ValueError(f"`kernels.fuse_attention_prep: on` runs a Triton kernel on CUDA: {reason}.")
         if reason is None:
             from ..ops.qk_prep import qk_prep_triton as qk_prep
-    swap_mixers(text_model, ops, kernels.fuse_conv_layout, qk_prep, nested_ops)
+    swap_mixers(text_model, ops, kernels.fuse_conv_layout, qk_prep, nested_ops, kernels.gated_delta_questions)
     # the decoder's own nn.Linear layers stay unless another `linear` variant is picked (batch-invariant mode)
     if kernels.linear != "torch":
         separate(text_model)

@@ -188,7 +188,7 @@ class FlideGatedDeltaNet(_Swapped):
               "nested_op")
 
     def __init__(self, original: nn.Module, conv_op: Callable, delta_op: Callable, norm_op: Callable | None = None,
-                 fuse_conv_layout: bool = True, nested_op: Callable | None = None):
+                 fuse_conv_layout: bool = True, nested_op: Callable | None = None, question_form: str = "auto"):
         super().__init__(original, self.NAMES)
         if original.conv1d.bias is not None:
             raise ValueError("Gated DeltaNet with a conv bias is not supported.")
@@ -218,10 +218,18 @@ class FlideGatedDeltaNet(_Swapped):
         fusable = fuse_conv_layout and dim == self.head_v_dim and dim & (dim - 1) == 0 and dim <= 256 and not self.wy
         self.conv_qkv_op = QKV_KERNELS.get(conv_op) if fusable else None
         self.laid_out_state_op = LAID_OUT_STATE_KERNELS.get(delta_op) if fusable else None
-        # the laid-out fork's questions in chunked form (fla.CHUNKED_QUESTIONS, read here, at patch time): the round
-        # tables then carry the states' and questions' combined chunk rows (`FlatModel.question_chunks`)
-        self.chunked_questions = (self.laid_out_state_op is not None and delta_op in CHUNKED_QUESTION_KERNELS
-                                  and gated_delta_fla.CHUNKED_QUESTIONS)
+        # the laid-out fork's questions in chunked form (`kernels.gated_delta_questions`; auto: fla.CHUNKED_QUESTIONS,
+        # read here, at patch time): the round tables then carry the states' and questions' combined chunk rows
+        # (`FlatModel.question_chunks`)
+        can_chunk = self.laid_out_state_op is not None and delta_op in CHUNKED_QUESTION_KERNELS
+        if question_form == "chunked" and not can_chunk:
+            raise ValueError("`kernels.gated_delta_questions: chunked` needs a gated delta variant with a chunked "
+                             "question call (fla, CUDA) on the fused conv layout (`kernels.fuse_conv_layout: "
+                             f"true`, Triton conv); this layer has {getattr(delta_op, '__name__', delta_op)} and "
+                             f"{'the fused layout' if self.laid_out_state_op is not None else 'no fused layout'}: "
+                             "use auto or recurrent.")
+        self.chunked_questions = can_chunk and (question_form == "chunked" or
+                                                (question_form == "auto" and gated_delta_fla.CHUNKED_QUESTIONS))
         # and, in nested forks, the leaves and their sub-trunks by the recurrent nested kernel (read here too)
         self.split_nested = self.chunked_questions and nested_op is not None and gated_delta_fla.SPLIT_NESTED_QUESTIONS
         # nested forks (`runtime.nested_forks`): the question call whose leaves continue their sub-trunk's state,

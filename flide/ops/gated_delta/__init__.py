@@ -3,8 +3,8 @@ device), `fla` (fla-core's chunked Triton kernels with fixed-capacity chunk list
 and our recurrent Triton kernel, `branches.py`, for the questions; CUDA), `fla_wy` (the same state call, whose
 chunk-local steps also prepare the questions' WY form, and our chunked question kernel, `questions_wy.py`; CUDA),
 `fla_cuda` (fla's state call, and our recurrent question kernel in CUDA C, `questions_cuda.py`, compiled by NVRTC).
-`fla` with `fla.CHUNKED_QUESTIONS` (off: unmeasured in its current form): the laid-out fork's questions in chunked
-form on the tensor cores (`questions_chunked.py`), nested forks included (CHUNKED_QUESTION_KERNELS).
+`fla` with `kernels.gated_delta_questions: chunked` (auto: `fla.CHUNKED_QUESTIONS`): the laid-out fork's questions in
+chunked form on the tensor cores (`questions_chunked.py`), nested forks included (CHUNKED_QUESTION_KERNELS).
 
 Nested forks (`runtime.nested_forks`): a leaf question's prompt is state + sub-trunk + leaf, its sub-trunk a shared
 question line laid out once as a question segment of its own. Only the question call changes: each leaf continues
@@ -379,7 +379,7 @@ STATE_KERNELS = {gated_delta_fla: gated_delta_fla_states, gated_delta_fla_wy: ga
 # the conv's output back and writes it again) drops out; `fork_parts(laid_out=True)`
 LAID_OUT_STATE_KERNELS = {gated_delta_fla: gated_delta_fla_states_laid_out,
                           gated_delta_fla_cuda: gated_delta_fla_states_laid_out}
-# variants whose laid-out fork can run the questions in chunked form (`fork_parts(chunked=True)`, fla.CHUNKED_QUESTIONS,
+# variants whose laid-out fork can run the questions in chunked form (`fork_parts(chunked=True)`, `kernels.gated_delta_questions`,
 # decided at patch time): (its state call that also solves the questions' chunks, the chunked question call, the
 # nested fork's question call that runs the leaves and their sub-trunks by the recurrent nested kernel instead:
 # `fork_parts(question_lens=)`). Without `question_lens` the chunked call runs nested forks too (a leaf runs its

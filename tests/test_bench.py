@@ -243,6 +243,14 @@ def test_runner_writes_results(tmp_path):
            dict(zip(ROW_KEYS, ("race", "m", "pipeline", "x", 2, "u", "h", "c")))]
     new = [dict(zip(ROW_KEYS, ("race", "m", "flide", "x", 3, "u", "h", "c")))]
     assert [r["value"] for r in merge_rows(old, new)] == [2, 3]
+    # a run of fewer submitter counts keeps the cell's other levels, and replaces the rest of the cell
+    old = [dict(zip(ROW_KEYS, ("race", "m", "flide", metric, value, "u", "h", "c")))
+           for metric, value in (("latency_p50_ms", 1), ("requests_per_s@1", 2), ("requests_per_s@8", 3),
+                                 ("latency_p50_ms@8", 4), ("error", None))]
+    new = [dict(zip(ROW_KEYS, ("race", "m", "flide", metric, value, "u", "h", "d")))
+           for metric, value in (("latency_p50_ms", 5), ("requests_per_s@1", 6))]
+    assert [(r["metric"], r["value"]) for r in merge_rows(old, new)] == [
+        ("requests_per_s@8", 3), ("latency_p50_ms@8", 4), ("latency_p50_ms", 5), ("requests_per_s@1", 6)]
 
 
 def test_module_entry_point_dry_run():

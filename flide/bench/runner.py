@@ -517,9 +517,21 @@ def run(config: BenchConfig, workloads: list[str] | None = None, engines: list[s
 
 # ---- results ----
 def merge_rows(old: list[dict], new: list[dict]) -> list[dict]:
-    """The old rows with every (workload, model, engine) cell measured anew replaced by the new rows."""
-    cells = {(r["workload"], r["model"], r["engine"]) for r in new}
-    return [r for r in old if (r["workload"], r["model"], r["engine"]) not in cells] + new
+    """The old rows with every (workload, model, engine) cell measured anew replaced by the new rows, except its
+    rows of submitter counts the new run did not measure (`metric@N`: a `--concurrency 1` run keeps the cell's older
+    figures at 8 / 32 / 64 submitters; each row keeps the commit it was measured at)."""
+    def cell(r: dict) -> tuple:
+        return r["workload"], r["model"], r["engine"]
+
+    def level(metric: str) -> str | None:
+        return metric.rpartition("@")[2] if "@" in metric else None
+
+    levels: dict[tuple, set] = {}
+    for r in new:
+        levels.setdefault(cell(r), set()).add(level(r["metric"]))
+    kept = [r for r in old if cell(r) not in levels
+            or (level(r["metric"]) is not None and level(r["metric"]) not in levels[cell(r)])]
+    return kept + new
 
 
 def write_results(rows: list[dict], config: BenchConfig, out_dir: str | Path | None = None,

@@ -79,7 +79,12 @@ def adapt(model: nn.Module, tokenizer, kernels: KernelConfig, residual: str = "m
             raise ValueError(f"`kernels.fuse_attention_prep: on` runs a Triton kernel on CUDA: {reason}.")
         if reason is None:
             from ..ops.qk_prep import qk_prep_triton as qk_prep
-    swap_mixers(text_model, ops, kernels.fuse_conv_layout, qk_prep, nested_ops, kernels.gated_delta_questions)
+    question_form = kernels.gated_delta_questions
+    if question_form == "auto" and kernels.batch_invariant:
+        # the chunked form's rows depend on no other row by construction, but its invariance tests have not run on a
+        # GPU: batch-invariant mode keeps the recurrent question kernel unless `chunked` is asked for
+        question_form = "recurrent"
+    swap_mixers(text_model, ops, kernels.fuse_conv_layout, qk_prep, nested_ops, question_form)
     # the decoder's own nn.Linear layers stay unless another `linear` variant is picked (batch-invariant mode)
     if kernels.linear != "torch":
         separate(text_model)

@@ -96,10 +96,14 @@ def test_chunked_questions_nested_fork_matches_the_reference(seed, heads, dtype,
     o_plain, finals_plain = layer_fork(x, meta(r), tables, chunked=True)
     ref_o, _ = reference_fork(x_raw, r)
     leaves = leaf_tokens(r)
+    # the spare (empty) state rows' finals are unwritten by the state call from the tables (fla.EMPTY_STATE_FINALS):
+    # whatever the allocator handed out, so only the used rows are compared (H200, session 38: seed 2's differed)
+    used = r["state_len"] > 0
+    assert not used.all()
     assert torch.isfinite(o).all()
     assert rel_err(o, ref_o) < TOL[dtype]
     assert rel_err(o[leaves], ref_o[leaves]) < TOL[dtype]
-    assert torch.equal(finals, finals_plain) and torch.equal(o[~leaves], o_plain[~leaves])
+    assert torch.equal(finals[used], finals_plain[used]) and torch.equal(o[~leaves], o_plain[~leaves])
     assert not torch.equal(o[leaves], o_plain[leaves])
     assert _NESTED[("gated_delta", "fla")] is not None  # the layer keeps its nested companion registered
     # stored sub-trunk states (two launches, questions_chunked.STORED_SUB_STATES): the bits of re-running them
@@ -107,24 +111,25 @@ def test_chunked_questions_nested_fork_matches_the_reference(seed, heads, dtype,
 
     monkeypatch.setattr(questions_chunked, "STORED_SUB_STATES", True)
     o_stored, finals_stored = layer_fork(x, meta(r), tables, chunked=True, sub=sub(r))
-    assert torch.equal(o_stored, o) and torch.equal(finals_stored, finals)
+    assert torch.equal(o_stored, o) and torch.equal(finals_stored[used], finals[used])
     # split by rows (`question_lens`, the GDN layer's form with fla.SPLIT_NESTED_QUESTIONS): the leaves and their
     # sub-trunks by the recurrent nested kernel, the other questions chunked from tables without the nested rows'
     # chunks: the reference's answers, the states' bits, the plain questions' bits of the chunked call
     from flide.ops.gated_delta import split_question_lens
 
     lens = split_question_lens(r["branch_start"], r["branch_len"], r["sub_lo"], r["sub_hi"])
-    assert lens[0].any() and lens[1].any()
+    assert lens[1].any()  # leaves and their sub-trunks; plain rows are drawn 0-2 a state (seed 1 has none)
     split_tables = fork_tables(*meta(r)[:4], r["state_chunks"], branch_chunks, branch_state=r["branch_state"],
                                skip_branches=lens[1] > 0)
     o_split, finals_split = layer_fork(x, meta(r), split_tables, chunked=True, sub=sub(r), question_lens=lens)
     assert rel_err(o_split, ref_o) < TOL[dtype] and rel_err(o_split[leaves], ref_o[leaves]) < TOL[dtype]
-    assert torch.equal(finals_split, finals)
+    assert torch.equal(finals_split[used], finals[used])
     starts, ends = r["branch_start"][lens[0] > 0].tolist(), (r["branch_start"] + lens[0])[lens[0] > 0].tolist()
     plain_rows = torch.zeros(o.shape[0], dtype=torch.bool, device="cuda")
     for a, b in zip(starts, ends):
         plain_rows[a:b] = True
-    assert plain_rows.any() and torch.equal(o_split[plain_rows], o_plain[plain_rows])
+    assert plain_rows.any() == bool(lens[0].any())
+    assert torch.equal(o_split[plain_rows], o_plain[plain_rows])
 
 
 def test_chunked_question_ops_opcheck_on_cuda():

@@ -243,31 +243,28 @@ FUSED_SPLIT = True
 # `segment_scan.segment_tables`' (`split_call_tables`). False: the LONG chain + outputs kernel above.
 SEGMENT_SCAN = False
 
-# The fork's questions in chunked form (`questions_chunked.py`), decided when a model is patched: the state call's
-# gate cumsum and kkt + solve launches also cover the questions' chunks (`gated_delta_states_chunked`), and one launch
-# runs every question's chunks from its state's final state, w / u formed in the kernel. False: the recurrent
-# question kernel (`branches.py`), token by token.
-# Session 37, H100, this form (rows in turns) with OWN_W_U, every question row chunked, vs the recurrent kernel (same
-# machine, `h100_profile_0_8b_session37_{on,rows}.json`, replay GPU ms): RACE 2.93 vs 3.05 (question call 0.52 vs
-# 0.71), QuALITY 28.04 vs 29.45 (1.62 vs 3.04), 3,600-token QuALITY 12.95 vs 13.33 (0.08 vs 0.37: no question row),
-# 2,000-token state with 8 questions 11.82 vs 13.08, 16 RACE 24.43 vs 26.08, but MultiRC 4.63 vs 4.01 (1.57 vs 1.07)
-# and 64 questions 18.61 vs 15.46 (6.11 vs 3.27): nested forks, whose leaves are a few tokens (a chunk step costs ~20
-# recurrent token steps). Hence SPLIT_NESTED_QUESTIONS (below; unmeasured, its GPU tests not run yet): off.
-# Session 36, H100, first form (a program per capacity question row; replay GPU ms chunked vs
-# recurrent, `h100_profile_0_8b_session36_{chunked_v1,recurrent}.json`): RACE 2.79 vs 3.04 (question call 0.42 vs
-# 0.71), but QuALITY 30.29 vs 29.74 (3.31 vs 3.06), MultiRC 4.89 vs 4.01, sweep 64 21.3 vs 15.6, 16 RACE 27.4 vs 26.1:
-# the 8,192 bucket's 512 question rows x 16 heads x 4 value tiles were 32k programs of 117 KB of shared memory, two
-# an SM, nearly all returning at once. GPU-checked: the first form's bf16 tests and the engine equal to the pipeline
-# with it on (session 36); this form's 12 plain-fork tests (fp32 and bf16, to the 8,192 bucket: the states' bits
-# unchanged, the questions within rounding of the reference and the recurrent kernel; session 37). Not yet run on a
-# GPU in this form: the nested-fork and opcheck tests, the engine test.
-CHUNKED_QUESTIONS = False
+# The fork's questions in chunked form (`questions_chunked.py`), decided when a model is patched
+# (`kernels.gated_delta_questions: auto` reads this; outside batch-invariant mode): the state call's gate cumsum and
+# kkt + solve launches also cover the questions' chunks (`gated_delta_states_chunked`), and one launch runs every
+# question's chunks from its state's final state, w / u formed in the kernel; a nested fork's leaves and their
+# sub-trunks stay recurrent (SPLIT_NESTED_QUESTIONS). False: the recurrent question kernel (`branches.py`).
+# Session 38, H200, this default (with OWN_W_U and SPLIT_NESTED_QUESTIONS) vs the recurrent kernel, same machine,
+# replay GPU ms (`h200_profile_0_8b_session38_{chunked,recurrent}.json`): RACE 2.77 vs 2.99 (question call 0.37 + 0.06
+# vs 0.72), MultiRC 4.03 vs 3.98 (its nested rows by the same recurrent kernel: 1.07 vs 1.07), QuALITY 27.54 vs 28.51,
+# 2,000-token state with 8 questions 11.59 vs 12.74, with 64 (nested) 15.04 vs 15.00, 16 RACE 23.71 vs 25.29.
+# GPU-checked there: the engine against the pipeline with nested rows recurrent and chunked, the split op and its
+# opcheck; the nested-fork test's seeds 0 and 2 fp32 (seed 1 and 2 bf16 failed on test faults since mended: no plain
+# row in seed 1, the spare state's unwritten final row compared). Session 37 (H100, every question row chunked):
+# MultiRC 4.63 vs 4.01 and 64 questions 18.61 vs 15.46 (a 2-token leaf paid a 64-token chunk step), hence the split.
+# Session 36, H100, the first form (a program per capacity question row): QuALITY 30.29 vs 29.74 (32k programs of
+# 117 KB of shared memory, nearly all returning at once), hence the rows in turns.
+CHUNKED_QUESTIONS = True
 # With CHUNKED_QUESTIONS, a nested fork's leaves and the sub-trunks they continue run by the recurrent nested kernel
 # and only its other question rows in chunked form (`questions_chunked.questions_split_nested`): a leaf is a few
 # tokens, and a chunk step costs ~20 tokens of recurrent steps. H100, session 37 (all of a round's rows chunked,
 # leaves re-running or reloading their sub-trunks): the 64-question sweep's question call 6.11 / 4.39 ms vs the
-# recurrent kernel's 3.27, MultiRC's 1.57 / 1.49 vs 1.07. Unmeasured on a GPU (written after that call; interpreter
-# test vs the reference). False: the chunked call runs the nested rows too.
+# recurrent kernel's 3.27, MultiRC's 1.57 / 1.49 vs 1.07; split (H200, session 38): 0.08 + 3.25 and 0.06 + 1.07.
+# False: the chunked call runs the nested rows too.
 SPLIT_NESTED_QUESTIONS = True
 
 # Whether the fork's state call (`gated_delta_states`, from the round's tables) stores the final states of empty
@@ -319,10 +316,11 @@ def _kkt_kernel():
 # (161 of the 8,192 bucket's 257 rows for one QuALITY state; the step took 1.01 ms of QuALITY's 29.7 ms replay on the
 # H100). Measured (H100, session 37, with CHUNKED_QUESTIONS on, where the step covers the states' rows as without it:
 # `h100_profile_0_8b_session37_{on,rows}.json`), the step's ms ours vs fla's: QuALITY 0.74 vs 1.00, 3,600-token
-# QuALITY 0.42 vs 0.56, 2,000-token state 0.25 vs 0.33, 16 RACE 0.42 vs 0.93, RACE 0.097 vs 0.099. Off until its GPU
-# bits test (tests/gpu/test_gated_delta_gpu.py::test_own_w_u_keeps_fla_s_bits) has run: that call's tests ran out of
-# time before it (the device refused every later start). False: fla's step.
-OWN_W_U = False
+# QuALITY 0.42 vs 0.56, 2,000-token state 0.25 vs 0.33, 16 RACE 0.42 vs 0.93, RACE 0.097 vs 0.099; H200, session 38:
+# QuALITY 0.61 vs 0.99, 16 RACE 0.38 vs 0.94. Its GPU bits test (tests/gpu/test_gated_delta_gpu.py::
+# test_own_w_u_keeps_fla_s_bits: fla's w / u bits on every used chunk row) passed on the H200 in session 38 (12 of
+# 12). False: fla's step.
+OWN_W_U = True
 
 
 def _w_u(k, v, beta, A, g, cu_seqlens, chunk_indices):

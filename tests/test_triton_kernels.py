@@ -544,7 +544,7 @@ else:
             assert torch.equal(stored.nan_to_num(7.0), out.nan_to_num(7.0))
 
     @pytest.mark.parametrize("sub_len", [9, 70], ids=["sub9", "sub70"])
-    def test_gated_delta_questions_chunked_split_nested_match_the_reference(sub_len):
+    def test_gated_delta_questions_chunked_split_nested_match_the_reference(sub_len, monkeypatch):
         """A nested fork's question call split by rows (`questions_split_nested`): the leaves and the sub-trunks they
         continue by the recurrent nested kernel (raw gates; the sub-trunks' stored states, flags zero again after),
         the other rows in chunked form from the solved rows of their own chunks only (as the combined tables leave
@@ -576,6 +576,19 @@ else:
         for part, lens in ((recurrent, nested_len), (chunked, plain_len)):
             part_rows = segment_rows(s.T, s.branch_start, lens)
             assert part_rows.any() and torch.equal(out[part_rows], part[part_rows])
+        # the nested launch with its programs taking the rows in turns (questions_chunked.NESTED_ROW_PROGRAMS: one
+        # program over every row, and more programs than rows): the same bits, the flags zero again
+        for programs in (1, 64):
+            monkeypatch.setattr(delta_chunked, "NESTED_ROW_PROGRAMS", programs)
+            turns = delta_chunked.questions_split_nested(q, k, v, g, beta, gamma, solved, s.branch_start, plain_len,
+                                                         nested_len, finals, s.branch_state, *sub, s.slots(), flags,
+                                                         0.3, out=poisoned(s.T, Hv, V, dtype=torch.float32))
+            assert not flags.any() and torch.equal(turns[rows], out[rows]) and turns[~rows].isnan().all()
+        # a split call in a round without nested forks: its nested table all empty, nothing written by it
+        empty = delta_branches.branches(q, k, v, g, beta, s.branch_start, torch.zeros_like(nested_len), finals,
+                                        s.branch_state, 0.3, False, sub=sub, row_programs=3,
+                                        out=poisoned(s.T, Hv, V, dtype=torch.float32))
+        assert empty.isnan().all()
 
     @pytest.mark.parametrize("tokens,heads,longest", CHUNKED_CASES,
                              ids=[f"T{t}-Hk{h[0]}-Hv{h[1]}-K{h[2]}-V{h[3]}-S{m}" for t, h, m in CHUNKED_CASES])

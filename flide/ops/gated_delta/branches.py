@@ -151,7 +151,17 @@ def _branch_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, start_pt
                     tl.program_id(1) // HV, tl.program_id(1) % HV, i_v, HK, HV, K, V, BK, BV, L2NORM, STORE_FINAL,
                     SNAPSHOT, NESTED, SUB_STATES)
     else:  # ROW_PROGRAMS programs per (value head, V tile), each over rows i, i + ROW_PROGRAMS, ...
-        for i_n in range(tl.program_id(2), N, ROW_PROGRAMS):
+        last = N
+        if not STORE_FINAL and not SNAPSHOT:
+            # up to the last row with tokens (trailing rows of length 0 write nothing then): one vector load of the
+            # lengths per 128 rows, so a launch whose rows are all empty (a split nested call's table in a round
+            # without nested forks) ends at once instead of loading every spare row's length in turn
+            last = 0
+            for r0 in range(0, N, 128):
+                o_r = r0 + tl.arange(0, 128)
+                lens = tl.load(len_ptr + o_r, mask=o_r < N, other=0)
+                last = tl.maximum(last, tl.max(tl.where(lens > 0, o_r + 1, 0)))
+        for i_n in range(tl.program_id(2), last, ROW_PROGRAMS):
             _branch_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, start_ptr, len_ptr, index_ptr, scale,
                         ht_ptr, snap_at_ptr, hs_ptr, sub_lo_ptr, sub_hi_ptr, sub_slot_ptr, subs_ptr, flags_ptr,
                         max_spins, N, i_n, tl.program_id(1), i_v, HK, HV, K, V, BK, BV, L2NORM, STORE_FINAL,
@@ -426,7 +436,7 @@ def branches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
              snapshot: tuple[torch.Tensor, torch.Tensor] | None = None,
              sub: tuple[torch.Tensor, torch.Tensor] | None = None,
              sub_slot: torch.Tensor | None = None, sub_flags: torch.Tensor | None = None,
-             max_spins: int | None = None) -> torch.Tensor:
+             max_spins: int | None = None, row_programs: int | None = None) -> torch.Tensor:
     """o [T, Hv, V] (q's dtype) of every segment, each from `initial_state[initial_index[n]]` (-1: zero). Rows
     outside the segments are left unwritten, as fla's variant leaves them (`gated_delta.combine` selects).
 
@@ -451,7 +461,10 @@ def branches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     steps in the same order: the same function; rows without a slot, leaves included, run as without `sub_slot`).
     `sub_flags`: the int32 flags the leaves wait on (`new_sub_flags`: zero, and zero again after every call, so a
     layer keeps one for all its calls); None: a zeroed one for this call. `max_spins`: how many times a leaf polls
-    its flag before it re-runs its sub-trunk instead (default MAX_SPINS; tests make it small)."""
+    its flag before it re-runs its sub-trunk instead (default MAX_SPINS; tests make it small). `row_programs`: the
+    recurrent form's programs along the rows where `tiles` does not give them (default ROW_PROGRAMS; 0: one a row).
+    With programs taking rows in turns, a leaf can wait only on a sub-trunk row before it (a request's sub-trunks
+    come before its leaves, `round.RequestLayout`), which its program reaches without waiting on a later row."""
     if form not in FORMS:
         raise ValueError(f"`form` must be one of {FORMS}, got {form!r}")
     if sub is not None:
@@ -513,8 +526,9 @@ def branches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                                             PRECISION=precision, num_warps=warps)
     else:
         block_v = BLOCK_V_MANY_HEADS if HV >= 32 else BLOCK_V
-        BV, warps, row_programs = (*tiles, ROW_PROGRAMS)[:3] if tiles else (min(block_v, triton.next_power_of_2(V)),
-                                                                          NUM_WARPS, ROW_PROGRAMS)
+        default_rows = ROW_PROGRAMS if row_programs is None else row_programs
+        BV, warps, row_programs = (*tiles, default_rows)[:3] if tiles else (min(block_v, triton.next_power_of_2(V)),
+                                                                           NUM_WARPS, default_rows)
         if row_programs < 0:
             raise ValueError(f"the recurrent form's row programs must be >= 0 (0: one per row), got {row_programs}")
         row_programs = min(row_programs, N)

@@ -218,6 +218,17 @@ def questions_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: t
     return o
 
 
+# The split call's nested launch (the recurrent kernel over the leaves and their sub-trunks) with this many programs
+# per (value head, value tile) taking the rows in turns, up to the last row with tokens, instead of a program a row
+# (0). In a round without nested forks that launch is all empty rows: H200, session 38, 40.5 us a layer on QuALITY
+# (0.73 ms of a 27.5 ms replay; 16 RACE 0.73, 8 questions 0.33) for the 8,192 bucket's 512 rows x 16 heads x 8 tiles
+# of programs that return at once. Rows in turns cost the straight path ~10 % where there are nested rows (H200,
+# 2026-12-02, 1c7ea47: a row loop around the token loop), i.e. MultiRC's 1.07 ms and 64 questions' 3.25. Unmeasured
+# (no device time left in session 38): 0 until an A/B (`--set flide.ops.gated_delta.questions_chunked.
+# NESTED_ROW_PROGRAMS=16`) says otherwise.
+NESTED_ROW_PROGRAMS = 0
+
+
 def questions_split_nested(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g_raw: torch.Tensor, beta: torch.Tensor,
                            g: torch.Tensor, A: torch.Tensor, seg_start: torch.Tensor, plain_len: torch.Tensor,
                            nested_len: torch.Tensor, initial_state: torch.Tensor, initial_index: torch.Tensor,
@@ -240,5 +251,6 @@ def questions_split_nested(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g_
 
     o = torch.empty(v.shape, dtype=q.dtype, device=q.device) if out is None else out
     branches.branches(q, k, v, g_raw, beta, seg_start, nested_len, initial_state, initial_index, scale, False, out=o,
-                      sub=(sub_lo, sub_hi), sub_slot=sub_slot, sub_flags=sub_flags)
+                      sub=(sub_lo, sub_hi), sub_slot=sub_slot, sub_flags=sub_flags,
+                      row_programs=NESTED_ROW_PROGRAMS or None)
     return questions_chunked(q, k, v, beta, g, A, seg_start, plain_len, initial_state, initial_index, scale, out=o)

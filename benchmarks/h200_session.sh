@@ -21,7 +21,7 @@
 #     bash benchmarks/h200_session.sh verify     GPU tests of the question kernel + its forms/tiles at 0.8B's shapes ~6 min
 #     bash benchmarks/h200_session.sh wy         GPU tests + op bench + latency of the questions' chunked (WY) form ~8 min
 #     bash benchmarks/h200_session.sh attn_split the value-column split of the invariant attention: bits test, op bench, replay A/B ~8 min
-#     bash benchmarks/h200_session.sh chunked    the chunked question call (nested rows split) and own w / u step: GPU tests, replay A/B ~6 min
+#     bash benchmarks/h200_session.sh chunked    chunked questions' GPU tests at HEAD (nested, invariant, engine) + nested rows-in-turns A/B ~7 min
 #     bash benchmarks/h200_session.sh serve      issue 4: the http bench twice (req/s 1/8/32/64, one-client gap) + serve A/B ~9 min
 #     bash benchmarks/h200_session.sh sh 'CMDS'  any commands, after the same set-up (a session's own mix of parts)
 # Logs and results go to $OUT.
@@ -190,35 +190,33 @@ verify)
         --no-ceilings --sweep --out "$OUT/ops_gated_delta.json" > "$OUT/ops_gated_delta.log" 2>&1
     echo "gated delta bench rc=$?" | tee -a "$OUT/summary.txt"; grep -o '"impl": "[^"]*".*"ms": [0-9.]*' "$OUT/ops_gated_delta.log" ;;
 chunked)
-    # The opt-in chunked question call (fla.CHUNKED_QUESTIONS, with SPLIT_NESTED_QUESTIONS: nested forks' leaves and
-    # their sub-trunks by the recurrent kernel) and own w / u step (fla.OWN_W_U), both off until their GPU tests pass
-    # and the A/B wins (NOTES, Session 37): the tests not yet run on a GPU (the engine with it on, the nested fork
-    # split by rows and the ops' schemas, our w / u's bits against fla's) in three processes, then the replay A/B of 0.8B
-    # (main / both on / both on at 16 value columns; each kernel's own ms shows w / u apart), ~7 min with compiles
-    for t in "engine tests/gpu/test_engine_gpu.py -k chunked" \
+    # Session 38 left (NOTES, Session 38 item 5): the GPU tests not yet run at HEAD with the chunked questions on by
+    # default (the mended nested chunked test + NESTED_ROW_PROGRAMS' bits, batch-invariant mode with
+    # `gated_delta_questions: chunked`, the engine against the pipeline), in three processes, then the replay A/B of
+    # the split call's nested launch with programs taking rows in turns (questions_chunked.NESTED_ROW_PROGRAMS 16 vs
+    # 0: the launch of empty rows costs QuALITY / 16 RACE 0.73 ms), ~7 min with compiles
+    for t in "engine tests/gpu/test_engine_gpu.py -k chunked_or_nested" \
              "split tests/gpu/test_questions_chunked_gpu.py -k nested_or_opcheck" \
-             "wu tests/gpu/test_gated_delta_gpu.py -k own_w_u"; do
+             "invariant tests/gpu/test_batch_invariant_gpu.py -k chunked"; do
         set -- $t; name=$1; file=$2; expr=${4//_or_/ or }
-        (timeout ${TEST_S:-150} python3 -m pytest -q -rA -p no:logging --tb=short "$file" -k "$expr" \
+        (timeout ${TEST_S:-250} python3 -m pytest -q -rA -p no:logging --tb=short "$file" -k "$expr" \
             > "$OUT/chunked_$name.log" 2>&1; echo "$name rc=$? $(tail -1 "$OUT/chunked_$name.log")") &
     done
     wait
     grep -h -E "^FAILED|^E  " "$OUT"/chunked_*.log | head -20
     P="python3 benchmarks/profile_round.py --config-json shared/models/qwen3_5/configs/qwen3.5-0.8b.json \
         --tokenizer shared/models/qwen3_5 --data shared/data --repeats 15 --profile-runs 2 \
-        --workloads race multirc quality quality1 sweep1 sweep8 sweep64 race@16"
-    on="flide.ops.gated_delta.fla.CHUNKED_QUESTIONS=True flide.ops.gated_delta.fla.OWN_W_U=True"
-    # bv16: 16 value columns a program (sm_90: 246 registers and no spills for the plain rows, vs 255 and 52 bytes)
-    for ab in "main" "on $on" "bv16 $on flide.ops.gated_delta.questions_chunked.BLOCK_V=16"; do
+        --workloads race multirc quality sweep8 sweep64 race@16"
+    for ab in "main" "turns flide.ops.gated_delta.questions_chunked.NESTED_ROW_PROGRAMS=16"; do
         name=${ab%% *}; set_arg=""; [ "$name" != main ] && set_arg="--set ${ab#* }"
         timeout ${PROFILE_S:-120} $P $set_arg --out "$OUT/profile_$name.json" > "$OUT/profile_$name.log" 2>&1
         echo "profile $name rc=$?"
     done
-    python3 - <<'PY'
+    python3 - <<'PY2'
 import json, os
 KERNELS = ("_questions_chunked_kernel", "_branch_kernel", "chunk_gated_delta_rule_fwd_kkt_solve_kernel",
-           "_w_u_kernel", "recompute_w_u_fwd_kernel", "_state_chain_kernel", "chunk_local_cumsum_scalar_kernel")
-for name in ("main", "on", "bv16"):
+           "_w_u_kernel", "_state_chain_kernel")
+for name in ("main", "turns"):
     try:
         r = json.load(open(os.environ["OUT"] + f"/profile_{name}.json"))
     except Exception as error:
@@ -228,7 +226,7 @@ for name in ("main", "on", "bv16"):
         top = dict(p.get("top_kernels_ms") or [])
         print(name, row["workload"], row["stream_tokens"], row["latency_ms"], p.get("gpu_ms_total"),
               {k: top[k] for k in KERNELS if k in top})
-PY
+PY2
     ;;
 attn_split)
     # Session 33's opt-in value-column split of the invariant attention (triton_invariant.V_SPLIT_DIM; NOTES,

@@ -17,22 +17,29 @@ from flide.testing import ScoreRecorder, max_difference, random_request
 BUCKETS = [256, 512, 1024, 2048, 4096, 8192]
 
 
-def config(invariant: bool) -> dict:
-    return {"runtime": {"device": "cuda", "graphs": "on"}, "kernels": {"batch_invariant": invariant},
+def config(invariant: bool, questions: str = "auto") -> dict:
+    return {"runtime": {"device": "cuda", "graphs": "on"},
+            "kernels": {"batch_invariant": invariant, "gated_delta_questions": questions},
             "capacities": {"buckets": BUCKETS, "requests": 64}}
 
 
-@pytest.fixture(scope="module", params=["bfloat16", "float32"])
+# (dtype, `kernels.gated_delta_questions`): auto keeps the recurrent question kernel in this mode; `chunked` is the
+# chunked form (the default outside it), which must keep the bits too before auto may take it here
+@pytest.fixture(scope="module", params=[("bfloat16", "auto"), ("float32", "auto"), ("bfloat16", "chunked")],
+                ids=["bfloat16", "float32", "bfloat16-chunked-questions"])
 def setup(request):
+    dtype_name, questions = request.param
     torch.manual_seed(0)
     tok = tiny_tokenizer()
-    dtype = getattr(torch, request.param)
+    dtype = getattr(torch, dtype_name)
     model = tiny_model("qwen3_5_text").to("cuda", dtype)
     plain = tiny_model("qwen3_5_text").to("cuda", dtype)  # the same seed: the same weights
     rng = random.Random(3)
     requests = [random_request(rng, max_questions=12, max_words=80) for _ in range(96)]
-    engine = flide.patch(model, tok, config=config(True))
-    return request.param, tok, plain, requests, engine
+    engine = flide.patch(model, tok, config=config(True, questions))
+    chunked = [getattr(block.mixer, "chunked_questions", False) for block in engine.flat.blocks]
+    assert any(chunked) == (questions == "chunked")
+    return dtype_name, tok, plain, requests, engine
 
 
 def test_the_mode_runs_batch_invariant_kernels_under_graphs(setup):

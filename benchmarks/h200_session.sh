@@ -192,12 +192,14 @@ verify)
 chunked)
     # Session 38 left (NOTES, Session 38 item 5): the GPU tests not yet run at HEAD with the chunked questions on by
     # default (the mended nested chunked test + NESTED_ROW_PROGRAMS' bits, batch-invariant mode with
-    # `gated_delta_questions: chunked`, the engine against the pipeline), in three processes, then the replay A/B of
+    # `gated_delta_questions: chunked`, the engine against the pipeline, the graphs' 1,000 rounds without recompiles),
+    # in four processes, then the replay A/B of
     # the split call's nested launch with programs taking rows in turns (questions_chunked.NESTED_ROW_PROGRAMS 16 vs
     # 0: the launch of empty rows costs QuALITY / 16 RACE 0.73 ms), ~7 min with compiles
     for t in "engine tests/gpu/test_engine_gpu.py -k chunked_or_nested" \
              "split tests/gpu/test_questions_chunked_gpu.py -k nested_or_opcheck" \
-             "invariant tests/gpu/test_batch_invariant_gpu.py -k chunked"; do
+             "invariant tests/gpu/test_batch_invariant_gpu.py -k chunked" \
+             "graphs tests/gpu/test_graphs_gpu.py -k replay_or_rounds_or_graphs_or_oversized"; do
         set -- $t; name=$1; file=$2; expr=${4//_or_/ or }
         (timeout ${TEST_S:-250} python3 -m pytest -q -rA -p no:logging --tb=short "$file" -k "$expr" \
             > "$OUT/chunked_$name.log" 2>&1; echo "$name rc=$? $(tail -1 "$OUT/chunked_$name.log")") &

@@ -126,6 +126,18 @@ FORMS = ("chunk", "recurrent")
 
 
 @triton.jit
+def rows_used(len_ptr, N):
+    """One past the last of the N rows whose length is > 0 (0 if none): one vector load of the lengths per 128 rows
+    (a bucket's capacity is mostly spare rows at the end)."""
+    last = 0
+    for r0 in range(0, N, 128):
+        o_r = r0 + tl.arange(0, 128)
+        lens = tl.load(len_ptr + o_r, mask=o_r < N, other=0)
+        last = tl.maximum(last, tl.max(tl.where(lens > 0, o_r + 1, 0)))
+    return last
+
+
+@triton.jit
 def _initial_state(h0_ptr, index_ptr, i_n, i_h, o_k, o_v, k_ok, v_ok, HV: tl.constexpr, K: tl.constexpr,
                    V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
     """Branch i_n's starting state, its [BK, BV] slice of value head i_h in fp32: `h0[index[i_n]]`, or zero for
@@ -153,14 +165,10 @@ def _branch_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, start_pt
     else:  # ROW_PROGRAMS programs per (value head, V tile), each over rows i, i + ROW_PROGRAMS, ...
         last = N
         if not STORE_FINAL and not SNAPSHOT:
-            # up to the last row with tokens (trailing rows of length 0 write nothing then): one vector load of the
-            # lengths per 128 rows, so a launch whose rows are all empty (a split nested call's table in a round
-            # without nested forks) ends at once instead of loading every spare row's length in turn
-            last = 0
-            for r0 in range(0, N, 128):
-                o_r = r0 + tl.arange(0, 128)
-                lens = tl.load(len_ptr + o_r, mask=o_r < N, other=0)
-                last = tl.maximum(last, tl.max(tl.where(lens > 0, o_r + 1, 0)))
+            # up to the last row with tokens (trailing rows of length 0 write nothing then), so a launch whose rows
+            # are all empty (a split nested call's table in a round without nested forks) ends at once instead of
+            # loading every spare row's length in turn
+            last = rows_used(len_ptr, N)
         for i_n in range(tl.program_id(2), last, ROW_PROGRAMS):
             _branch_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, start_ptr, len_ptr, index_ptr, scale,
                         ht_ptr, snap_at_ptr, hs_ptr, sub_lo_ptr, sub_hi_ptr, sub_slot_ptr, subs_ptr, flags_ptr,

@@ -31,6 +31,7 @@ import triton.language as tl
 
 from ...config import GDN_CHUNK
 from . import SUB_STATE_SLOTS
+from .branches import rows_used
 from .state_chain import _chunk_output
 
 # value columns a program, warps, stages: the fused state chain's (state_chain.py), whose step this is. As compiled for
@@ -117,14 +118,8 @@ def _questions_chunked_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, a_ptr, o_ptr
     o_t = tl.arange(0, BT)
     v_ok = o_v < V
     causal = o_t[:, None] >= o_t[None, :]
-    # the rows up to the last one with tokens (a bucket's capacity is mostly spare rows at the end): one vector load
-    # of the lengths per 128 rows instead of a program per spare row
-    last = 0
-    for r0 in range(0, N, 128):
-        o_r = r0 + tl.arange(0, 128)
-        lens = tl.load(len_ptr + o_r, mask=o_r < N, other=0)
-        last = tl.maximum(last, tl.max(tl.where(lens > 0, o_r + 1, 0)))
-    for i_n in range(i_p, last, P):
+    # the rows up to the last one with tokens, in turns: no program per spare row
+    for i_n in range(i_p, rows_used(len_ptr, N), P):
         n = tl.load(len_ptr + i_n).to(tl.int64)
         bos = tl.load(start_ptr + i_n).to(tl.int64)
         lo = bos

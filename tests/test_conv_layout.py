@@ -74,6 +74,8 @@ def test_chunked_questions_where_a_layer_cannot_is_an_error_naming_the_field(con
     conv_op, delta_op = getattr(fork_conv, conv), getattr(gated_delta, delta)
     with pytest.raises(ValueError, match="gated_delta_questions"):
         FlideGatedDeltaNet(gdn_original(), conv_op, delta_op, fuse_conv_layout=fuse, question_form="chunked")
+    with pytest.raises(ValueError, match="gated_delta_questions"):
+        FlideGatedDeltaNet(gdn_original(), conv_op, delta_op, fuse_conv_layout=fuse, question_form="wy")
     assert not FlideGatedDeltaNet(gdn_original(), conv_op, delta_op, fuse_conv_layout=fuse,
                                   question_form="auto").chunked_questions
 

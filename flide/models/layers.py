@@ -221,6 +221,9 @@ class FlideGatedDeltaNet(_Swapped):
         # the laid-out fork's questions in chunked form (`kernels.gated_delta_questions`; auto: fla.CHUNKED_QUESTIONS,
         # read here, at patch time): the round tables then carry the states' and questions' combined chunk rows
         # (`FlatModel.question_chunks`)
+        if question_form not in ("auto", "recurrent", "chunked"):
+            raise ValueError(f"`kernels.gated_delta_questions` must be auto, recurrent or chunked, got "
+                             f"{question_form!r}.")
         can_chunk = self.laid_out_state_op is not None and delta_op in CHUNKED_QUESTION_KERNELS
         if question_form == "chunked" and not can_chunk:
             raise ValueError("`kernels.gated_delta_questions: chunked` needs a gated delta variant with a chunked "

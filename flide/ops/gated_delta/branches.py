@@ -472,7 +472,8 @@ def branches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     its flag before it re-runs its sub-trunk instead (default MAX_SPINS; tests make it small). `row_programs`: the
     recurrent form's programs along the rows where `tiles` does not give them (default ROW_PROGRAMS; 0: one a row).
     With programs taking rows in turns, a leaf can wait only on a sub-trunk row before it (a request's sub-trunks
-    come before its leaves, `round.RequestLayout`), which its program reaches without waiting on a later row."""
+    come before its leaves, `round.RequestLayout`), which its program reaches without waiting on a later row once
+    it runs (programs not yet resident are what MAX_SPINS bounds, as with a program a row)."""
     if form not in FORMS:
         raise ValueError(f"`form` must be one of {FORMS}, got {form!r}")
     if sub is not None:

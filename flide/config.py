@@ -249,6 +249,7 @@ class FlideConfig:
 
 
 GUARD_MODES = ("check", "skip_modules", "skip", "none")  # `runtime.guards` (RuntimeConfig.guards says what each does)
+QUESTION_FORMS = ("auto", "recurrent", "chunked")  # `kernels.gated_delta_questions` (KernelConfig says what each does)
 
 _CHOICES = {
     ("runtime", "dtype"): ("auto", "float32", "bfloat16", "float16"),
@@ -256,7 +257,7 @@ _CHOICES = {
     ("runtime", "nested_forks"): ("auto", "on", "off"),
     ("runtime", "graphs"): ("auto", "on", "off"),
     ("kernels", "fuse_attention_prep"): ("auto", "on", "off"),
-    ("kernels", "gated_delta_questions"): ("auto", "recurrent", "chunked"),
+    ("kernels", "gated_delta_questions"): QUESTION_FORMS,
     ("runtime", "compiler"): ("inductor", "cudagraphs"),
     ("runtime", "rounding"): ("eager", "fused"),
     ("runtime", "residual"): ("model", "float32"),

@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from ..config import QUESTION_FORMS
 from .fused import fuse, project
 from ..ops.fork_conv import QKV_KERNELS
 from ..ops.fork_conv.reference import gdn_gates
@@ -221,8 +222,8 @@ class FlideGatedDeltaNet(_Swapped):
         # the laid-out fork's questions in chunked form (`kernels.gated_delta_questions`; auto: fla.CHUNKED_QUESTIONS,
         # read here, at patch time): the round tables then carry the states' and questions' combined chunk rows
         # (`FlatModel.question_chunks`)
-        if question_form not in ("auto", "recurrent", "chunked"):
-            raise ValueError(f"`kernels.gated_delta_questions` must be auto, recurrent or chunked, got "
+        if question_form not in QUESTION_FORMS:
+            raise ValueError(f"`kernels.gated_delta_questions` must be one of {', '.join(QUESTION_FORMS)}, got "
                              f"{question_form!r}.")
         can_chunk = self.laid_out_state_op is not None and delta_op in CHUNKED_QUESTION_KERNELS
         if question_form == "chunked" and not can_chunk:

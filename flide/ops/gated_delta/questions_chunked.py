@@ -139,17 +139,15 @@ def _questions_chunked_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, a_ptr, o_ptr
             if PHASE != 0:
                 slot = tl.load(slot_ptr + i_n).to(tl.int64)
             slot_at = (slot * HV + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
+            from_slot = False
             if PHASE == 2:
-                if slot >= 0:  # its sub-trunk's state, stored by the first launch
-                    S = tl.load(subs_ptr + slot_at, mask=v_ok[None, :], other=0.0)
-                else:
-                    S = _state_of(h0_ptr, from_ptr, i_n, i_h, o_k, o_v, v_ok, HV, K, V, BV)
-                    for c0 in range(0, m, BT):
-                        S = _question_step(S, q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, a_ptr, o_ptr, lo, m, c0, i_h,
-                                           i_hk, o_k, o_t, o_v, v_ok, causal, scale, H, HV, K, V, BT, False)
+                from_slot = slot >= 0
+            if from_slot:  # a leaf whose sub-trunk's state the first launch stored
+                S = tl.load(subs_ptr + slot_at, mask=v_ok[None, :], other=0.0)
             else:
                 S = _state_of(h0_ptr, from_ptr, i_n, i_h, o_k, o_v, v_ok, HV, K, V, BV)
-                for c0 in range(0, m, BT):  # PHASE 0's leaves (m is 0 for the other rows)
+                # a leaf re-running its sub-trunk (PHASE 0, or PHASE 2 without a slot); m is 0 for the other rows
+                for c0 in range(0, m, BT):
                     S = _question_step(S, q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, a_ptr, o_ptr, lo, m, c0, i_h, i_hk,
                                        o_k, o_t, o_v, v_ok, causal, scale, H, HV, K, V, BT, False)
             for c0 in range(0, n, BT):

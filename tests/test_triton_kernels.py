@@ -71,6 +71,16 @@ else:
             rows[start:start + length] = True
         return rows
 
+    def solved_poisoned(solved: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """The solved rows A [T, Hv, chunk] with NaN wherever fla's kkt + solve launch writes nothing (the upper
+        part of each chunk's rows, rows outside the segments), as `fla._solve` leaves them unfilled for our kernels."""
+        T, chunk = solved.shape[0], solved.shape[-1]
+        keep = torch.zeros(T, chunk, dtype=torch.bool)
+        for start, length in zip(starts.tolist(), lengths.tolist()):
+            within = torch.arange(length) % chunk  # a token's row within its chunk (chunks from the segment start)
+            keep[start:start + length] = torch.arange(chunk)[None, :] <= within[:, None]
+        return torch.where(keep[:, None, :], solved, torch.full_like(solved, float("nan")))
+
     # -----------------------------------------------------------------------------------------------------------------
     # fork_conv
     # -----------------------------------------------------------------------------------------------------------------
@@ -466,7 +476,7 @@ else:
         """The chunked question call (w / u formed in the kernel from the solved rows A, as fla's kkt + solve step
         gives them: `wy_reference(with_solve=True)`) on a random round's branch tables, from the reference state
         call's final states: every question row equal to the reference's question call (fp32), only those rows
-        written (NaN-poisoned output)."""
+        written (NaN-poisoned output), A read only where the kkt + solve launch writes it (NaN elsewhere)."""
         Hk, Hv, K, V = heads
         r = tiny_round(tokens, seed=tokens + Hv, max_question=longest)
         q, k, v, g, beta = gdn_inputs(tokens, heads, seed=31, decay=0.3)
@@ -476,6 +486,7 @@ else:
         want, _ = delta_ref.gated_delta(q, k, v, g, beta, r.branch_start, r.branch_len, finals, r.branch_state, 0.3,
                                         False)
         _, _, gamma, solved = delta_wy.wy_reference(k, v, g, beta, r.branch_start, r.branch_len, with_solve=True)
+        solved = solved_poisoned(solved, r.branch_start, r.branch_len)  # only the lower triangle written
         out = delta_chunked.questions_chunked(q, k, v, beta, gamma, solved, r.branch_start, r.branch_len, finals,
                                               r.branch_state, 0.3, out=poisoned(tokens, Hv, V, dtype=torch.float32))
         # programs taking the rows in turns of 3 (or one row each): the same bits, each row's sums its own
@@ -594,7 +605,8 @@ else:
                              ids=[f"T{t}-Hk{h[0]}-Hv{h[1]}-K{h[2]}-V{h[3]}-S{m}" for t, h, m in CHUNKED_CASES])
     def test_gated_delta_w_u_matches_the_reference(tokens, heads, longest):
         """The w / u step over a random round's state chunk table (spare rows included: they write nothing) from the
-        reference's solved rows: w and u equal to `wy_reference`'s on every state token (fp32)."""
+        reference's solved rows (NaN where the kkt + solve launch writes nothing): w and u equal to `wy_reference`'s
+        on every state token (fp32)."""
         from flide.ops.gated_delta import fla as delta_fla
 
         Hk, Hv, K, V = heads
@@ -604,6 +616,7 @@ else:
                                                             with_solve=True)
         cu = delta_fla.bounds(r.state_start, r.state_len)
         chunks = delta_fla.chunk_table(cu, tokens // 64 + r.state_start.shape[0] + 1)
+        solved = solved_poisoned(solved, r.state_start, r.state_len)  # only the lower triangle written
         w, u = delta_w_u.w_u(k[None], v[None], beta[None], solved[None], gamma[None], cu, chunks)
         rows = segment_rows(tokens, r.state_start, r.state_len)
         assert rows.any() and (r.state_len.max() > 64 or longest <= 64)

@@ -590,10 +590,19 @@ def test_own_w_u_keeps_fla_s_bits(tokens, heads, dtype, monkeypatch):
     g = fla_module._fla_steps()[0](decay[None].float(), chunk_size=GDN_CHUNK, scale=fla_module._fla_steps()[4],
                                    cu_seqlens=cu, chunk_indices=chunks)
     b = beta[None].to(dtype).contiguous()
-    A = fla_module._solve(kn, g, b, cu, chunks)
-    w, u = w_u(kn, v[None].contiguous(), b, A, g, cu, chunks)
+    A = fla_module._solve(kn, g, b, cu, chunks, filled=True)  # fla's step reads the zero upper blocks
     w_fla, u_fla = recompute_w_u_fwd(k=kn, v=v[None].contiguous(), beta=b, A=A, g=g, cu_seqlens=cu,
                                      chunk_indices=chunks)
+    # ours from A as `_solve` leaves it for us (no zero fill): the same lower triangles as the filled A, and with NaN
+    # wherever the launch writes nothing, fla's bits
+    t = torch.arange(tokens, device="cuda")
+    seq = (torch.searchsorted(cu, t, right=True) - 1).clamp(max=cu.shape[0] - 2)
+    upper = torch.arange(GDN_CHUNK, device="cuda")[None, :] > ((t - cu[seq]) % GDN_CHUNK)[:, None]
+    lower = (~upper & (t < int(cu[-1]))[:, None])[None, :, None, :].expand_as(A)
+    written = fla_module._solve(kn, g, b, cu, chunks, filled=False)
+    assert torch.equal(written[lower], A[lower])
+    unfilled = torch.where(lower, A, torch.full_like(A, float("nan")))
+    w, u = w_u(kn, v[None].contiguous(), b, unfilled, g, cu, chunks)
     rows = torch.arange(tokens, device="cuda") < int(cu[-1])
     assert torch.equal(w[0][rows], w_fla[0][rows]) and torch.equal(u[0][rows], u_fla[0][rows])
     meta = (r.state_start, r.state_len, r.branch_start, r.branch_len, r.branch_state)

@@ -342,13 +342,18 @@ def _intra(k, v, g, beta, cu_seqlens, chunk_indices):
     return (*_w_u(k, v, beta, A, g, cu_seqlens, chunk_indices), A)
 
 
-def _solve(k, g, beta, cu_seqlens, chunk_indices):
+def _solve(k, g, beta, cu_seqlens, chunk_indices, filled: bool | None = None):
     """A [1, T, Hv, GDN_CHUNK]: fla's fused kkt + solve step over the chunk rows `chunk_indices` (spare rows return
     at once), at 1 warp a program on long streams (KKT_ONE_WARP_TOKENS), else as fla's intra step launches it (its
-    autotuner, i.e. the pin); rows outside the chunks and every upper block stay zero."""
+    autotuner, i.e. the pin). The kernel stores each chunk's lower blocks only. `filled` (default: unless our kernels
+    read A, i.e. OWN_W_U on CUDA): rows outside the chunks and every upper block zero, as fla's w / u step reads them;
+    else unwritten: ours (`wy_form`, `questions_chunked`) load the lower triangle of a chunk's rows only, and the zero
+    fill was a launch a layer (16 MiB at the 8,192 bucket on Qwen3.5-0.8B: 0.10 ms of QuALITY's replay, H200)."""
     B, T, H, K = k.shape
     HV = beta.shape[2]
-    A = torch.zeros(B, T, HV, GDN_CHUNK, device=k.device, dtype=k.dtype)  # the kernel stores the lower blocks only
+    if filled is None:
+        filled = not (OWN_W_U and k.is_cuda)
+    A = (torch.zeros if filled else torch.empty)(B, T, HV, GDN_CHUNK, device=k.device, dtype=k.dtype)
     kernel = _kkt_kernel()
     tuner = autotuner(kernel)
     # only where the sm_90 pins (PIN_CONFIGS) apply with more warps: where this was measured

@@ -69,9 +69,11 @@ def _question_step(S, q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, a_ptr, o_ptr, bos, n
     b_b = tl.load(beta_ptr + t * HV + i_h, mask=t_ok, other=0.0).to(k_ptr.dtype.element_ty)
     b_g = tl.load(g_ptr + t * HV + i_h, mask=t_ok, other=0.0).to(tl.float32)
     g_last = tl.load(g_ptr + (bos + tl.minimum(c0 + BT, n) - 1) * HV + i_h).to(tl.float32)
-    # A's rows of the chunk's tokens (fla's layout [T, Hv, BT]: row i holds (I + A)^-1's row i within the chunk);
-    # its upper part is zero as the kkt + solve launch leaves it, rows past the segment masked
+    # A's rows of the chunk's tokens (fla's layout [T, Hv, BT]: row i holds (I + A)^-1's row i within the chunk), its
+    # lower triangle: the kkt + solve launch leaves the upper blocks unwritten (no zero fill: `fla._solve`), rows past
+    # the segment masked (selected after the load, which a mask along the row would take element by element)
     b_a = tl.load(a_ptr + (t[:, None] * HV + i_h) * BT + o_t[None, :], mask=t_ok[:, None], other=0.0)
+    b_a = tl.where(causal, b_a, 0.0)
     p_v = (t[:, None] * HV + i_h) * V + o_v[None, :]
     m_v = t_ok[:, None] & v_ok[None, :]
     b_v = tl.load(v_ptr + p_v, mask=m_v, other=0.0)

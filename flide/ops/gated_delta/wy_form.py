@@ -43,7 +43,11 @@ def _w_u_kernel(k_ptr, v_ptr, beta_ptr, a_ptr, g_ptr, w_ptr, u_ptr, cu_ptr, chun
     t_ok = (c0 + o_t) < n
     t = bos + c0 + o_t
     b_b = tl.load(beta_ptr + t * HV + i_h, mask=t_ok, other=0.0)
+    # A's rows within the chunk, lower triangle: the kkt + solve launch leaves the upper blocks unwritten (`fla._solve`
+    # allocates A without a zero fill for this kernel). Selected after a load masked by rows only, which stays
+    # vectorised (a mask that changes along a row would load element by element)
     b_a = tl.load(a_ptr + (t[:, None] * HV + i_h) * BT + o_t[None, :], mask=t_ok[:, None], other=0.0)
+    b_a = tl.where(o_t[:, None] >= o_t[None, :], b_a, 0.0)
     for v0 in range(0, V, BV):
         o_v = v0 + tl.arange(0, BV)
         m_v = t_ok[:, None] & (o_v[None, :] < V)

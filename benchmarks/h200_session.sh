@@ -199,7 +199,8 @@ chunked)
     for t in "engine tests/gpu/test_engine_gpu.py -k chunked_or_nested" \
              "split tests/gpu/test_questions_chunked_gpu.py -k nested_or_opcheck" \
              "invariant tests/gpu/test_batch_invariant_gpu.py -k chunked" \
-             "graphs tests/gpu/test_graphs_gpu.py -k replay_or_rounds_or_graphs_or_oversized"; do
+             "graphs tests/gpu/test_graphs_gpu.py -k replay_or_rounds_or_graphs_or_oversized" \
+             "solve tests/gpu/test_gated_delta_gpu.py -k own_w_u_or_chunked_or_unfilled"; do
         set -- $t; name=$1; file=$2; expr=${4//_or_/ or }
         (timeout ${TEST_S:-250} python3 -m pytest -q -rA -p no:logging --tb=short "$file" -k "$expr" \
             > "$OUT/chunked_$name.log" 2>&1; echo "$name rc=$? $(tail -1 "$OUT/chunked_$name.log")") &

@@ -200,7 +200,7 @@ chunked)
              "split tests/gpu/test_questions_chunked_gpu.py -k nested_or_opcheck" \
              "invariant tests/gpu/test_batch_invariant_gpu.py -k chunked" \
              "graphs tests/gpu/test_graphs_gpu.py -k replay_or_rounds_or_graphs_or_oversized" \
-             "solve tests/gpu/test_gated_delta_gpu.py -k own_w_u_or_chunked_or_unfilled"; do
+             "solve tests/gpu/test_gated_delta_gpu.py -k own_w_u_or_own_kkt_or_chunked_or_unfilled"; do
         set -- $t; name=$1; file=$2; expr=${4//_or_/ or }
         (timeout ${TEST_S:-250} python3 -m pytest -q -rA -p no:logging --tb=short "$file" -k "$expr" \
             > "$OUT/chunked_$name.log" 2>&1; echo "$name rc=$? $(tail -1 "$OUT/chunked_$name.log")") &
@@ -210,7 +210,8 @@ chunked)
     P="python3 benchmarks/profile_round.py --config-json shared/models/qwen3_5/configs/qwen3.5-0.8b.json \
         --tokenizer shared/models/qwen3_5 --data shared/data --repeats 15 --profile-runs 2 \
         --workloads race multirc quality sweep8 sweep64 race@16"
-    for ab in "main" "turns flide.ops.gated_delta.questions_chunked.NESTED_ROW_PROGRAMS=16"; do
+    # "both": the nested rows in turns and our kkt + solve kernel (fla.OWN_KKT), told apart by their kernels' rows
+    for ab in "main" "both flide.ops.gated_delta.questions_chunked.NESTED_ROW_PROGRAMS=16 flide.ops.gated_delta.fla.OWN_KKT=True"; do
         name=${ab%% *}; set_arg=""; [ "$name" != main ] && set_arg="--set ${ab#* }"
         timeout ${PROFILE_S:-120} $P $set_arg --out "$OUT/profile_$name.json" > "$OUT/profile_$name.log" 2>&1
         echo "profile $name rc=$?"
@@ -218,8 +219,8 @@ chunked)
     python3 - <<'PY2'
 import json, os
 KERNELS = ("_questions_chunked_kernel", "_branch_kernel", "chunk_gated_delta_rule_fwd_kkt_solve_kernel",
-           "_w_u_kernel", "_state_chain_kernel")
-for name in ("main", "turns"):
+           "_kkt_solve_kernel", "_w_u_kernel", "_state_chain_kernel")
+for name in ("main", "both"):
     try:
         r = json.load(open(os.environ["OUT"] + f"/profile_{name}.json"))
     except Exception as error:

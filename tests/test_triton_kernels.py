@@ -28,7 +28,7 @@ if not INTERPRETED:
 
     @pytest.mark.parametrize("kernel", ["fork_conv", "fork_attention", "gated_delta_branches", "gated_delta_l2norm",
                                         "gated_delta_questions_wy", "gated_delta_questions_chunked", "gated_delta_w_u",
-                                        "gated_delta_state_chain", "gated_norm",
+                                        "gated_delta_kkt_solve", "gated_delta_state_chain", "gated_norm",
                                         "qk_prep"])
     def test_in_the_triton_interpreter(kernel):
         """Runs this file's `test_<kernel>_*` checks in a child process with TRITON_INTERPRET=1."""
@@ -42,6 +42,7 @@ else:
     from flide.ops.fork_conv import reference as conv_ref
     from flide.ops.fork_conv import triton as conv_triton
     from flide.ops.gated_delta import branches as delta_branches
+    from flide.ops.gated_delta import kkt_solve as delta_kkt
     from flide.ops.gated_delta import l2norm as delta_l2norm
     from flide.ops.gated_delta import questions_chunked as delta_chunked
     from flide.ops.gated_delta import questions_wy as delta_wy
@@ -623,6 +624,41 @@ else:
         torch.testing.assert_close(w[0][rows], w_ref[rows], atol=2e-5, rtol=1e-5)
         torch.testing.assert_close(u[0][rows], u_ref[rows], atol=2e-5 * max(1.0, u_ref.abs().max().item()),
                                    rtol=1e-5)
+
+    KKT_CASES = [(1, 1, 16), (2, 4, 32), (1, 3, 16)]  # (Hk, Hv, K): grouped value heads, 3 value heads a key head
+
+    @pytest.mark.parametrize("heads", KKT_CASES, ids=[f"Hk{h[0]}-Hv{h[1]}-K{h[2]}" for h in KKT_CASES])
+    def test_gated_delta_kkt_solve_matches_the_reference(heads):
+        """The kkt + solve step (fla's arithmetic, the diagonal blocks' substitutions side by side) over sequences of
+        70, 1, 64, 130, 15 and 35 tokens (chunks of 1 to 64 tokens, every partial 16-token block) and spare chunk
+        rows: each chunk's lower triangle equal to the float64 solve of `wy_reference` (fp32), nothing written in the
+        upper blocks nor past the sequences (NaN-poisoned A)."""
+        from flide.ops.gated_delta import fla as delta_fla
+
+        Hk, Hv, K = heads
+        lens = torch.tensor([70, 1, 64, 130, 15, 35])
+        starts = lens.cumsum(0) - lens
+        tokens = int(lens.sum()) + 20
+        _, k, v, g, beta = gdn_inputs(tokens, (Hk, Hv, K, 16), seed=51, decay=0.5)
+        _, _, gamma, solved = delta_wy.wy_reference(k, v, g, beta, starts, lens, with_solve=True)
+        cu = delta_fla.bounds(starts, lens)
+        chunks = delta_fla.chunk_table(cu, tokens // 64 + lens.shape[0] + 3)
+        A = torch.full((1, tokens, Hv, 64), float("nan"))
+        delta_kkt.kkt_solve(k[None], gamma[None], beta[None], cu, chunks, A)
+        lower = ~solved_poisoned(solved, starts, lens).isnan()
+        assert lower.any()
+        torch.testing.assert_close(A[0][lower], solved[lower], atol=1e-5, rtol=1e-5)
+        # written: each chunk's lower blocks (the diagonal ones whole: zero above their diagonal); nothing else
+        t = torch.arange(tokens)
+        seq = (torch.searchsorted(cu, t, right=True) - 1).clamp(max=lens.shape[0] - 1)
+        within = torch.where(t < int(cu[-1]), (t - starts[seq]) % 64, -1)
+        blocks = (within // 16)[:, None] >= (torch.arange(64) // 16)[None, :]  # [T, 64]: lower blocks of a row
+        written = ~A[0].isnan()
+        assert torch.equal(written, (blocks & (within >= 0)[:, None])[:, None, :].expand_as(written))
+        assert (A[0][written & ~lower] == 0).all()
+
+    def test_gated_delta_kkt_solve_kernel_is_interpreted():
+        assert isinstance(delta_kkt._kkt_solve_kernel, InterpretedFunction)
 
     def test_gated_delta_w_u_kernel_is_interpreted():
         assert isinstance(delta_w_u._w_u_kernel, InterpretedFunction)

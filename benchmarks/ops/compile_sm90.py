@@ -103,7 +103,7 @@ def main() -> int:
 
     from flide.ops.fork_attention import triton_invariant as attn
     from flide.ops.fork_conv import triton as conv
-    from flide.ops.gated_delta import branches, questions_chunked, questions_wy, segment_scan, state_chain
+    from flide.ops.gated_delta import branches, kkt_solve, questions_chunked, questions_wy, segment_scan, state_chain
     from flide.ops.gated_norm import triton as gated_norm
     from flide.ops.qk_prep import triton as qk_prep
     from flide.ops.linear import triton as linear
@@ -198,6 +198,13 @@ def main() -> int:
             {"g_ptr": "*fp32", "h0_ptr": "*fp32", "subs_ptr": "*fp32", "beta_ptr": beta}, "*i64", {"scale": "fp32"},
             dict(H=16, HV=hv, K=128, V=128, BT=64, BV=questions_chunked.BLOCK_V, NESTED=nested, PHASE=phase),
             {"num_warps": questions_chunked.NUM_WARPS, "num_stages": questions_chunked.NUM_STAGES})
+    # our kkt + solve step (kkt_solve.py, `fla.OWN_KKT`), 1 and 2 warps
+    for hv, warps in ((16, 1), (16, 2), (32, 1)):
+        ok &= compile_one(
+            f"gated_delta kkt + solve bf16 Hv{hv} {warps} warps", kkt_solve._kkt_solve_kernel,
+            {"k_ptr": "*bf16", "g_ptr": "*fp32", "beta_ptr": "*bf16", "a_ptr": "*bf16"}, "*i32", {},
+            dict(H=16, HV=hv, K=128, BT=64, BC=16, BK=64, PRECISION="tf32"),
+            {"num_warps": warps, "num_stages": kkt_solve.NUM_STAGES})
     # the two-level chain (segment_scan.py): the segments' fused chain from start states by index, the transitions,
     # the combine
     for hv in (16, 32):

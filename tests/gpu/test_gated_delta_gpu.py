@@ -570,6 +570,43 @@ def test_kkt_warps_keep_the_bits(tokens, monkeypatch):
     assert ours and torch.equal(finals, want_finals) and torch.equal(o, want_o)
 
 
+@pytest.mark.parametrize("warps", [1, 2])
+@pytest.mark.parametrize("tokens", [500, 3072])
+@pytest.mark.parametrize("heads", [(16, 16), (16, 32)], ids=["Hk16-Hv16", "Hk16-Hv32"])
+def test_own_kkt_solve_keeps_fla_s_bits(tokens, heads, warps, monkeypatch):
+    """fla.OWN_KKT: our kkt + solve kernel (the diagonal blocks' substitutions side by side) writes fla's kernel's
+    bits, launched at the same warps, on every chunk's lower blocks; and the fork with it (state rows, final states,
+    questions) has the bits of the fork with fla's."""
+    from flide.config import GDN_CHUNK
+    from flide.ops.gated_delta import fla as fla_module
+    from flide.ops.gated_delta.kkt_solve import kkt_solve
+
+    x, r = inputs(tokens, torch.bfloat16, seed=tokens + heads[1] + warps, hk=heads[0], hv=heads[1])
+    q, k, v, decay, beta = x
+    cu = fla_module.bounds(r.state_start, r.state_len)
+    chunks = fla_module.chunk_table(cu, tokens // GDN_CHUNK + r.state_start.shape[0] + 1)
+    kn = F.normalize(k.float(), dim=-1).to(torch.bfloat16)[None].contiguous()
+    g = fla_module._fla_steps()[0](decay[None].float(), chunk_size=GDN_CHUNK, scale=fla_module._fla_steps()[4],
+                                   cu_seqlens=cu, chunk_indices=chunks)
+    b = beta[None].to(torch.bfloat16).contiguous()
+    want = torch.full((1, tokens, heads[1], GDN_CHUNK), float("nan"), device="cuda", dtype=torch.bfloat16)
+    fla_module.autotuner(fla_module._kkt_kernel()).fn[(chunks.shape[0], heads[1])](
+        k=kn, g=g, beta=b, A=want, cu_seqlens=cu, chunk_indices=chunks, T=tokens, H=heads[0], HV=heads[1],
+        K=128, BT=GDN_CHUNK, BC=16, BK=64, USE_G=True, IS_VARLEN=True, num_warps=warps, num_stages=3)
+    got = kkt_solve(kn, g, b, cu, chunks, torch.full_like(want, float("nan")), num_warps=warps)
+    assert (~want.isnan()).any()
+    assert torch.equal(got.isnan(), want.isnan())  # the same elements written
+    assert torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0))
+    meta = (r.state_start, r.state_len, r.branch_start, r.branch_len, r.branch_state)
+    monkeypatch.setattr(fla_module, "KKT_ONE_WARP_TOKENS", 0)  # fla's at 1 warp wherever pinned at more
+    monkeypatch.setattr(fla_module, "KKT_WARPS", 1)
+    monkeypatch.setattr(fla_module, "OWN_KKT", True)
+    o, finals = fork(kernel("fla"), *x, *meta, 128 ** -0.5, True)
+    monkeypatch.setattr(fla_module, "OWN_KKT", False)
+    o_fla, finals_fla = fork(kernel("fla"), *x, *meta, 128 ** -0.5, True)
+    assert torch.equal(finals, finals_fla) and torch.equal(o, o_fla)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("tokens", [500, 3072, 8192])
 @pytest.mark.parametrize("heads", [(16, 16), (16, 32)], ids=["Hk16-Hv16", "Hk16-Hv32"])

@@ -342,6 +342,16 @@ def _intra(k, v, g, beta, cu_seqlens, chunk_indices):
     return (*_w_u(k, v, beta, A, g, cu_seqlens, chunk_indices), A)
 
 
+# The kkt + solve step by our kernel (`kkt_solve.py`: fla's arithmetic with the four diagonal blocks' forward
+# substitutions in one loop, independent chains side by side, instead of four loops one after the other; 1 warp a
+# program, KKT_WARPS) instead of fla's. Same bits as fla's kernel at the same warps
+# (tests/gpu/test_gated_delta_gpu.py::test_own_kkt_solve_keeps_fla_s_bits). Aim: the latency-bound launch of short
+# rounds, ~20 us a layer on RACE's 512 bucket (0.35 of its 2.77 ms replay, H200, session 38). Unmeasured: off until
+# a replay A/B (`--set flide.ops.gated_delta.fla.OWN_KKT=True`).
+OWN_KKT = False
+KKT_WARPS = 1
+
+
 def _solve(k, g, beta, cu_seqlens, chunk_indices, filled: bool | None = None):
     """A [1, T, Hv, GDN_CHUNK]: fla's fused kkt + solve step over the chunk rows `chunk_indices` (spare rows return
     at once), at 1 warp a program on long streams (KKT_ONE_WARP_TOKENS), else as fla's intra step launches it (its
@@ -354,6 +364,10 @@ def _solve(k, g, beta, cu_seqlens, chunk_indices, filled: bool | None = None):
     if filled is None:
         filled = not (OWN_W_U and k.is_cuda)
     A = (torch.zeros if filled else torch.empty)(B, T, HV, GDN_CHUNK, device=k.device, dtype=k.dtype)
+    if OWN_KKT and k.is_cuda:
+        from .kkt_solve import kkt_solve
+
+        return kkt_solve(k, g, beta, cu_seqlens, chunk_indices, A, num_warps=KKT_WARPS)
     kernel = _kkt_kernel()
     tuner = autotuner(kernel)
     # only where the sm_90 pins (PIN_CONFIGS) apply with more warps: where this was measured

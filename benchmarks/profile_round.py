@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import flide
 from flide import workloads
+from flide.bench import workloads as bench_workloads
 from flide.loading import load_tokenizer, random_model
 
 FAMILIES = [  # first match wins: (family, substrings of the kernel name)
@@ -56,9 +57,10 @@ def family(name: str) -> str:
 
 
 def sweep(tokenizer, questions: int, folder) -> dict:
-    base = workloads.quality(limit=1, cut_tokens=2000, tokenizer=tokenizer, folder=folder)[0]
-    items = list(base["questions"].values())
-    return {"state": base["state"], "questions": {f"q{i}": items[i % len(items)] for i in range(questions)}}
+    """The bench's `sweep/q<n>` request (a QuALITY article cut to 2,000 tokens, asked n questions; past its own, they
+    repeat with their options reordered, so every prompt differs). Before session 40 this took the article's questions
+    again unchanged, which nested forks shared: sweep 64 was a 3,893-token stream here against the bench's 7,550."""
+    return bench_workloads.sweep(tokenizer, counts=(questions,), data_dir=folder)[f"sweep/q{questions}"][0]
 
 
 def load(name: str, tokenizer, folder) -> list[dict]:

@@ -128,6 +128,36 @@ else:
             live = torch.cat([want[0], want[1]], 1).abs().amax(-1) > 0
             torch.testing.assert_close(norms[live], torch.ones_like(norms[live]), atol=1e-4, rtol=0)
 
+    @pytest.mark.parametrize("tile_weights,channels_fastest", [(True, False), (False, True), (True, True)],
+                             ids=["tiled-weights", "channels-first", "both"])
+    def test_fork_conv_layouts_keep_the_bits(monkeypatch, tile_weights, channels_fastest):
+        """`TILE_WEIGHTS` (each tap's weights loaded in the x tile's layout) and `CHANNELS_FASTEST` (the grid's first
+        axis walks channel tiles) change where values are loaded and in which order programs run, not what is summed:
+        both conv launches (plain, and laid out with the gates) keep the bits they have without them."""
+        tokens, key_heads, value_heads, dim = 70, 1, 3, 16
+        D = (2 * key_heads + value_heads) * dim
+        r = tiny_round(tokens, seed=5)
+        x, weight = randn(tokens, D, seed=21), randn(D, 4, seed=22)
+        proj = randn(tokens, 2 * value_heads, seed=23)
+        gates = (proj[:, :value_heads], proj[:, value_heads:], randn(value_heads, seed=24), randn(value_heads, seed=25))
+
+        def both():
+            return (conv_triton.fork_conv(x, weight, r.seg_lo, r.trunk_lo, r.trunk_hi, True, block_t=16, block_d=32),
+                    *conv_triton.fork_conv_qkv(x, weight, r.seg_lo, r.trunk_lo, r.trunk_hi, key_heads, dim, True,
+                                               gates))
+
+        want = both()
+        monkeypatch.setattr(conv_triton, "TILE_WEIGHTS", tile_weights)
+        monkeypatch.setattr(conv_triton, "CHANNELS_FASTEST", channels_fastest)
+        got = both()
+        for g, w in zip(got, want):
+            assert torch.equal(g, w)
+        torch.testing.assert_close(got[0], conv_ref.fork_conv(x, weight, r.seg_lo, r.trunk_lo, r.trunk_hi, True),
+                                   atol=1e-5, rtol=1e-5)
+        if channels_fastest:  # past the grid's second axis the token tiles go back on its first (same bits)
+            monkeypatch.setattr(conv_triton, "_MAX_GRID_Y", 2)
+            assert all(torch.equal(g, w) for g, w in zip(both(), want))
+
     @pytest.mark.parametrize("value_heads", [1, 3, 16])
     def test_fork_conv_qkv_gates_match_transformers_formulas(value_heads):
         """With `gates` the fused conv also writes the GDN layer's g = -exp(A_log) * softplus(a + dt_bias) (fp32) and

@@ -170,3 +170,31 @@ def test_conv_qkv_matches_reference_and_lays_out_what_prepare_qkv_did(tokens, ke
         return
     equal = (torch.cat([q, k]) == torch.cat(before[:2])).float().mean().item()
     assert equal > 0.99, f"only {equal:.4f} of q / k's elements have prepare_qkv's bits"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("tokens", [65, 3600])
+def test_layouts_keep_the_bits(monkeypatch, tokens, dtype):
+    """`TILE_WEIGHTS` / `CHANNELS_FASTEST` (flide/ops/fork_conv/triton.py) move loads and reorder programs only: the
+    plain and the laid-out launch (0.8B's heads, with the gates) keep their bits with each of them on."""
+    from flide.ops.fork_conv import fork_conv_qkv_triton
+    from flide.ops.fork_conv import triton as kernel
+
+    key_heads, value_heads, dim = 16, 16, 128
+    D = (2 * key_heads + value_heads) * dim
+    x, weight, r = inputs(tokens, D + 2 * value_heads, dtype, seed=tokens + 7)
+    x, weight, proj = x[:, :D], weight[:D], x[:, D:] * 4
+    a, b = proj[:, :value_heads], proj[:, value_heads:]
+    a_log, dt_bias = weight[:value_heads, 0].contiguous(), weight[value_heads:2 * value_heads, 1].contiguous() * 3
+    meta = (r.seg_lo, r.trunk_lo, r.trunk_hi)
+
+    def both():
+        return (triton_op()(x, weight, *meta, True),
+                *fork_conv_qkv_triton(x, weight, *meta, a, b, a_log, dt_bias, key_heads, dim, True))
+
+    want = both()
+    for tile_weights, channels_fastest in ((True, False), (False, True), (True, True)):
+        monkeypatch.setattr(kernel, "TILE_WEIGHTS", tile_weights)
+        monkeypatch.setattr(kernel, "CHANNELS_FASTEST", channels_fastest)
+        for got, ref in zip(both(), want):
+            assert torch.equal(got, ref), (tile_weights, channels_fastest)

@@ -35,6 +35,16 @@ _LIBDEVICE = os.environ.get("TRITON_INTERPRET") != "1"
 BLOCK_T = 16  # tokens per tile (H200, session 28 `--sweep`: 5-11 % under 32 for both launches)
 BLOCK_D = 128  # channels per tile: 256 contiguous bytes of a bf16 row per token
 NUM_WARPS = 4
+# Unmeasured layouts (session 40, off until a device A/B; the same products and sums either way: the same bits).
+# TILE_WEIGHTS: each tap's weights loaded as a [BLOCK_T, BLOCK_D] tile of the x tile's own layout (every row the
+# same channels: L1 hits). A [BLOCK_D] load takes a layout of its own, and compiled for sm_90 (launch hints as the
+# JIT gives them) each tap then converts it through shared memory behind a barrier: 4 barriers a program, the later
+# taps' x loads issued after them; tiled: no shared memory, no barrier, 70 -> 72 registers, 4 -> 64 scalar loads
+# (L1). CHANNELS_FASTEST: the grid's first axis walks channel tiles, so the programs resident at once read whole
+# rows of the projection output (and write whole q / k / v rows) instead of one head's 256 bytes of every row.
+TILE_WEIGHTS = False
+CHANNELS_FASTEST = False
+_MAX_GRID_Y = 65535  # CUDA's limit on a grid's second axis (token tiles there when CHANNELS_FASTEST)
 EPS = 1e-6  # of the q / k L2 norm in `fork_conv_qkv` (gated_delta/l2norm.py's, fla's)
 
 
@@ -73,9 +83,14 @@ def _fork_conv_kernel(x_ptr, w_ptr, out_ptr, seg_lo_ptr, trunk_lo_ptr, trunk_hi_
                       k_ptr, v_ptr, KEY_COLS, a_ptr, b_ptr, alog_ptr, dt_ptr, g_ptr, beta_ptr, stride_at, stride_bt,
                       HV, W: tl.constexpr, SILU: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
                       HAS_WINDOW: tl.constexpr, SPLIT: tl.constexpr, NORM: tl.constexpr, EPS: tl.constexpr,
-                      GATES: tl.constexpr, BLOCK_H: tl.constexpr, LIBDEVICE: tl.constexpr):
-    pid_t = tl.program_id(0)
-    pid_d = tl.program_id(1)
+                      GATES: tl.constexpr, BLOCK_H: tl.constexpr, LIBDEVICE: tl.constexpr,
+                      TILE_WEIGHTS: tl.constexpr, CHANNELS_FASTEST: tl.constexpr):
+    if CHANNELS_FASTEST:
+        pid_d = tl.program_id(0)
+        pid_t = tl.program_id(1)
+    else:
+        pid_t = tl.program_id(0)
+        pid_d = tl.program_id(1)
     # int64 token indices: row * stride can pass 2**31 in long streams of wide channels
     t = pid_t.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     if GATES:
@@ -116,8 +131,14 @@ def _fork_conv_kernel(x_ptr, w_ptr, out_ptr, seg_lo_ptr, trunk_lo_ptr, trunk_hi_
             xw = tl.load(win_ptr + win_row[:, None] * stride_win_r + d[None, :] * stride_win_d,
                          mask=use[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
             xv = tl.where(use[:, None], xw, xv)
-        wv = tl.load(w_ptr + d * stride_wd + w * stride_ww, mask=d_ok, other=0.0).to(tl.float32)
-        acc += xv * wv[None, :]
+        if TILE_WEIGHTS:
+            w_cols = d * stride_wd + w * stride_ww
+            wv = tl.load(w_ptr + w_cols[None, :] + (t * 0)[:, None], mask=t_ok[:, None] & d_ok[None, :],
+                         other=0.0).to(tl.float32)
+            acc += xv * wv
+        else:
+            wv = tl.load(w_ptr + d * stride_wd + w * stride_ww, mask=d_ok, other=0.0).to(tl.float32)
+            acc += xv * wv[None, :]
     if SILU:
         # rounded to the output dtype before the SiLU, where the reference (and transformers' conv) rounds: SiLU of
         # the unrounded fp32 sum gave Qwen3.5-9B's bf16 answers 2.5x the pipeline's distance from the float32
@@ -182,13 +203,13 @@ def fork_conv(x: torch.Tensor, weight: torch.Tensor, seg_lo: torch.Tensor, trunk
         win_index = win_index.contiguous()
     else:
         rows, win_index = x, seg_lo
-    grid = (triton.cdiv(T, block_t), triton.cdiv(D, block_d))
+    grid, channels_fastest = _grid(triton.cdiv(T, block_t), triton.cdiv(D, block_d))
     _fork_conv_kernel[grid](x, weight, out, seg_lo, trunk_lo, trunk_hi, rows, win_index, T, D,
                             x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
                             rows.stride(0), rows.stride(1), out, out, 0, *([out] * 6), 0, 0, 0, W=W,
                             SILU=bool(silu), BLOCK_T=block_t, BLOCK_D=block_d, HAS_WINDOW=window is not None,
                             SPLIT=False, NORM=False, EPS=EPS, GATES=False, BLOCK_H=1, LIBDEVICE=_LIBDEVICE,
-                            num_warps=num_warps)
+                            TILE_WEIGHTS=TILE_WEIGHTS, CHANNELS_FASTEST=channels_fastest, num_warps=num_warps)
     return out
 
 
@@ -236,11 +257,20 @@ def fork_conv_qkv(x: torch.Tensor, weight: torch.Tensor, seg_lo: torch.Tensor, t
     if T == 0 or D == 0:
         return out
     seg_lo, trunk_lo, trunk_hi = seg_lo.contiguous(), trunk_lo.contiguous(), trunk_hi.contiguous()
-    grid = (triton.cdiv(T, block_t), D // head_dim + (gates is not None))
+    grid, channels_fastest = _grid(triton.cdiv(T, block_t), D // head_dim + (gates is not None))
     _fork_conv_kernel[grid](x, weight, q, seg_lo, trunk_lo, trunk_hi, x, seg_lo, T, D,
                             x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), 0, 0, x.stride(0),
                             x.stride(1), k, v, key_cols, *gate_args, W=W, SILU=True, BLOCK_T=block_t,
                             BLOCK_D=head_dim, HAS_WINDOW=False, SPLIT=True, NORM=bool(normalize), EPS=EPS,
                             GATES=gates is not None, BLOCK_H=triton.next_power_of_2(max(HV, 1)),
-                            LIBDEVICE=_LIBDEVICE, num_warps=num_warps)
+                            LIBDEVICE=_LIBDEVICE, TILE_WEIGHTS=TILE_WEIGHTS, CHANNELS_FASTEST=channels_fastest,
+                            num_warps=num_warps)
     return out
+
+
+def _grid(token_tiles: int, channel_tiles: int) -> tuple[tuple[int, int], bool]:
+    """The launch grid and whether its first axis is the channel tiles (`CHANNELS_FASTEST`, where the token tiles
+    fit the grid's second axis)."""
+    if CHANNELS_FASTEST and token_tiles <= _MAX_GRID_Y:
+        return (channel_tiles, token_tiles), True
+    return (token_tiles, channel_tiles), False

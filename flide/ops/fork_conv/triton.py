@@ -38,10 +38,13 @@ NUM_WARPS = 4
 # Unmeasured layouts (session 40, off until a device A/B; the same products and sums either way: the same bits).
 # TILE_WEIGHTS: each tap's weights loaded as a [BLOCK_T, BLOCK_D] tile of the x tile's own layout (every row the
 # same channels: L1 hits). A [BLOCK_D] load takes a layout of its own, and compiled for sm_90 (launch hints as the
-# JIT gives them) each tap then converts it through shared memory behind a barrier: 4 barriers a program, the later
-# taps' x loads issued after them; tiled: no shared memory, no barrier, 70 -> 72 registers, 4 -> 64 scalar loads
-# (L1). CHANNELS_FASTEST: the grid's first axis walks channel tiles, so the programs resident at once read whole
-# rows of the projection output (and write whole q / k / v rows) instead of one head's 256 bytes of every row.
+# JIT gives them) each tap then converts it through shared memory behind a barrier: 7 barriers a program, the later
+# taps' x loads issued after them. Tiled, what it costs depends on the weight's layout and Triton's version
+# (`benchmarks/ops/kernel_resources.py`, bf16 laid-out launch): the model's [D, W] (a tap's weights 4 apart)
+# Triton 3.9: 70 -> 72 registers, no barrier; Triton 3.6 (the H200 box's): 64 -> 141 registers and a conversion
+# still; a tap-major copy (stride 1 along D) 3.6: 60 registers, no barrier, 16-byte loads.
+# CHANNELS_FASTEST: the grid's first axis walks channel tiles, so the programs resident at once read whole rows of
+# the projection output (and write whole q / k / v rows) instead of one head's 256 bytes of every row.
 TILE_WEIGHTS = False
 CHANNELS_FASTEST = False
 _MAX_GRID_Y = 65535  # CUDA's limit on a grid's second axis (token tiles there when CHANNELS_FASTEST)

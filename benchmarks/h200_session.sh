@@ -210,8 +210,9 @@ chunked)
     P="python3 benchmarks/profile_round.py --config-json shared/models/qwen3_5/configs/qwen3.5-0.8b.json \
         --tokenizer shared/models/qwen3_5 --data shared/data --repeats 15 --profile-runs 2 \
         --workloads race multirc quality sweep8 sweep64 race@16"
-    # "both": the nested rows in turns and our kkt + solve kernel (fla.OWN_KKT), told apart by their kernels' rows
-    for ab in "main" "both flide.ops.gated_delta.questions_chunked.NESTED_ROW_PROGRAMS=16 flide.ops.gated_delta.fla.OWN_KKT=True"; do
+    # the nested rows in turns at 128 programs (16 took QuALITY's / 16 RACE's all-empty nested launch from 0.73 to
+    # 0.07 ms but cost sweep 64, whose 80 nested rows it ran 5 to a program, +1.8 ms: H100, session 40)
+    for ab in "main" "rows128 flide.ops.gated_delta.questions_chunked.NESTED_ROW_PROGRAMS=128"; do
         name=${ab%% *}; set_arg=""; [ "$name" != main ] && set_arg="--set ${ab#* }"
         timeout ${PROFILE_S:-120} $P $set_arg --out "$OUT/profile_$name.json" > "$OUT/profile_$name.log" 2>&1
         echo "profile $name rc=$?"

@@ -128,12 +128,11 @@ else:
             live = torch.cat([want[0], want[1]], 1).abs().amax(-1) > 0
             torch.testing.assert_close(norms[live], torch.ones_like(norms[live]), atol=1e-4, rtol=0)
 
-    @pytest.mark.parametrize("tile_weights,channels_fastest", [(True, False), (False, True), (True, True)],
-                             ids=["tiled-weights", "channels-first", "both"])
-    def test_fork_conv_layouts_keep_the_bits(monkeypatch, tile_weights, channels_fastest):
-        """`TILE_WEIGHTS` (each tap's weights loaded in the x tile's layout) and `CHANNELS_FASTEST` (the grid's first
-        axis walks channel tiles) change where values are loaded and in which order programs run, not what is summed:
-        both conv launches (plain, and laid out with the gates) keep the bits they have without them."""
+    @pytest.mark.parametrize("channels_fastest", [False, True], ids=["tokens-first", "channels-first"])
+    def test_fork_conv_grid_orders_keep_the_bits(monkeypatch, channels_fastest):
+        """`CHANNELS_FASTEST` (the grid's first axis walks channel tiles) changes the order programs run in, not
+        what they sum: both conv launches (plain, and laid out with the gates) keep the bits of the other order, and
+        of the token-tiles-first grid it falls back to past the grid's second axis."""
         tokens, key_heads, value_heads, dim = 70, 1, 3, 16
         D = (2 * key_heads + value_heads) * dim
         r = tiny_round(tokens, seed=5)
@@ -146,17 +145,16 @@ else:
                     *conv_triton.fork_conv_qkv(x, weight, r.seg_lo, r.trunk_lo, r.trunk_hi, key_heads, dim, True,
                                                gates))
 
+        monkeypatch.setattr(conv_triton, "CHANNELS_FASTEST", not channels_fastest)
         want = both()
-        monkeypatch.setattr(conv_triton, "TILE_WEIGHTS", tile_weights)
         monkeypatch.setattr(conv_triton, "CHANNELS_FASTEST", channels_fastest)
         got = both()
-        for g, w in zip(got, want):
-            assert torch.equal(g, w)
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
         torch.testing.assert_close(got[0], conv_ref.fork_conv(x, weight, r.seg_lo, r.trunk_lo, r.trunk_hi, True),
                                    atol=1e-5, rtol=1e-5)
-        if channels_fastest:  # past the grid's second axis the token tiles go back on its first (same bits)
-            monkeypatch.setattr(conv_triton, "_MAX_GRID_Y", 2)
-            assert all(torch.equal(g, w) for g, w in zip(both(), want))
+        monkeypatch.setattr(conv_triton, "_MAX_GRID_Y", 2)  # token tiles past the second axis: the first again
+        assert conv_triton._grid(5, 3) == ((5, 3), False)
+        assert all(torch.equal(g, w) for g, w in zip(both(), want))
 
     @pytest.mark.parametrize("value_heads", [1, 3, 16])
     def test_fork_conv_qkv_gates_match_transformers_formulas(value_heads):

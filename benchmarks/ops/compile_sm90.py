@@ -124,16 +124,14 @@ def main() -> int:
                      BLOCK_DV=256 // parts, PRECISION="ieee" if dtype == "fp32" else "tf32", STATS=False,
                      HAS_PREFIX=prefix, HAS_SUB=sub, V_PARTS=parts),
                 {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
-        for window, split, tiled in ((False, False, False), (True, False, False), (False, True, False),
-                                     (False, True, True), (False, False, True)):
+        for window, split in ((False, False), (True, False), (False, True)):
             ok &= compile_one(
-                f"fork_conv {dtype} window={window} split={split} tiled weights / channels first={tiled}",
-                conv._fork_conv_kernel,
+                f"fork_conv {dtype} window={window} split={split}", conv._fork_conv_kernel,
                 {n: triton_dtype for n in ("x_ptr", "w_ptr", "out_ptr", "win_ptr", "k_ptr", "v_ptr", "a_ptr", "b_ptr",
                                            "alog_ptr", "dt_ptr", "beta_ptr")} | {"g_ptr": "*fp32"}, "*i32", {},
                 dict(W=4, SILU=True, BLOCK_T=conv.BLOCK_T, BLOCK_D=conv.BLOCK_D, HAS_WINDOW=window, SPLIT=split,
-                     NORM=split, EPS=conv.EPS, GATES=split, BLOCK_H=16, LIBDEVICE=True, TILE_WEIGHTS=tiled,
-                     CHANNELS_FASTEST=tiled), {"num_warps": conv.NUM_WARPS})
+                     NORM=split, EPS=conv.EPS, GATES=split, BLOCK_H=16, LIBDEVICE=True,
+                     CHANNELS_FASTEST=conv.CHANNELS_FASTEST), {"num_warps": conv.NUM_WARPS})
         for weight_dtype in dict.fromkeys((triton_dtype, "*fp32")):  # bf16 and fp32 weights; fp32 once
             ok &= compile_one(
                 f"gated_norm {dtype} weight {weight_dtype[1:]}", gated_norm._gated_norm_kernel,

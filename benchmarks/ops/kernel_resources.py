@@ -109,8 +109,7 @@ def invariant_attention(dtype: str, head_dim: int, group: int, config, sub: bool
     return resources(_compile(fi._fork_attention_invariant_kernel, sig, consts, config.num_warps, config.num_stages))
 
 
-def conv(dtype: str, split: bool = False, heads_v: int = 16, maxnreg: int | None = None,
-         tile_weights: bool | None = None) -> str:
+def conv(dtype: str, split: bool = False, heads_v: int = 16, maxnreg: int | None = None) -> str:
     """The fork conv as `fork_conv` launches it (split False) or as `fork_conv_qkv` does for the replay's laid-out
     GDN layers (q / k normalised, v, and the gates from the same launch; 128-channel heads, `heads_v` value heads)."""
     import triton
@@ -128,9 +127,7 @@ def conv(dtype: str, split: bool = False, heads_v: int = 16, maxnreg: int | None
     # unit strides are specialised to constants by the JIT; the checkpoint-window path (HAS_WINDOW) is compiled out,
     # as in fresh rounds
     consts = {"stride_xd": 1, "stride_ww": 1, "stride_win_d": 1, "W": 4, "SILU": True, "BLOCK_T": fc.BLOCK_T,
-              "HAS_WINDOW": False, "EPS": fc.EPS, "LIBDEVICE": True,
-              "TILE_WEIGHTS": fc.TILE_WEIGHTS if tile_weights is None else tile_weights,
-              "CHANNELS_FASTEST": fc.CHANNELS_FASTEST}
+              "HAS_WINDOW": False, "EPS": fc.EPS, "LIBDEVICE": True, "CHANNELS_FASTEST": fc.CHANNELS_FASTEST}
     if split:
         consts |= {"BLOCK_D": 128, "SPLIT": True, "NORM": True, "GATES": True,
                    "BLOCK_H": triton.next_power_of_2(heads_v)}
@@ -282,8 +279,6 @@ def main() -> None:
     for dtype in ("bf16", "fp32"):
         print(f"fork_conv {dtype} W4 {fc.BLOCK_T}x{fc.BLOCK_D} tiles: {conv(dtype)}", flush=True)
         print(f"fork_conv_qkv {dtype} W4 {fc.BLOCK_T}x128 tiles, 16 value heads: {conv(dtype, True)}", flush=True)
-        print(f"fork_conv_qkv {dtype} W4 {fc.BLOCK_T}x128 tiles, 16 value heads, weights tiled: "
-              f"{conv(dtype, True, tile_weights=True)}", flush=True)
     torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}
     for dtype in ("bf16", "fp32"):
         for hq, hkv, d in [(8, 2, 256), (8, 8, 128), (14, 2, 128), (4, 2, 16)]:

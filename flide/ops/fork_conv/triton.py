@@ -35,18 +35,14 @@ _LIBDEVICE = os.environ.get("TRITON_INTERPRET") != "1"
 BLOCK_T = 16  # tokens per tile (H200, session 28 `--sweep`: 5-11 % under 32 for both launches)
 BLOCK_D = 128  # channels per tile: 256 contiguous bytes of a bf16 row per token
 NUM_WARPS = 4
-# Unmeasured layouts (session 40, off until a device A/B; the same products and sums either way: the same bits).
-# TILE_WEIGHTS: each tap's weights loaded as a [BLOCK_T, BLOCK_D] tile of the x tile's own layout (every row the
-# same channels: L1 hits). A [BLOCK_D] load takes a layout of its own, and compiled for sm_90 (launch hints as the
-# JIT gives them) each tap then converts it through shared memory behind a barrier: 7 barriers a program, the later
-# taps' x loads issued after them. Tiled, what it costs depends on the weight's layout and Triton's version
-# (`benchmarks/ops/kernel_resources.py`, bf16 laid-out launch): the model's [D, W] (a tap's weights 4 apart)
-# Triton 3.9: 70 -> 72 registers, no barrier; Triton 3.6 (the H200 box's): 64 -> 141 registers and a conversion
-# still; a tap-major copy (stride 1 along D) 3.6: 60 registers, no barrier, 16-byte loads.
-# CHANNELS_FASTEST: the grid's first axis walks channel tiles, so the programs resident at once read whole rows of
-# the projection output (and write whole q / k / v rows) instead of one head's 256 bytes of every row.
-TILE_WEIGHTS = False
-CHANNELS_FASTEST = False
+# The grid's first axis walks channel tiles, so the programs resident at once read whole rows of the projection output
+# (and write whole q / k / v rows) instead of one head's 256 bytes of every row; the same programs and sums: the same
+# bits. H100, session 40 (`benchmarks/results/h100_conv_layouts_session40.log`, the laid-out launch alone, 0.8B):
+# 101.5 vs 105.2 us at 8,192 tokens, 30.9 vs 31.3 at 2,304, 8.0 vs 8.0 at 512; QuALITY's replay 1.87 vs 1.91 ms.
+# (Tried beside it and dropped: each tap's weights loaded in the x tile's layout, meant to spare the shared-memory
+# conversion of a tap's [BLOCK_D] weight load; from the model's [D, W] weights Triton 3.6 made that 2x slower, from
+# a tap-major copy 8-11 % slower.)
+CHANNELS_FASTEST = True
 _MAX_GRID_Y = 65535  # CUDA's limit on a grid's second axis (token tiles there when CHANNELS_FASTEST)
 EPS = 1e-6  # of the q / k L2 norm in `fork_conv_qkv` (gated_delta/l2norm.py's, fla's)
 
@@ -87,7 +83,7 @@ def _fork_conv_kernel(x_ptr, w_ptr, out_ptr, seg_lo_ptr, trunk_lo_ptr, trunk_hi_
                       HV, W: tl.constexpr, SILU: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
                       HAS_WINDOW: tl.constexpr, SPLIT: tl.constexpr, NORM: tl.constexpr, EPS: tl.constexpr,
                       GATES: tl.constexpr, BLOCK_H: tl.constexpr, LIBDEVICE: tl.constexpr,
-                      TILE_WEIGHTS: tl.constexpr, CHANNELS_FASTEST: tl.constexpr):
+                      CHANNELS_FASTEST: tl.constexpr):
     if CHANNELS_FASTEST:
         pid_d = tl.program_id(0)
         pid_t = tl.program_id(1)
@@ -134,14 +130,8 @@ def _fork_conv_kernel(x_ptr, w_ptr, out_ptr, seg_lo_ptr, trunk_lo_ptr, trunk_hi_
             xw = tl.load(win_ptr + win_row[:, None] * stride_win_r + d[None, :] * stride_win_d,
                          mask=use[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
             xv = tl.where(use[:, None], xw, xv)
-        if TILE_WEIGHTS:
-            w_cols = d * stride_wd + w * stride_ww
-            wv = tl.load(w_ptr + w_cols[None, :] + (t * 0)[:, None], mask=t_ok[:, None] & d_ok[None, :],
-                         other=0.0).to(tl.float32)
-            acc += xv * wv
-        else:
-            wv = tl.load(w_ptr + d * stride_wd + w * stride_ww, mask=d_ok, other=0.0).to(tl.float32)
-            acc += xv * wv[None, :]
+        wv = tl.load(w_ptr + d * stride_wd + w * stride_ww, mask=d_ok, other=0.0).to(tl.float32)
+        acc += xv * wv[None, :]
     if SILU:
         # rounded to the output dtype before the SiLU, where the reference (and transformers' conv) rounds: SiLU of
         # the unrounded fp32 sum gave Qwen3.5-9B's bf16 answers 2.5x the pipeline's distance from the float32
@@ -212,7 +202,7 @@ def fork_conv(x: torch.Tensor, weight: torch.Tensor, seg_lo: torch.Tensor, trunk
                             rows.stride(0), rows.stride(1), out, out, 0, *([out] * 6), 0, 0, 0, W=W,
                             SILU=bool(silu), BLOCK_T=block_t, BLOCK_D=block_d, HAS_WINDOW=window is not None,
                             SPLIT=False, NORM=False, EPS=EPS, GATES=False, BLOCK_H=1, LIBDEVICE=_LIBDEVICE,
-                            TILE_WEIGHTS=TILE_WEIGHTS, CHANNELS_FASTEST=channels_fastest, num_warps=num_warps)
+                            CHANNELS_FASTEST=channels_fastest, num_warps=num_warps)
     return out
 
 
@@ -266,8 +256,7 @@ def fork_conv_qkv(x: torch.Tensor, weight: torch.Tensor, seg_lo: torch.Tensor, t
                             x.stride(1), k, v, key_cols, *gate_args, W=W, SILU=True, BLOCK_T=block_t,
                             BLOCK_D=head_dim, HAS_WINDOW=False, SPLIT=True, NORM=bool(normalize), EPS=EPS,
                             GATES=gates is not None, BLOCK_H=triton.next_power_of_2(max(HV, 1)),
-                            LIBDEVICE=_LIBDEVICE, TILE_WEIGHTS=TILE_WEIGHTS, CHANNELS_FASTEST=channels_fastest,
-                            num_warps=num_warps)
+                            LIBDEVICE=_LIBDEVICE, CHANNELS_FASTEST=channels_fastest, num_warps=num_warps)
     return out
 
 

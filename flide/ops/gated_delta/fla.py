@@ -345,10 +345,14 @@ def _intra(k, v, g, beta, cu_seqlens, chunk_indices):
 # The kkt + solve step by our kernel (`kkt_solve.py`: fla's arithmetic with the four diagonal blocks' forward
 # substitutions in one loop, independent chains side by side, instead of four loops one after the other; 1 warp a
 # program, KKT_WARPS) instead of fla's. Same bits as fla's kernel at the same warps
-# (tests/gpu/test_gated_delta_gpu.py::test_own_kkt_solve_keeps_fla_s_bits). Aim: the latency-bound launch of short
-# rounds, ~20 us a layer on RACE's 512 bucket (0.35 of its 2.77 ms replay, H200, session 38). Unmeasured: off until
-# a replay A/B (`--set flide.ops.gated_delta.fla.OWN_KKT=True`).
-OWN_KKT = False
+# (tests/gpu/test_gated_delta_gpu.py::test_own_kkt_solve_keeps_fla_s_bits, passed on an H100 in session 40; fla's
+# kernel keeps its bits at 1 and 2 warps too: `test_kkt_warps_keep_the_bits`). Faster on every stream: the launch's
+# ms a replay, fla's vs ours (H100, 0.8B, session 40, `benchmarks/results/h100_profile_0_8b_session40_{main,all_flags}
+# .json`): RACE 0.344 vs 0.283, MultiRC 0.333 vs 0.249, QuALITY 1.423 vs 1.082, sweep 8 0.852 vs 0.627, sweep 64
+# 0.744 vs 0.591, 16 RACE 1.399 vs 1.113; replay GPU ms with it (and the conv's CHANNELS_FASTEST) vs without, same
+# machine (`..._session40_{main2,kkt_channels}.json`): RACE 2.825 vs 2.760, QuALITY 28.68 vs 28.30, 16 RACE 24.73 vs
+# 24.47, sweep 8 12.03 vs 11.79.
+OWN_KKT = True
 KKT_WARPS = 1
 
 

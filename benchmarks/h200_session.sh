@@ -22,6 +22,7 @@
 #     bash benchmarks/h200_session.sh wy         GPU tests + op bench + latency of the questions' chunked (WY) form ~8 min
 #     bash benchmarks/h200_session.sh attn_split the value-column split of the invariant attention: bits test, op bench, replay A/B ~8 min
 #     bash benchmarks/h200_session.sh chunked    chunked questions' GPU tests at HEAD (nested, invariant, engine) + nested rows-in-turns A/B ~7 min
+#     bash benchmarks/h200_session.sh nested     where a nested fork's rows go: replay A/B of the recurrent / in-turns / chunked / stored forms ~6 min
 #     bash benchmarks/h200_session.sh serve      issue 4: the http bench twice (req/s 1/8/32/64, one-client gap) + serve A/B ~9 min
 #     bash benchmarks/h200_session.sh sh 'CMDS'  any commands, after the same set-up (a session's own mix of parts)
 # Logs and results go to $OUT.
@@ -221,7 +222,7 @@ chunked)
 import json, os
 KERNELS = ("_questions_chunked_kernel", "_branch_kernel", "chunk_gated_delta_rule_fwd_kkt_solve_kernel",
            "_kkt_solve_kernel", "_w_u_kernel", "_state_chain_kernel")
-for name in ("main", "both"):
+for name in ("main", "rows128"):
     try:
         r = json.load(open(os.environ["OUT"] + f"/profile_{name}.json"))
     except Exception as error:
@@ -231,6 +232,38 @@ for name in ("main", "both"):
         top = dict(p.get("top_kernels_ms") or [])
         print(name, row["workload"], row["stream_tokens"], row["latency_ms"], p.get("gpu_ms_total"),
               {k: top[k] for k in KERNELS if k in top})
+PY2
+    ;;
+nested)
+    # where a nested fork's rows go (session 40: the bench's 64-question request is 32 sub-trunks of 24-83 tokens with
+    # 2 leaves of 38-105 each, all 96 rows in the recurrent nested launch: 7.8 of its 28.8 ms replay on an H100).
+    # Replay A/B: main (leaves + their sub-trunks recurrent), rows128 (that launch's rows in turns, 128 programs a
+    # head), chunked (SPLIT_NESTED_QUESTIONS off: every nested row chunked, a leaf re-running its sub-trunk), stored
+    # (chunked, sub-trunk states stored by a first launch), ~6 min
+    P="python3 benchmarks/profile_round.py --config-json shared/models/qwen3_5/configs/qwen3.5-0.8b.json \
+        --tokenizer shared/models/qwen3_5 --data shared/data --repeats 15 --profile-runs 2 \
+        --workloads multirc sweep64 quality race"
+    Q=flide.ops.gated_delta
+    for ab in "main" "rows128 $Q.questions_chunked.NESTED_ROW_PROGRAMS=128" \
+              "chunked $Q.fla.SPLIT_NESTED_QUESTIONS=False" \
+              "stored $Q.fla.SPLIT_NESTED_QUESTIONS=False $Q.questions_chunked.STORED_SUB_STATES=True"; do
+        name=${ab%% *}; set_arg=""; [ "$name" != main ] && set_arg="--set ${ab#* }"
+        timeout ${PROFILE_S:-110} $P $set_arg --out "$OUT/nested_$name.json" > "$OUT/nested_$name.log" 2>&1
+        echo "profile $name rc=$?"
+    done
+    python3 - <<'PY2'
+import json, os
+KERNELS = ("_questions_chunked_kernel", "_branch_kernel", "_kkt_solve_kernel", "chunk_local_cumsum_scalar_kernel")
+for name in ("main", "rows128", "chunked", "stored"):
+    try:
+        r = json.load(open(os.environ["OUT"] + f"/nested_{name}.json"))
+    except Exception as error:
+        print(name, error); continue
+    for row in r["rows"]:
+        p = row.get("profile") or {}
+        top = dict(p.get("top_kernels_ms") or [])
+        print(name, row["workload"], row["stream_tokens"], row["latency_ms"], p.get("gpu_ms_total"),
+              {k: round(top[k], 3) for k in KERNELS if k in top})
 PY2
     ;;
 attn_split)

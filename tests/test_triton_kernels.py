@@ -630,6 +630,44 @@ else:
                                         out=poisoned(s.T, Hv, V, dtype=torch.float32))
         assert empty.isnan().all()
 
+    @pytest.mark.parametrize("leaf_tokens", [1, 0], ids=["leaves-over-1", "leaves-over-0"])
+    def test_gated_delta_questions_chunked_split_nested_sends_long_leaves_chunked(leaf_tokens, monkeypatch):
+        """`NESTED_CHUNKED_LEAF_TOKENS` L: a sub-trunk whose every leaf has more than L tokens goes to the chunked
+        launch with its leaves (each re-running its sub-trunk's chunks there), the others stay recurrent. The
+        hand-built stream's sub-trunk P has leaves of 3, 4 and 1 tokens, P2 one of 2: at L = 1 P's group stays
+        recurrent and P2's goes chunked, at L = 0 both go chunked. Every question row equal to the reference's nested
+        call (fp32), the flags zero after, each part with the bits of its kernel alone on its rows."""
+        from flide.ops import gated_delta as delta_pkg
+        from flide.ops.gated_delta import new_sub_flags, split_question_lens
+
+        s, (q, k, v, g, beta), finals, want = nested_question_call(9, seed=6)
+        Hv, V = v.shape[1:]
+        sub = (s.sub_lo, s.sub_hi)
+        monkeypatch.setattr(delta_pkg, "NESTED_CHUNKED_LEAF_TOKENS", leaf_tokens)
+        plain_len, nested_len = split_question_lens(s.branch_start, s.branch_len, *sub)
+        assert torch.equal(plain_len + nested_len, s.branch_len)
+        groups = {}  # sub-trunk row -> its leaves' rows
+        for leaf, parent in s.leaves:
+            groups.setdefault(parent, []).append(leaf)
+        recurrent = {row for parent, leaves in groups.items()
+                     if min(int(s.branch_len[leaf]) for leaf in leaves) <= leaf_tokens for row in [parent, *leaves]}
+        assert set((nested_len > 0).nonzero().flatten().tolist()) == recurrent
+        assert (len(recurrent) > 0) == (leaf_tokens == 1)
+        _, _, gamma, solved = delta_wy.wy_reference(k, v, g, beta, s.branch_start, plain_len, with_solve=True)
+        flags = new_sub_flags(Hv, V)
+        out = delta_chunked.questions_split_nested(q, k, v, g, beta, gamma, solved, s.branch_start, plain_len,
+                                                   nested_len, finals, s.branch_state, *sub, s.slots(), flags, 0.3,
+                                                   out=poisoned(s.T, Hv, V, dtype=torch.float32))
+        assert not flags.any()
+        rows = segment_rows(s.T, s.branch_start, s.branch_len)
+        assert out[~rows].isnan().all()
+        scale = max(1.0, want[rows].abs().max().item())
+        torch.testing.assert_close(out[rows], want[rows], atol=2e-5 * scale, rtol=1e-5)
+        chunked = delta_chunked.questions_chunked(q, k, v, beta, gamma, solved, s.branch_start, plain_len, finals,
+                                                  s.branch_state, 0.3, sub=sub)
+        part_rows = segment_rows(s.T, s.branch_start, plain_len)
+        assert torch.equal(out[part_rows], chunked[part_rows])
+
     @pytest.mark.parametrize("tokens,heads,longest", CHUNKED_CASES,
                              ids=[f"T{t}-Hk{h[0]}-Hv{h[1]}-K{h[2]}-V{h[3]}-S{m}" for t, h, m in CHUNKED_CASES])
     def test_gated_delta_w_u_matches_the_reference(tokens, heads, longest):

@@ -446,6 +446,15 @@ def fork_tables(state_start: torch.Tensor, state_len: torch.Tensor, branch_start
 # 0.8B (at most half the bucket's branch rows: `branches.branches`). A real MultiRC request holds ~8 sub-trunks (62 in
 # the 8 of benchmarks/test_host_side.py): 32 cover a round of ~4.
 SUB_STATE_SLOTS = 32
+# Nested forks whose question call is split by rows (`split_question_lens`): a sub-trunk whose every leaf has more
+# than this many tokens goes to the chunked launch with its leaves (each leaf re-running the sub-trunk's chunks), not
+# to the recurrent one. None: every leaf and the sub-trunk it continues recurrent. Why: the recurrent kernel's time is
+# a row's length, and leaves are not always a few tokens: the bench's 64-question request is 32 sub-trunks of 24-83
+# tokens with 2 leaves of 38-105 each, all 96 rows recurrent, 7.8 of its 28.8 ms replay (H100, session 40), where
+# MultiRC's leaves are 21-41 tokens (after a 12-25-token judge line) and chunked cost it 4.63 vs 4.01 ms (session 37).
+# A property of each request alone (batch-invariant). Unmeasured: None until `h200_session.sh nested` (with `--set
+# flide.ops.gated_delta.NESTED_CHUNKED_LEAF_TOKENS=32`) says otherwise.
+NESTED_CHUNKED_LEAF_TOKENS: int | None = None
 
 
 def new_sub_flags(heads_v: int, v_dim: int, device: torch.device | str | None = None) -> torch.Tensor:
@@ -492,25 +501,28 @@ def sub_slots(branch_start: torch.Tensor, branch_len: torch.Tensor, branch_state
 
 
 def nested_rows(branch_start: torch.Tensor, branch_len: torch.Tensor, sub_lo: torch.Tensor,
-                sub_hi: torch.Tensor) -> torch.Tensor:
+                sub_hi: torch.Tensor, chunked_leaf_tokens: int | None = None) -> torch.Tensor:
     """[NB] bool, the question rows of a nested fork that are leaves (tokens, and a non-empty sub-trunk range at the
     first one) or the sub-trunk a leaf continues (a row with tokens that starts where some leaf's range starts: a
-    sub-trunk is a question row of the leaf's own request, `round.py`). Device ops only, static shapes: derived once
-    per forward. Which rows these are follows from each request alone (batch invariance of the split call,
-    `questions_chunked.questions_split_nested`)."""
+    sub-trunk is a question row of the leaf's own request, `round.py`). With `chunked_leaf_tokens` L, only the
+    sub-trunks with a leaf of at most L tokens, and their leaves (`NESTED_CHUNKED_LEAF_TOKENS`). Device ops only,
+    static shapes: derived once per forward. Which rows these are follows from each request alone (batch invariance
+    of the split call, `questions_chunked.questions_split_nested`)."""
     T = sub_lo.shape[0]
     first, lo, _, leaf = _leaf_ranges(branch_start, branch_len, sub_lo, sub_hi)
+    short = leaf if chunked_leaf_tokens is None else leaf & (branch_len <= chunked_leaf_tokens)
     starts = torch.zeros(T + 1, dtype=torch.int32, device=branch_start.device)
-    starts = starts.scatter(0, torch.where(leaf, lo, T), 1)[:T]  # the leaves' sub-trunk starts (others: dummy T)
-    return leaf | ((branch_len > 0) & (starts[first] > 0))
+    starts = starts.scatter(0, torch.where(short, lo, T), 1)[:T]  # those leaves' sub-trunk starts (others: dummy T)
+    # a leaf goes where its sub-trunk goes: with the recurrent kernel if any leaf of that sub-trunk is short
+    return (leaf & (starts[lo.clamp(0, T - 1)] > 0)) | ((branch_len > 0) & (starts[first] > 0))
 
 
 def split_question_lens(branch_start: torch.Tensor, branch_len: torch.Tensor, sub_lo: torch.Tensor,
                         sub_hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(plain_len, nested_len) [NB]: each question row's length in the first where it is no leaf and no sub-trunk a
-    leaf continues (`nested_rows`; 0 in the second), else in the second: the chunked and the recurrent part of a
-    nested fork's question call (`fork_parts(question_lens=)`). Device ops only."""
-    nested = nested_rows(branch_start, branch_len, sub_lo, sub_hi)
+    leaf continues (`nested_rows`, with NESTED_CHUNKED_LEAF_TOKENS; 0 in the second), else in the second: the chunked
+    and the recurrent part of a nested fork's question call (`fork_parts(question_lens=)`). Device ops only."""
+    nested = nested_rows(branch_start, branch_len, sub_lo, sub_hi, NESTED_CHUNKED_LEAF_TOKENS)
     none = torch.zeros_like(branch_len)
     return torch.where(nested, none, branch_len), torch.where(nested, branch_len, none)
 

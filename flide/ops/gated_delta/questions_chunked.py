@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from ...config import GDN_CHUNK
+from .. import gated_delta as _package  # its NESTED_CHUNKED_LEAF_TOKENS, read when a call is traced
 from . import SUB_STATE_SLOTS
 from .branches import rows_used
 from .state_chain import _chunk_output
@@ -250,4 +251,7 @@ def questions_split_nested(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g_
     branches.branches(q, k, v, g_raw, beta, seg_start, nested_len, initial_state, initial_index, scale, False, out=o,
                       sub=(sub_lo, sub_hi), sub_slot=sub_slot, sub_flags=sub_flags,
                       row_programs=NESTED_ROW_PROGRAMS or None)
-    return questions_chunked(q, k, v, beta, g, A, seg_start, plain_len, initial_state, initial_index, scale, out=o)
+    # leaves of the chunked part (`NESTED_CHUNKED_LEAF_TOKENS`) re-run their sub-trunk's chunks: its nested form
+    chunked_leaves = _package.NESTED_CHUNKED_LEAF_TOKENS is not None
+    return questions_chunked(q, k, v, beta, g, A, seg_start, plain_len, initial_state, initial_index, scale,
+                             sub=(sub_lo, sub_hi) if chunked_leaves else None, out=o)

@@ -238,15 +238,14 @@ nested)
     # where a nested fork's rows go (session 40: the bench's 64-question request is 32 sub-trunks of 24-83 tokens with
     # 2 leaves of 38-105 each, all 96 rows in the recurrent nested launch: 7.8 of its 28.8 ms replay on an H100).
     # Replay A/B: main (leaves + their sub-trunks recurrent), rows128 (that launch's rows in turns, 128 programs a
-    # head), chunked (SPLIT_NESTED_QUESTIONS off: every nested row chunked, a leaf re-running its sub-trunk), stored
-    # (chunked, sub-trunk states stored by a first launch), ~6 min
+    # head), chunked (SPLIT_NESTED_QUESTIONS off: every nested row chunked, a leaf re-running its sub-trunk), leaves32
+    # (split: a sub-trunk whose leaves all have > 32 tokens chunked with them, NESTED_CHUNKED_LEAF_TOKENS), ~7 min
     P="python3 benchmarks/profile_round.py --config-json shared/models/qwen3_5/configs/qwen3.5-0.8b.json \
         --tokenizer shared/models/qwen3_5 --data shared/data --repeats 15 --profile-runs 2 \
         --workloads multirc sweep64 quality race"
     Q=flide.ops.gated_delta
     for ab in "main" "rows128 $Q.questions_chunked.NESTED_ROW_PROGRAMS=128" \
-              "chunked $Q.fla.SPLIT_NESTED_QUESTIONS=False" \
-              "stored $Q.fla.SPLIT_NESTED_QUESTIONS=False $Q.questions_chunked.STORED_SUB_STATES=True"; do
+              "chunked $Q.fla.SPLIT_NESTED_QUESTIONS=False" "leaves32 $Q.NESTED_CHUNKED_LEAF_TOKENS=32"; do
         name=${ab%% *}; set_arg=""; [ "$name" != main ] && set_arg="--set ${ab#* }"
         timeout ${PROFILE_S:-110} $P $set_arg --out "$OUT/nested_$name.json" > "$OUT/nested_$name.log" 2>&1
         echo "profile $name rc=$?"
@@ -254,7 +253,7 @@ nested)
     python3 - <<'PY2'
 import json, os
 KERNELS = ("_questions_chunked_kernel", "_branch_kernel", "_kkt_solve_kernel", "chunk_local_cumsum_scalar_kernel")
-for name in ("main", "rows128", "chunked", "stored"):
+for name in ("main", "rows128", "chunked", "leaves32"):
     try:
         r = json.load(open(os.environ["OUT"] + f"/nested_{name}.json"))
     except Exception as error:

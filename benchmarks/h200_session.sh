@@ -39,7 +39,7 @@ if [ "$part" = stage ]; then
     du -sh shared .whl
     exit 0
 fi
-OUT=${OUT:-/tmp/out}
+OUT=${OUT:-/tmp/out}; export OUT
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     .whl/transformers-*.whl .whl/fla_core-*.whl .whl/fastapi-*.whl .whl/starlette-*.whl .whl/uvicorn-*.whl \
@@ -87,6 +87,25 @@ bundle() {
 finish() { bundle; save_cache; }
 trap finish EXIT
 started=$(date +%s)
+# profile_rows PREFIX NAME...: each $OUT/PREFIX_NAME.json of profile_round.py, a line a workload: stream tokens, latency,
+# replay GPU ms and the ms of the kernels named in $KERNELS
+profile_rows() {
+    PREFIX=$1 python3 - "${@:2}" <<'PY'
+import json, os, sys
+kernels = os.environ.get("KERNELS", "").split()
+for name in sys.argv[1:]:
+    try:
+        r = json.load(open(f"{os.environ['OUT']}/{os.environ['PREFIX']}_{name}.json"))
+    except Exception as error:
+        print(name, error)
+        continue
+    for row in r["rows"]:
+        p = row.get("profile") or {}
+        top = dict(p.get("top_kernels_ms") or [])
+        print(name, row["workload"], row["stream_tokens"], row["latency_ms"], p.get("gpu_ms_total"),
+              {k: round(top[k], 3) for k in kernels if k in top})
+PY
+}
 # parallel_tests TIMEOUT LOG_LINES FILE...: one pytest process per GPU test file, all at once (small next to the H200,
 # compiling on 16 cores in parallel), waiting for every background job; a line per file in $OUT/summary.txt, the
 # logs' tails in $OUT/tests.log
@@ -218,21 +237,8 @@ chunked)
         timeout ${PROFILE_S:-120} $P $set_arg --out "$OUT/profile_$name.json" > "$OUT/profile_$name.log" 2>&1
         echo "profile $name rc=$?"
     done
-    python3 - <<'PY2'
-import json, os
-KERNELS = ("_questions_chunked_kernel", "_branch_kernel", "chunk_gated_delta_rule_fwd_kkt_solve_kernel",
-           "_kkt_solve_kernel", "_w_u_kernel", "_state_chain_kernel")
-for name in ("main", "rows128"):
-    try:
-        r = json.load(open(os.environ["OUT"] + f"/profile_{name}.json"))
-    except Exception as error:
-        print(name, error); continue
-    for row in r["rows"]:
-        p = row.get("profile") or {}
-        top = dict(p.get("top_kernels_ms") or [])
-        print(name, row["workload"], row["stream_tokens"], row["latency_ms"], p.get("gpu_ms_total"),
-              {k: top[k] for k in KERNELS if k in top})
-PY2
+    KERNELS="_questions_chunked_kernel _branch_kernel chunk_gated_delta_rule_fwd_kkt_solve_kernel _kkt_solve_kernel
+             _w_u_kernel _state_chain_kernel" profile_rows profile main rows128
     ;;
 nested)
     # where a nested fork's rows go (session 40: the bench's 64-question request is 32 sub-trunks of 24-83 tokens with
@@ -250,20 +256,8 @@ nested)
         timeout ${PROFILE_S:-110} $P $set_arg --out "$OUT/nested_$name.json" > "$OUT/nested_$name.log" 2>&1
         echo "profile $name rc=$?"
     done
-    python3 - <<'PY2'
-import json, os
-KERNELS = ("_questions_chunked_kernel", "_branch_kernel", "_kkt_solve_kernel", "chunk_local_cumsum_scalar_kernel")
-for name in ("main", "rows128", "chunked", "leaves32"):
-    try:
-        r = json.load(open(os.environ["OUT"] + f"/nested_{name}.json"))
-    except Exception as error:
-        print(name, error); continue
-    for row in r["rows"]:
-        p = row.get("profile") or {}
-        top = dict(p.get("top_kernels_ms") or [])
-        print(name, row["workload"], row["stream_tokens"], row["latency_ms"], p.get("gpu_ms_total"),
-              {k: round(top[k], 3) for k in KERNELS if k in top})
-PY2
+    KERNELS="_questions_chunked_kernel _branch_kernel _kkt_solve_kernel chunk_local_cumsum_scalar_kernel" \
+        profile_rows nested main rows128 chunked leaves32
     ;;
 attn_split)
     # Session 33's opt-in value-column split of the invariant attention (triton_invariant.V_SPLIT_DIM; NOTES,

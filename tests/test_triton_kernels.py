@@ -545,6 +545,27 @@ else:
                                         s.sub_lo, s.sub_hi)
         return s, x, finals, want
 
+    def split_nested_call(s, x, finals, want, plain_len, nested_len):
+        """`questions_split_nested` on the hand-built stream split by `plain_len` / `nested_len`, A solved over the
+        plain rows' chunks (as the combined tables leave the nested rows out), checked: the flags zero after, every
+        question row equal to the reference's nested call (fp32), nothing else written. Returns (gamma, solved,
+        flags, out, question rows)."""
+        from flide.ops.gated_delta import new_sub_flags
+
+        q, k, v, g, beta = x
+        Hv, V = v.shape[1:]
+        _, _, gamma, solved = delta_wy.wy_reference(k, v, g, beta, s.branch_start, plain_len, with_solve=True)
+        flags = new_sub_flags(Hv, V)
+        out = delta_chunked.questions_split_nested(q, k, v, g, beta, gamma, solved, s.branch_start, plain_len,
+                                                   nested_len, finals, s.branch_state, s.sub_lo, s.sub_hi, s.slots(),
+                                                   flags, 0.3, out=poisoned(s.T, Hv, V, dtype=torch.float32))
+        assert not flags.any()
+        rows = segment_rows(s.T, s.branch_start, s.branch_len)
+        assert out[~rows].isnan().all()
+        scale = max(1.0, want[rows].abs().max().item())
+        torch.testing.assert_close(out[rows], want[rows], atol=2e-5 * scale, rtol=1e-5)
+        return gamma, solved, flags, out, rows
+
     @pytest.mark.parametrize("sub_len", [9, 70], ids=["sub9", "sub70"])
     def test_gated_delta_questions_chunked_nested_leaves_continue_their_sub_trunk(sub_len, monkeypatch):
         """A nested fork's question call in chunked form: each leaf runs its sub-trunk's chunks (one or two: a
@@ -590,7 +611,7 @@ else:
         the other rows in chunked form from the solved rows of their own chunks only (as the combined tables leave
         the nested rows out). Every question row equal to the reference's nested call (fp32), nothing else written;
         each part's rows with the bits of its kernel called alone on its rows."""
-        from flide.ops.gated_delta import nested_rows, new_sub_flags, split_question_lens
+        from flide.ops.gated_delta import nested_rows, split_question_lens
 
         s, (q, k, v, g, beta), finals, want = nested_question_call(sub_len, seed=5)
         Hv, V = v.shape[1:]
@@ -599,16 +620,7 @@ else:
         assert set(nested.nonzero().flatten().tolist()) == {row for pair in s.leaves for row in pair}
         plain_len, nested_len = split_question_lens(s.branch_start, s.branch_len, *sub)
         assert torch.equal(nested_len > 0, nested) and torch.equal(plain_len + nested_len, s.branch_len)
-        _, _, gamma, solved = delta_wy.wy_reference(k, v, g, beta, s.branch_start, plain_len, with_solve=True)
-        flags = new_sub_flags(Hv, V)
-        out = delta_chunked.questions_split_nested(q, k, v, g, beta, gamma, solved, s.branch_start, plain_len,
-                                                   nested_len, finals, s.branch_state, *sub, s.slots(), flags, 0.3,
-                                                   out=poisoned(s.T, Hv, V, dtype=torch.float32))
-        assert not flags.any()
-        rows = segment_rows(s.T, s.branch_start, s.branch_len)
-        assert out[~rows].isnan().all()
-        scale = max(1.0, want[rows].abs().max().item())
-        torch.testing.assert_close(out[rows], want[rows], atol=2e-5 * scale, rtol=1e-5)
+        gamma, solved, flags, out, rows = split_nested_call(s, (q, k, v, g, beta), finals, want, plain_len, nested_len)
         recurrent = delta_branches.branches(q, k, v, g, beta, s.branch_start, nested_len, finals, s.branch_state,
                                             0.3, False, sub=sub)
         chunked = delta_chunked.questions_chunked(q, k, v, beta, gamma, solved, s.branch_start, plain_len, finals,
@@ -638,10 +650,9 @@ else:
         recurrent and P2's goes chunked, at L = 0 both go chunked. Every question row equal to the reference's nested
         call (fp32), the flags zero after, each part with the bits of its kernel alone on its rows."""
         from flide.ops import gated_delta as delta_pkg
-        from flide.ops.gated_delta import new_sub_flags, split_question_lens
+        from flide.ops.gated_delta import split_question_lens
 
         s, (q, k, v, g, beta), finals, want = nested_question_call(9, seed=6)
-        Hv, V = v.shape[1:]
         sub = (s.sub_lo, s.sub_hi)
         monkeypatch.setattr(delta_pkg, "NESTED_CHUNKED_LEAF_TOKENS", leaf_tokens)
         plain_len, nested_len = split_question_lens(s.branch_start, s.branch_len, *sub)
@@ -653,16 +664,7 @@ else:
                      if min(int(s.branch_len[leaf]) for leaf in leaves) <= leaf_tokens for row in [parent, *leaves]}
         assert set((nested_len > 0).nonzero().flatten().tolist()) == recurrent
         assert (len(recurrent) > 0) == (leaf_tokens == 1)
-        _, _, gamma, solved = delta_wy.wy_reference(k, v, g, beta, s.branch_start, plain_len, with_solve=True)
-        flags = new_sub_flags(Hv, V)
-        out = delta_chunked.questions_split_nested(q, k, v, g, beta, gamma, solved, s.branch_start, plain_len,
-                                                   nested_len, finals, s.branch_state, *sub, s.slots(), flags, 0.3,
-                                                   out=poisoned(s.T, Hv, V, dtype=torch.float32))
-        assert not flags.any()
-        rows = segment_rows(s.T, s.branch_start, s.branch_len)
-        assert out[~rows].isnan().all()
-        scale = max(1.0, want[rows].abs().max().item())
-        torch.testing.assert_close(out[rows], want[rows], atol=2e-5 * scale, rtol=1e-5)
+        gamma, solved, _, out, _ = split_nested_call(s, (q, k, v, g, beta), finals, want, plain_len, nested_len)
         chunked = delta_chunked.questions_chunked(q, k, v, beta, gamma, solved, s.branch_start, plain_len, finals,
                                                   s.branch_state, 0.3, sub=sub)
         part_rows = segment_rows(s.T, s.branch_start, plain_len)

@@ -231,7 +231,7 @@ chunked)
         --tokenizer shared/models/qwen3_5 --data shared/data --repeats 15 --profile-runs 2 \
         --workloads race multirc quality sweep8 sweep64 race@16"
     # the nested rows in turns at 128 programs (16 took QuALITY's / 16 RACE's all-empty nested launch from 0.73 to
-    # 0.07 ms but cost sweep 64, whose 80 nested rows it ran 5 to a program, +1.8 ms: H100, session 40)
+    # 0.07 ms but cost sweep 64, whose 96 nested rows it ran 6 to a program, +1.8 ms: H100, session 40)
     for ab in "main" "rows128 flide.ops.gated_delta.questions_chunked.NESTED_ROW_PROGRAMS=128"; do
         name=${ab%% *}; set_arg=""; [ "$name" != main ] && set_arg="--set ${ab#* }"
         timeout ${PROFILE_S:-120} $P $set_arg --out "$OUT/profile_$name.json" > "$OUT/profile_$name.log" 2>&1

@@ -664,11 +664,15 @@ else:
                      if min(int(s.branch_len[leaf]) for leaf in leaves) <= leaf_tokens for row in [parent, *leaves]}
         assert set((nested_len > 0).nonzero().flatten().tolist()) == recurrent
         assert (len(recurrent) > 0) == (leaf_tokens == 1)
-        gamma, solved, _, out, _ = split_nested_call(s, (q, k, v, g, beta), finals, want, plain_len, nested_len)
+        gamma, solved, _, out, rows = split_nested_call(s, (q, k, v, g, beta), finals, want, plain_len, nested_len)
         chunked = delta_chunked.questions_chunked(q, k, v, beta, gamma, solved, s.branch_start, plain_len, finals,
                                                   s.branch_state, 0.3, sub=sub)
         part_rows = segment_rows(s.T, s.branch_start, plain_len)
         assert torch.equal(out[part_rows], chunked[part_rows])
+        # the chunked part's leaves from their sub-trunks' stored states (STORED_SUB_STATES): the same bits
+        monkeypatch.setattr(delta_chunked, "STORED_SUB_STATES", True)
+        _, _, _, stored, _ = split_nested_call(s, (q, k, v, g, beta), finals, want, plain_len, nested_len)
+        assert torch.equal(stored[rows], out[rows])
 
     @pytest.mark.parametrize("tokens,heads,longest", CHUNKED_CASES,
                              ids=[f"T{t}-Hk{h[0]}-Hv{h[1]}-K{h[2]}-V{h[3]}-S{m}" for t, h, m in CHUNKED_CASES])

@@ -93,17 +93,21 @@ def test_nested_forks_equal_pipeline_on_gpu():
     assert max(max_difference(a, b) for a, b in zip(alone, together)) < 2e-3
 
 
-@pytest.mark.parametrize("split_nested,leaf_tokens", [(True, None), (False, None), (True, 0)],
-                         ids=["nested-rows-recurrent", "nested-rows-chunked", "long-leaves-chunked"])
-def test_chunked_questions_equal_pipeline_on_gpu(split_nested, leaf_tokens, monkeypatch):
+@pytest.mark.parametrize("split_nested,leaf_tokens,stored", [(True, None, False), (False, None, False),
+                                                              (True, 0, False), (True, 0, True)],
+                         ids=["nested-rows-recurrent", "nested-rows-chunked", "long-leaves-chunked",
+                              "long-leaves-stored"])
+def test_chunked_questions_equal_pipeline_on_gpu(split_nested, leaf_tokens, stored, monkeypatch):
     """fla.CHUNKED_QUESTIONS (read at patch time): the questions' gated delta in chunked form (questions_chunked.py)
     on random requests with long questions, and on judge-shaped ones with nested forks (the leaves and their
     sub-trunks by the recurrent kernel, fla.SPLIT_NESTED_QUESTIONS; or each leaf running its sub-trunk's chunks; or
-    split, the sub-trunks whose leaves are all longer than NESTED_CHUNKED_LEAF_TOKENS chunked: 0, every one), graphs
-    on, against the pipeline."""
+    split, the sub-trunks whose leaves are all longer than NESTED_CHUNKED_LEAF_TOKENS chunked: 0, every one; their
+    leaves from stored sub-trunk states with STORED_SUB_STATES), graphs on, against the pipeline."""
     from flide.ops import gated_delta
-    from flide.ops.gated_delta import fla
+    from flide.ops.gated_delta import fla, questions_chunked
     from flide.testing import candidate_request
+
+    monkeypatch.setattr(questions_chunked, "STORED_SUB_STATES", stored)
 
     monkeypatch.setattr(fla, "CHUNKED_QUESTIONS", True)
     monkeypatch.setattr(fla, "SPLIT_NESTED_QUESTIONS", split_nested)

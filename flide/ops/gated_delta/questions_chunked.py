@@ -251,7 +251,10 @@ def questions_split_nested(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g_
     branches.branches(q, k, v, g_raw, beta, seg_start, nested_len, initial_state, initial_index, scale, False, out=o,
                       sub=(sub_lo, sub_hi), sub_slot=sub_slot, sub_flags=sub_flags,
                       row_programs=NESTED_ROW_PROGRAMS or None)
-    # leaves of the chunked part (`NESTED_CHUNKED_LEAF_TOKENS`) re-run their sub-trunk's chunks: its nested form
+    # leaves of the chunked part (`NESTED_CHUNKED_LEAF_TOKENS`): its nested form, each leaf re-running its sub-trunk's
+    # chunks or, with STORED_SUB_STATES, starting from the state its sub-trunk stored in a slot (slots are per
+    # sub-trunk row: the two launches never share one)
     chunked_leaves = _package.NESTED_CHUNKED_LEAF_TOKENS is not None
     return questions_chunked(q, k, v, beta, g, A, seg_start, plain_len, initial_state, initial_index, scale,
-                             sub=(sub_lo, sub_hi) if chunked_leaves else None, out=o)
+                             sub=(sub_lo, sub_hi) if chunked_leaves else None, out=o,
+                             sub_slot=sub_slot if chunked_leaves else None)

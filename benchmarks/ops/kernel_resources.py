@@ -169,15 +169,19 @@ def questions(dtype: str, heads_v: int, block_v: int, nested: bool, stored: bool
                               div16_ints=("N", "max_spins")))
 
 
-def state_chain(heads_v: int, tiles: tuple[int, int, int]) -> str:
-    """The state call's fused h + o kernel (`gated_delta.state_chain`) on bf16 inputs: 16 key heads of 128,
-    `heads_v` value heads, tiles (value columns, warps, stages)."""
+def state_chain(heads_v: int, tiles: tuple[int, int, int], part: int = 0) -> str:
+    """The state call's chain kernel (`gated_delta.state_chain`) on bf16 inputs: 16 key heads of 128, `heads_v` value
+    heads, tiles (value columns, warps, stages), `part` EVERY (0: the fused h + o chain) or LONG (2: the chain that
+    stores fla's h and v_new), from zero states, a program per sequence."""
     from flide.ops.gated_delta import state_chain as sc
 
     ptr = "*bf16"
     sig = {"q_ptr": ptr, "k_ptr": ptr, "w_ptr": ptr, "u_ptr": ptr, "g_ptr": "*fp32", "o_ptr": ptr, "h0_ptr": "*fp32",
-           "ht_ptr": "*fp32", "cu_ptr": "*i64", "scale": "fp32", "T": "i32"}
-    consts = {"H": 16, "HV": heads_v, "K": 128, "V": 128, "BT": 64, "BV": tiles[0], "USE_H0": False}
+           "ht_ptr": "*fp32", "cu_ptr": "*i64", "h_ptr": ptr, "vn_ptr": ptr, "rows_ptr": "*i64",
+           "h0_row_ptr": "*i64", "final_row_ptr": "*i64", "scale": "fp32", "T": "i32", "split": "i32", "N": "i32",
+           "P": "i32"}
+    consts = {"H": 16, "HV": heads_v, "K": 128, "V": 128, "BT": 64, "BV": tiles[0], "USE_H0": False, "PART": part,
+              "EMPTY_FINALS": False, "INDEXED": False, "ROWS": False}
     sig.update({n: "constexpr" for n in consts})
     sig = {n: sig[n] for n in sc._state_chain_kernel.arg_names}
     return resources(_compile(sc._state_chain_kernel, sig, consts, tiles[1], tiles[2]))
@@ -254,6 +258,8 @@ def main() -> None:
             for tiles in ((sc.BLOCK_V, sc.NUM_WARPS, sc.NUM_STAGES), (32, 4, 3), (16, 4, 2), (64, 4, 2)):
                 print(f"state chain bf16 Hv{heads_v} BV{tiles[0]} w{tiles[1]} s{tiles[2]}: "
                       f"{state_chain(heads_v, tiles)}", flush=True)
+            print(f"state chain bf16 Hv{heads_v} LONG part {sc.LONG_TILES}: "
+                  f"{state_chain(heads_v, sc.LONG_TILES, part=2)}", flush=True)
         return
     if args.questions is not None:
         for heads_v, block_v in ((16, 16), (32, 32)):

@@ -243,22 +243,24 @@ chunked)
 nested)
     # where a nested fork's rows go (session 40: the bench's 64-question request is 32 sub-trunks of 24-83 tokens with
     # 2 leaves of 38-105 each, all 96 rows in the recurrent nested launch: 7.8 of its 28.8 ms replay on an H100).
-    # Replay A/B: main (leaves + their sub-trunks recurrent), chunked (SPLIT_NESTED_QUESTIONS off: every nested row
-    # chunked, a leaf re-running its sub-trunk), leaves32 (split: a sub-trunk whose leaves all have > 32 tokens
-    # chunked with them, NESTED_CHUNKED_LEAF_TOKENS), stored32 (those leaves from their sub-trunk's stored state: a
-    # re-run doubles sweep 64's chunked work), ~7 min (NESTED_ROW_PROGRAMS=128: the `chunked` part)
+    # Replay A/B: main (leaves + their sub-trunks recurrent), leaves32 (split: a sub-trunk whose leaves all have > 32
+    # tokens chunked with them, NESTED_CHUNKED_LEAF_TOKENS; every nested row chunked lost on MultiRC in session 37),
+    # stored32 (those leaves from their sub-trunk's stored state: a re-run doubles sweep 64's chunked work), stages1
+    # (the chunked question kernel at one pipeline stage: on the device's Triton 3.6 it spills 92 bytes a thread
+    # there vs 276 at two), ~7 min (NESTED_ROW_PROGRAMS=128: the `chunked` part)
     P="python3 benchmarks/profile_round.py --config-json shared/models/qwen3_5/configs/qwen3.5-0.8b.json \
         --tokenizer shared/models/qwen3_5 --data shared/data --repeats 15 --profile-runs 2 \
         --workloads multirc sweep64 quality race"
     Q=flide.ops.gated_delta
-    for ab in "main" "chunked $Q.fla.SPLIT_NESTED_QUESTIONS=False" "leaves32 $Q.NESTED_CHUNKED_LEAF_TOKENS=32" \
-              "stored32 $Q.NESTED_CHUNKED_LEAF_TOKENS=32 $Q.questions_chunked.STORED_SUB_STATES=True"; do
+    for ab in "main" "leaves32 $Q.NESTED_CHUNKED_LEAF_TOKENS=32" \
+              "stored32 $Q.NESTED_CHUNKED_LEAF_TOKENS=32 $Q.questions_chunked.STORED_SUB_STATES=True" \
+              "stages1 $Q.questions_chunked.NUM_STAGES=1"; do
         name=${ab%% *}; set_arg=""; [ "$name" != main ] && set_arg="--set ${ab#* }"
         timeout ${PROFILE_S:-110} $P $set_arg --out "$OUT/nested_$name.json" > "$OUT/nested_$name.log" 2>&1
         echo "profile $name rc=$?"
     done
     KERNELS="_questions_chunked_kernel _branch_kernel _kkt_solve_kernel chunk_local_cumsum_scalar_kernel" \
-        profile_rows nested main chunked leaves32 stored32
+        profile_rows nested main leaves32 stored32 stages1
     ;;
 attn_split)
     # Session 33's opt-in value-column split of the invariant attention (triton_invariant.V_SPLIT_DIM; NOTES,

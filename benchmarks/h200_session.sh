@@ -22,7 +22,7 @@
 #     bash benchmarks/h200_session.sh wy         GPU tests + op bench + latency of the questions' chunked (WY) form ~8 min
 #     bash benchmarks/h200_session.sh attn_split the value-column split of the invariant attention: bits test, op bench, replay A/B ~8 min
 #     bash benchmarks/h200_session.sh chunked    chunked questions' GPU tests at HEAD (nested, invariant, engine) + nested rows-in-turns A/B ~7 min
-#     bash benchmarks/h200_session.sh nested     where a nested fork's rows go: replay A/B of the recurrent / in-turns / chunked / stored forms ~6 min
+#     bash benchmarks/h200_session.sh nested     where a nested fork's rows go: replay A/B of long leaves chunked (re-run / stored) and 1 stage ~7 min
 #     bash benchmarks/h200_session.sh serve      issue 4: the http bench twice (req/s 1/8/32/64, one-client gap) + serve A/B ~9 min
 #     bash benchmarks/h200_session.sh sh 'CMDS'  any commands, after the same set-up (a session's own mix of parts)
 # Logs and results go to $OUT.

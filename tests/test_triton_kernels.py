@@ -669,6 +669,11 @@ else:
                                                   s.branch_state, 0.3, sub=sub)
         part_rows = segment_rows(s.T, s.branch_start, plain_len)
         assert torch.equal(out[part_rows], chunked[part_rows])
+        if recurrent:
+            alone = delta_branches.branches(q, k, v, g, beta, s.branch_start, nested_len, finals, s.branch_state, 0.3,
+                                            False, sub=sub)
+            part_rows = segment_rows(s.T, s.branch_start, nested_len)
+            assert torch.equal(out[part_rows], alone[part_rows])
         # the chunked part's leaves from their sub-trunks' stored states (STORED_SUB_STATES): the same bits
         monkeypatch.setattr(delta_chunked, "STORED_SUB_STATES", True)
         _, _, _, stored, _ = split_nested_call(s, (q, k, v, g, beta), finals, want, plain_len, nested_len)

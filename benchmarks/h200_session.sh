@@ -247,20 +247,30 @@ nested)
     # tokens chunked with them, NESTED_CHUNKED_LEAF_TOKENS; every nested row chunked lost on MultiRC in session 37),
     # stored32 (those leaves from their sub-trunk's stored state: a re-run doubles sweep 64's chunked work), stages1
     # (the chunked question kernel at one pipeline stage: on the device's Triton 3.6 it spills 92 bytes a thread
-    # there vs 276 at two), ~7 min (NESTED_ROW_PROGRAMS=128: the `chunked` part)
+    # there vs 276 at two), rows128 (the nested launch's rows taken in turns by 128 programs a head: its all-empty
+    # launch cost QuALITY 0.73 ms at 0, 0.07 at 16, which cost sweep 64 +1.8 ms), then the engine tests of chunked /
+    # nested questions in the time left, ~8 min
     P="python3 benchmarks/profile_round.py --config-json shared/models/qwen3_5/configs/qwen3.5-0.8b.json \
         --tokenizer shared/models/qwen3_5 --data shared/data --repeats 15 --profile-runs 2 \
         --workloads multirc sweep64 quality race"
     Q=flide.ops.gated_delta
     for ab in "main" "leaves32 $Q.NESTED_CHUNKED_LEAF_TOKENS=32" \
               "stored32 $Q.NESTED_CHUNKED_LEAF_TOKENS=32 $Q.questions_chunked.STORED_SUB_STATES=True" \
-              "stages1 $Q.questions_chunked.NUM_STAGES=1"; do
+              "stages1 $Q.questions_chunked.NUM_STAGES=1" \
+              "rows128 $Q.questions_chunked.NESTED_ROW_PROGRAMS=128"; do
         name=${ab%% *}; set_arg=""; [ "$name" != main ] && set_arg="--set ${ab#* }"
         timeout ${PROFILE_S:-110} $P $set_arg --out "$OUT/nested_$name.json" > "$OUT/nested_$name.log" 2>&1
         echo "profile $name rc=$?"
     done
     KERNELS="_questions_chunked_kernel _branch_kernel _kkt_solve_kernel chunk_local_cumsum_scalar_kernel" \
-        profile_rows nested main leaves32 stored32 stages1
+        profile_rows nested main leaves32 stored32 stages1 rows128
+    # the engine against the pipeline with chunked / nested questions (the long-leaves cases) in the time left
+    left=$(( ${BUDGET_S:-570} - ($(date +%s) - started) ))
+    if [ "$left" -gt 90 ]; then
+        timeout "$left" python3 -m pytest -q -rA -p no:logging --tb=short tests/gpu/test_engine_gpu.py \
+            -k "chunked or nested" > "$OUT/nested_engine_tests.log" 2>&1
+        echo "engine tests rc=$? $(tail -1 "$OUT/nested_engine_tests.log")"
+    fi
     ;;
 attn_split)
     # Session 33's opt-in value-column split of the invariant attention (triton_invariant.V_SPLIT_DIM; NOTES,

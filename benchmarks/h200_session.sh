@@ -23,6 +23,7 @@
 #     bash benchmarks/h200_session.sh attn_split the value-column split of the invariant attention: bits test, op bench, replay A/B ~8 min
 #     bash benchmarks/h200_session.sh chunked    chunked questions' GPU tests at HEAD (nested, invariant, engine) + nested rows-in-turns A/B ~7 min
 #     bash benchmarks/h200_session.sh nested     where a nested fork's rows go: replay A/B of long leaves chunked (re-run / stored) and 1 stage ~7 min
+#     bash benchmarks/h200_session.sh mlp        the SiLU-mul in the gate/up GEMM (kernels.gated_mlp): GPU tests, op bench, replay A/B ~7 min
 #     bash benchmarks/h200_session.sh serve      issue 4: the http bench twice (req/s 1/8/32/64, one-client gap) + serve A/B ~9 min
 #     bash benchmarks/h200_session.sh sh 'CMDS'  any commands, after the same set-up (a session's own mix of parts)
 # Logs and results go to $OUT.
@@ -336,6 +337,26 @@ no-launch-ahead=serve.launch_ahead=false}"
         --tokenizer shared/models/qwen3_5 --data shared/data --clients ${AB_CLIENTS:-8 32} --seconds 8 \
         --rounds ${AB_ROUNDS:-3} "${variants[@]}" --out "$OUT/ab" > "$OUT/ab.log" 2>&1
     echo "serve A/B rc=$?"; grep -v DEBUG "$OUT/ab.log" | tail -12 ;;
+mlp)
+    # `kernels.gated_mlp: triton` (the SiLU-mul in the gate/up GEMM's epilogue; session 41): its GPU tests, the op
+    # bench against cuBLAS + Inductor's pointwise kernel (0.8B / 4B shapes), then the replay A/B of the 0.8B profile
+    # (default vs configs/h200/gated_mlp_triton.yaml), ~7 min
+    timeout ${TEST_S:-200} python3 -m pytest -q -rA -p no:logging --tb=short tests/gpu/test_gated_mlp_gpu.py \
+        > "$OUT/mlp_tests.log" 2>&1
+    echo "tests rc=$? $(tail -1 "$OUT/mlp_tests.log")"; grep -E "^FAILED|^E  " "$OUT/mlp_tests.log" | head -10
+    timeout ${BENCH_S:-120} python3 benchmarks/ops/bench_gated_mlp.py ${SWEEP:+--sweep} --out "$OUT/ops_gated_mlp.json" \
+        > "$OUT/ops_gated_mlp.log" 2>&1
+    echo "op bench rc=$?"; grep -v DEBUG "$OUT/ops_gated_mlp.log" | tail -40
+    P="python3 benchmarks/profile_round.py --config-json shared/models/qwen3_5/configs/qwen3.5-0.8b.json \
+        --tokenizer shared/models/qwen3_5 --data shared/data --repeats 15 --profile-runs 2 \
+        --workloads race multirc quality sweep8 sweep64 race@16"
+    for ab in "main" "triton configs/h200/gated_mlp_triton.yaml"; do
+        name=${ab%% *}; config_arg=""; [ "$name" != main ] && config_arg="--config ${ab#* }"
+        timeout ${PROFILE_S:-120} $P $config_arg --out "$OUT/mlp_$name.json" > "$OUT/mlp_$name.log" 2>&1
+        echo "profile $name rc=$?"
+    done
+    KERNELS="_gated_mlp_tma_kernel nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_TNT" profile_rows mlp main triton
+    ;;
 sh)
     # any commands after the set-up above (wheels on PYTHONPATH, Inductor cache): `h200_session.sh sh 'CMD; CMD'`
     bash -c "$*" ;;

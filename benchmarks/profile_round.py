@@ -35,7 +35,7 @@ from flide.bench import workloads as bench_workloads
 from flide.loading import load_tokenizer, random_model
 
 FAMILIES = [  # first match wins: (family, substrings of the kernel name)
-    ("gemm", ("gemm", "cutlass", "sm90_xmma", "nvjet", "cublas", "matmul", "mm_")),
+    ("gemm", ("gemm", "cutlass", "sm90_xmma", "nvjet", "cublas", "matmul", "mm_", "gated_mlp", "_linear_")),
     ("attention", ("flex", "attention", "attn")),
     ("gated delta", ("chunk_", "_branch_", "gated_delta", "gdn_questions", "l2norm", "solve_tril", "recompute_w_u",
                      "kkt", "fwd_h", "fwd_o", "cumsum", "questions_chunked", "_w_u_", "_state_chain")),

@@ -118,7 +118,7 @@ def cmd_serve(args) -> int:
     kernels = engine.kernels
     log.info("kernels: %s%s", ", ".join(f"{op} {getattr(kernels, op)}" for op in ("fork_attention", "gated_delta",
                                                                               "fork_conv", "gated_norm", "linear",
-                                                                              "readout")),
+                                                                              "gated_mlp", "readout")),
              "; batch-invariant mode" if kernels.batch_invariant else "")
     if engine.checkpoints is not None:
         log.info("checkpoints on: cache %.2f GiB, states from %d tokens, margin %d", cfg.checkpoints.cache_gb,

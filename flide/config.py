@@ -33,6 +33,10 @@ class KernelConfig:
     readout: str = "auto"
     # the decoder's linear layers: auto keeps the model's own nn.Linear (`torch`) unless batch_invariant is on
     linear: str = "auto"
+    # a gated MLP's silu(gate(x)) * up(x): torch (the model's modules: one GEMM over the stacked gate / up weight, then
+    # a pointwise kernel) or triton (SiLU and the product in the GEMM's epilogue: the [T, 2I] intermediate never
+    # reaches memory; CUDA). auto: torch (`flide.ops.registry.AUTO`)
+    gated_mlp: str = "auto"
     # batch-invariant mode: every answer has the same bits whatever else shares its round (`auto` picks only
     # batch-invariant variants, `flide.ops.registry.AUTO_INVARIANT`; a variant named that is not one is an error)
     batch_invariant: bool = False

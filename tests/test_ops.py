@@ -525,6 +525,8 @@ def opcheck_args(op: str):
         return (q, k, v, g, beta, t.branch_start, t.branch_len, initial_state, t.branch_state, KD ** -0.5, True)
     if op == "linear":
         return (randn(T, 6, seed=6), randn(5, 6, seed=7), randn(5, seed=8))
+    if op == "gated_mlp":  # x [T, H], the stacked gate / up weight [2I, H]
+        return (randn(T, 6, seed=13), randn(8, 6, seed=14))
     if op == "gated_norm":
         states_end = int(t.state_len.sum())
         branches_end = states_end + int(t.branch_len.sum())
@@ -588,7 +590,9 @@ def test_registry_variants():
     for op in ("fork_attention", "fork_conv", "gated_delta"):
         assert "reference" in variants(op), op
     assert {"selective", "full"} <= set(variants("readout"))
-    assert set(OP_FAMILIES) == {"fork_attention", "fork_conv", "gated_delta", "gated_norm", "readout", "linear"}
+    assert set(OP_FAMILIES) == {"fork_attention", "fork_conv", "gated_delta", "gated_norm", "readout", "linear",
+                                "gated_mlp"}
+    assert {"torch", "triton"} <= set(variants("gated_mlp"))
     assert {"torch", "triton"} <= set(variants("gated_norm"))
     assert {"torch", "blocked", "triton"} <= set(variants("linear"))
     ops = flide.ops.resolve_all(KernelConfig())

@@ -92,7 +92,7 @@ def adapt(model: nn.Module, tokenizer, kernels: KernelConfig, residual: str = "m
     flat = FlatModel(text_model, head, ops["readout"], selective=ops["readout"].gathers_rows_first,
                      residual_fp32=residual == "float32")
     for block in flat.blocks:  # projections of one input as one GEMM each (fused.py), also through an invariant op
-        block.fuse_projections()
+        block.fuse_projections(ops["gated_mlp"])
     return flat
 
 

@@ -64,10 +64,13 @@ class FlatBlock(nn.Module):
         self.input_layernorm, self.mixer = layer.input_layernorm, mixer
         self.post_attention_layernorm, self.mlp = layer.post_attention_layernorm, layer.mlp
         self.mlp_sizes: list[int] | None = None  # gate/up as one GEMM (fuse_projections)
+        self.mlp_op = None  # silu(gate) * up as one op over the stacked weight (`kernels.gated_mlp`), or None
 
-    def fuse_projections(self) -> None:
+    def fuse_projections(self, mlp_op=None) -> None:
         """The mixer's input projections and the MLP's gate/up, each as one GEMM (flide/models/fused.py), for MLPs
-        whose forward is known to be down(act(gate(x)) * up(x)); others keep their own call."""
+        whose forward is known to be down(act(gate(x)) * up(x)); others keep their own call. `mlp_op`: the
+        `kernels.gated_mlp` variant; one that does not keep the module runs silu(gate) * up from the stacked weight
+        (ValueError where this MLP is not one it computes: not SiLU, a bias, gate and up of other sizes)."""
         self.mixer.fuse_projections()
         mlp = self.mlp
         if type(mlp).__name__ in GATED_MLPS and all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj",
@@ -78,6 +81,15 @@ class FlatBlock(nn.Module):
             # built on its model). The mixer is this engine's (swap_mixers makes one per patch) and in the model's
             # tree until the next patch, so `model.to` still converts it
             self.mlp_sizes = fuse(self.mixer, [mlp.gate_proj, mlp.up_proj], "gate_up")
+        if mlp_op is not None and not getattr(mlp_op, "keeps_module", True):
+            act = getattr(mlp, "act_fn", None)
+            silu = isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation"
+            sizes = self.mlp_sizes
+            if not silu or sizes is None or sizes[0] != sizes[1] or getattr(self.mixer, "gate_up_bias") is not None:
+                raise ValueError(f"`kernels.gated_mlp` computes silu(gate(x)) * up(x) from bias-free gate / up "
+                                 f"projections of one size; this MLP ({type(mlp).__name__}, act "
+                                 f"{type(act).__name__}, sizes {sizes}) is not one: use `kernels.gated_mlp: torch`.")
+            self.mlp_op = mlp_op
 
     def normed(self, norm: nn.Module, h: torch.Tensor) -> torch.Tensor:
         """norm(h) as the mixer or MLP reads it. transformers' RMSNorms return their input's dtype: from an fp32
@@ -89,6 +101,9 @@ class FlatBlock(nn.Module):
         if self.mlp_sizes is None:
             return self.mlp(x)
         mlp = self.mlp
+        if self.mlp_op is not None:
+            act_up = self.mlp_op(x.reshape(-1, x.shape[-1]), self.mixer.gate_up_weight)
+            return mlp.down_proj(act_up.view(*x.shape[:-1], act_up.shape[-1]))
         gate, up = project(self.mixer, "gate_up", self.mlp_sizes, [mlp.gate_proj, mlp.up_proj], x)
         return mlp.down_proj(mlp.act_fn(gate) * up)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 
-OP_FAMILIES = ("fork_attention", "gated_delta", "fork_conv", "gated_norm", "readout", "linear")
+OP_FAMILIES = ("fork_attention", "gated_delta", "fork_conv", "gated_norm", "readout", "linear", "gated_mlp")
 
 _REGISTRY: dict[tuple[str, str], Callable] = {}
 _AVAILABLE: dict[tuple[str, str], Callable[[], str | None]] = {}
@@ -121,6 +121,9 @@ AUTO = {
     "gated_norm": {"cuda": ("triton", "torch")},
     "readout": {},
     "linear": {},  # `torch`: the model's own nn.Linear modules stay (no swap)
+    # `torch` (the model's modules: cuBLAS gate/up GEMM + Inductor's fused SiLU-mul) until `triton` (the SiLU-mul in
+    # the GEMM's epilogue) is timed against it on the GPU: `configs/h200/gated_mlp_triton.yaml` is the A/B
+    "gated_mlp": {},
 }
 
 # `auto` in batch-invariant mode: the first batch-invariant variant that can run, by device type (see `AUTO`)
@@ -135,11 +138,12 @@ AUTO_INVARIANT = {
     "gated_norm": {"cuda": ("triton", "torch"), "cpu": ("torch",)},
     "readout": {"cuda": ("invariant",), "cpu": ("invariant",)},
     "linear": {"cuda": ("triton",), "cpu": ("blocked",)},
+    "gated_mlp": {"cuda": ("torch",), "cpu": ("torch",)},  # the invariant linear layers' modules
 }
 # what `auto` falls back to when no device-specific pick can run: the references (readout: selective; linear: the
 # model's own layers)
 FALLBACK = {"fork_attention": "reference", "gated_delta": "reference", "fork_conv": "reference",
-            "gated_norm": "torch", "readout": "selective", "linear": "torch"}
+            "gated_norm": "torch", "readout": "selective", "linear": "torch", "gated_mlp": "torch"}
 
 
 def _runs_here(key: tuple[str, str]) -> bool:

@@ -25,6 +25,7 @@
 #     bash benchmarks/h200_session.sh nested     where a nested fork's rows go: replay A/B of long leaves chunked (re-run / stored) and 1 stage ~7 min
 #     bash benchmarks/h200_session.sh mlp        the SiLU-mul in the gate/up GEMM (kernels.gated_mlp): GPU tests, op bench, replay A/B ~7 min
 #     bash benchmarks/h200_session.sh serve      issue 4: the http bench twice (req/s 1/8/32/64, one-client gap) + serve A/B ~9 min
+#     bash benchmarks/h200_session.sh ab NAME=ARGS...  replay A/B arms of the 0.8B profile (ARGS: --set / --config), then $THEN
 #     bash benchmarks/h200_session.sh sh 'CMDS'  any commands, after the same set-up (a session's own mix of parts)
 # Logs and results go to $OUT.
 set -u
@@ -356,6 +357,23 @@ mlp)
         echo "profile $name rc=$?"
     done
     KERNELS="_gated_mlp_tma_kernel nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_TNT" profile_rows mlp main triton
+    ;;
+ab)
+    # A replay A/B of the 0.8B profile, one profile_round.py run per arm: `ab NAME=ARGS ...` (ARGS: its --set / --config
+    # arguments, empty for the baseline), WORKLOADS="..." (default: race multirc quality sweep64), each arm's
+    # $OUT/ab_NAME.json; the kernels of $KERNELS per workload in the summary; then THEN='CMDS' in the time left
+    names=()
+    for arm in "$@"; do
+        name=${arm%%=*}; names+=("$name")
+        timeout ${PROFILE_S:-110} python3 benchmarks/profile_round.py \
+            --config-json shared/models/qwen3_5/configs/qwen3.5-0.8b.json --tokenizer shared/models/qwen3_5 \
+            --data shared/data --repeats ${REPEATS:-15} --profile-runs 2 \
+            --workloads ${WORKLOADS:-race multirc quality sweep64} ${arm#*=} --out "$OUT/ab_$name.json" \
+            > "$OUT/ab_$name.log" 2>&1
+        echo "profile $name rc=$? at $(( $(date +%s) - started )) s"
+    done
+    profile_rows ab "${names[@]}"
+    [ -n "${THEN:-}" ] && bash -c "$THEN"
     ;;
 sh)
     # any commands after the set-up above (wheels on PYTHONPATH, Inductor cache): `h200_session.sh sh 'CMD; CMD'`

@@ -58,7 +58,9 @@ def main() -> None:
         for m in args.rows:
             x = torch.randn(m, hidden, device="cuda", generator=g).to(torch.bfloat16)
             want = compiled(x, weight)
-            variants = {"torch": lambda: compiled(x, weight), "triton": lambda: gt.gated_mlp(x, weight)}
+            variants = {"torch": lambda: compiled(x, weight), "triton": lambda: gt.gated_mlp(x, weight),
+                        "triton_exact_silu": lambda: gt.gated_mlp(x, weight, exact_silu=True),
+                        "triton_fast_silu": lambda: gt.gated_mlp(x, weight, exact_silu=False)}
             if args.sweep:
                 for bm, bn, bk, w, s, tma, ws in SWEEP:
                     cfg = replace(gt.default_config(torch.bfloat16), block_m=bm, block_n=bn, block_k=bk, num_warps=w,

@@ -41,7 +41,8 @@ def test_matches_float64_and_the_reference(m, inter, k, dtype):
     # no further from float64 than the reference (cuBLAS + eager's act and product) by more than an output rounding
     ref = reference.gated_mlp(x, weight)
     err, err_ref = (out.double() - want).abs().max().item(), (ref.double() - want).abs().max().item()
-    assert err <= 2 * err_ref + (1e-5 if dtype == torch.float32 else 2 ** -7), (err, err_ref)
+    # (fp32: cuBLAS may split K at small M, which sums more accurately than one K walk: H100, 3e-5 vs 5e-6 at K 1,024)
+    assert err <= 2 * err_ref + (1e-4 if dtype == torch.float32 else 2 ** -7), (err, err_ref)
     torch.testing.assert_close(out, ref, **TOLERANCE[dtype])
 
 
@@ -52,7 +53,12 @@ def test_epilogue_rounds_as_eager_over_the_same_gemm(m, inter, k):
     tiles order a k-step's products differently). Skipping a rounding of the act would change ~1/3 of them."""
     x, weight = operands(m, inter, k, torch.bfloat16, seed=5)
     gate, up = lt.linear(x, weight, None).chunk(2, dim=-1)
-    assert_mostly_same_bits(gt.gated_mlp(x, weight), F.silu(gate) * up, atol=2e-3, rtol=2 ** -7, min_equal=0.999)
+    eager = F.silu(gate) * up
+    assert_mostly_same_bits(gt.gated_mlp(x, weight, exact_silu=True), eager, atol=2e-3, rtol=2 ** -7,
+                            min_equal=0.999)
+    # Inductor's formula, x * sigmoid(x): one rounding of the act off eager's in places, as the torch variant's
+    assert_mostly_same_bits(gt.gated_mlp(x, weight, exact_silu=False), eager, atol=2e-3, rtol=2 ** -7,
+                            min_equal=0.98)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])

@@ -223,8 +223,12 @@ def questions_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: t
 # (H100, session 40, the launch's ms a replay, 0 vs 16; `benchmarks/results/h100_profile_0_8b_session40_{main,
 # all_flags}.json`): QuALITY 0.727 vs 0.072, 16 RACE 0.726 vs 0.071, 8 questions 0.328 vs 0.048, RACE 0.061 vs 0.041,
 # but MultiRC 1.085 vs 1.214 and the bench's 64 questions (96 nested rows: 6 a program) 7.80 vs 9.63. So 0 still;
-# untried: 128 (as many programs as a 64-question request has nested rows; `h200_session.sh chunked` times it).
-NESTED_ROW_PROGRAMS = 0
+# 128 (as many programs as a 64-question request has nested rows) -> on (H100, session 41, same call, replay GPU ms
+# 0 vs 128, `benchmarks/results/h100_profile_0_8b_session41_{main,rows128}.json`): the launch QuALITY 0.727 vs 0.227,
+# 16 RACE 0.726 vs 0.227, 8 questions 0.328 vs 0.202, 64 questions 7.804 vs 7.793, MultiRC 1.071 vs 1.061, RACE
+# 0.061 vs 0.066; the replay QuALITY 28.19 vs 27.80, 16 RACE 24.52 vs 24.06, 8 questions 11.76 vs 11.62, RACE 2.761
+# vs 2.764, MultiRC 3.941 vs 3.929, 64 questions 28.62 vs 28.65.
+NESTED_ROW_PROGRAMS = 128
 
 
 def questions_split_nested(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g_raw: torch.Tensor, beta: torch.Tensor,

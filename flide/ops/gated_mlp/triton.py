@@ -47,23 +47,34 @@ def default_config(dtype: torch.dtype, capability: tuple[int, int] | None = None
     return cfg if dtype == torch.float32 else replace(cfg, block_n=cfg.block_n // 2)
 
 
+# The epilogue's SiLU: EXACT_SILU computes eager CUDA's x / (1 + exp(-x)) (libdevice's exp, IEEE division: ~50
+# instructions an element), else x * sigmoid(x) as Inductor's fused kernel of the torch variant does (the hardware's
+# exp2 and reciprocal: a few instructions; its bits may differ from eager's by one rounding of the act, as the torch
+# variant's do). The epilogue runs between two tiles' main loops, not under them: at 8,192 rows of 0.8B it is 64
+# elements a thread a tile, ~15 % of the tile's time in the exact form (estimate; bench_gated_mlp.py times both).
+EXACT_SILU = False
+
+
 @triton.jit
-def _silu_times(gate, up, OUT_DTYPE: tl.constexpr, LIBDEVICE: tl.constexpr):
+def _silu_times(gate, up, OUT_DTYPE: tl.constexpr, LIBDEVICE: tl.constexpr, EXACT: tl.constexpr):
     """silu(gate) * up from the fp32 accumulators, with eager's roundings: gate and up to OUT_DTYPE (the GEMM's
     outputs), silu in fp32 rounded to OUT_DTYPE, the product rounded to OUT_DTYPE by the caller's store."""
     g = gate.to(OUT_DTYPE).to(tl.float32)
     u = up.to(OUT_DTYPE).to(tl.float32)
-    if LIBDEVICE:
+    if EXACT and LIBDEVICE:
         act = tl.math.div_rn(g, 1.0 + libdevice.exp(-g))
-    else:
+    elif EXACT:
         act = g / (1.0 + tl.exp(-g))
+    else:
+        act = g * tl.sigmoid(g)
     return (act.to(OUT_DTYPE).to(tl.float32) * u).to(OUT_DTYPE)
 
 
 @triton.jit(do_not_specialize=["M"])
 def _gated_mlp_kernel(x_ptr, w_ptr, out_ptr, M, I, K, stride_xm, stride_xk, stride_wn, stride_wk, stride_om,
                       EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      GROUP_M: tl.constexpr, PRECISION: tl.constexpr, LIBDEVICE: tl.constexpr):
+                      GROUP_M: tl.constexpr, PRECISION: tl.constexpr, LIBDEVICE: tl.constexpr,
+                      EXACT: tl.constexpr):
     pid_m, pid_n = _grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(I, BLOCK_N), GROUP_M)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -91,7 +102,7 @@ def _gated_mlp_kernel(x_ptr, w_ptr, out_ptr, M, I, K, stride_xm, stride_xk, stri
         x_ptrs += BLOCK_K * stride_xk
         g_ptrs += BLOCK_K * stride_wk
         u_ptrs += BLOCK_K * stride_wk
-    out = _silu_times(gate, up, out_ptr.dtype.element_ty, LIBDEVICE)
+    out = _silu_times(gate, up, out_ptr.dtype.element_ty, LIBDEVICE, EXACT)
     out_ptrs = out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
     tl.store(out_ptrs, out, mask=(rm[:, None] < M) & (rn[None, :] < I))
 
@@ -99,7 +110,7 @@ def _gated_mlp_kernel(x_ptr, w_ptr, out_ptr, M, I, K, stride_xm, stride_xk, stri
 @triton.jit(do_not_specialize=["M"])
 def _gated_mlp_tma_kernel(x_desc, w_desc, out_desc, M, I, K, NUM_PROGRAMS, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                          WARP_SPECIALIZE: tl.constexpr, LIBDEVICE: tl.constexpr):
+                          WARP_SPECIALIZE: tl.constexpr, LIBDEVICE: tl.constexpr, EXACT: tl.constexpr):
     # Persistent, as linear/triton.py's TMA kernel: program p computes output tiles p, p + NUM_PROGRAMS, ... in the
     # grouped order. Rows past M and the K tail arrive as zeros; a gate tile that runs past I reads up rows (valid
     # memory) into columns the store clips away, an up tile past 2I reads zeros.
@@ -119,7 +130,7 @@ def _gated_mlp_tma_kernel(x_desc, w_desc, out_desc, M, I, K, NUM_PROGRAMS, BLOCK
             bu = w_desc.load([I + col, k * BLOCK_K])
             gate = tl.dot(a, bg.T, gate)
             up = tl.dot(a, bu.T, up)
-        out_desc.store([row, col], _silu_times(gate, up, out_desc.dtype, LIBDEVICE))
+        out_desc.store([row, col], _silu_times(gate, up, out_desc.dtype, LIBDEVICE, EXACT))
 
 
 def _tma_eligible(x: torch.Tensor, weight: torch.Tensor, inter: int) -> bool:
@@ -131,7 +142,7 @@ def _tma_eligible(x: torch.Tensor, weight: torch.Tensor, inter: int) -> bool:
             and x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0)
 
 
-def _launch_tma(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, cfg: Config) -> None:
+def _launch_tma(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, cfg: Config, exact: bool) -> None:
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     M, K = x.shape
@@ -144,14 +155,15 @@ def _launch_tma(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, cfg: C
     _gated_mlp_tma_kernel[(programs,)](
         x_desc, w_desc, out_desc, M, inter, K, programs, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, WARP_SPECIALIZE=cfg.warp_specialize, LIBDEVICE=_LIBDEVICE,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        EXACT=exact, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
-def gated_mlp(x: torch.Tensor, weight: torch.Tensor, *, config: Config | None = None) -> torch.Tensor:
+def gated_mlp(x: torch.Tensor, weight: torch.Tensor, *, config: Config | None = None,
+              exact_silu: bool | None = None) -> torch.Tensor:
     """silu(x @ weight[:I].T) * (x @ weight[I:].T) -> [M, I] contiguous in x's dtype (`reference.gated_mlp`): x [M, H]
     (any strides, M may be 0), weight [2I, H] (gate rows, then up rows), one dtype (float32, bfloat16, float16).
     CUDA tensors, or CPU tensors under TRITON_INTERPRET=1. `config`: tiles (default `default_config`; BLOCK_N counts
-    output columns)."""
+    output columns); `exact_silu`: eager's SiLU formula or Inductor's (default `EXACT_SILU`)."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or weight.shape[0] % 2:
         raise ValueError(f"gated_mlp (triton): x {tuple(x.shape)}, weight {tuple(weight.shape)}: expected [M, H], "
                          f"[2I, H] (gate rows, then up rows)")
@@ -170,13 +182,14 @@ def gated_mlp(x: torch.Tensor, weight: torch.Tensor, *, config: Config | None = 
         return out
     if K == 0:  # no products: gate = up = 0, silu(0) * 0 = 0
         return out.zero_()
+    exact = EXACT_SILU if exact_silu is None else exact_silu
     if cfg.tma and _tma_eligible(x, weight, inter):
-        _launch_tma(x, weight, out, cfg)
+        _launch_tma(x, weight, out, cfg, exact)
         return out
     grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(inter, cfg.block_n),)
     _gated_mlp_kernel[grid](
         x, weight, out, M, inter, K, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0),
         EVEN_K=K % cfg.block_k == 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", LIBDEVICE=_LIBDEVICE,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        EXACT=exact, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out

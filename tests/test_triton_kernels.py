@@ -629,8 +629,8 @@ else:
             part_rows = segment_rows(s.T, s.branch_start, lens)
             assert part_rows.any() and torch.equal(out[part_rows], part[part_rows])
         # the nested launch with its programs taking the rows in turns (questions_chunked.NESTED_ROW_PROGRAMS: one
-        # program over every row, and more programs than rows): the same bits, the flags zero again
-        for programs in (1, 64):
+        # program over every row, more programs than rows) or a program a row (0): the same bits, the flags zero again
+        for programs in (0, 1, 64):
             monkeypatch.setattr(delta_chunked, "NESTED_ROW_PROGRAMS", programs)
             turns = delta_chunked.questions_split_nested(q, k, v, g, beta, gamma, solved, s.branch_start, plain_len,
                                                          nested_len, finals, s.branch_state, *sub, s.slots(), flags,

@@ -140,11 +140,12 @@ else:
 
     CASES = [(1, 16, 16), (3, 20, 24), (37, 40, 48), (64, 33, 70), (70, 16, 17)]  # (M, I, K): tails of each
 
+    @pytest.mark.parametrize("exact", [False, True], ids=["inductor-silu", "eager-silu"])
     @pytest.mark.parametrize("config", [None, SMALL], ids=["default", "small"])
     @pytest.mark.parametrize("m,inter,k", CASES, ids=[f"M{m}-I{i}-K{k}" for m, i, k in CASES])
-    def test_gated_mlp_matches_the_reference_fp32(m, inter, k, config):
+    def test_gated_mlp_matches_the_reference_fp32(m, inter, k, config, exact):
         x, weight = operands(m, inter, k, seed=m + inter + k)
-        out = gt.gated_mlp(x, weight, config=config)
+        out = gt.gated_mlp(x, weight, config=config, exact_silu=exact)
         assert out.shape == (m, inter) and out.dtype == torch.float32 and out.is_contiguous()
         torch.testing.assert_close(out, reference.gated_mlp(x, weight), atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(out.double(), want64(x, weight), atol=1e-5, rtol=1e-5)
@@ -192,3 +193,21 @@ else:
         whole = gt.gated_mlp(x, weight, config=SMALL)
         for lo, hi in [(0, 1), (3, 20), (17, 45), (44, 45)]:
             assert torch.equal(gt.gated_mlp(x[lo:hi].clone(), weight, config=SMALL), whole[lo:hi]), (lo, hi)
+
+    def test_gated_mlp_in_a_whole_tiny_model_answers_as_the_modules():
+        """Every MLP of a tiny Qwen3.5 (fp32, eager rounds on the CPU) through the Triton kernel (interpreted) over
+        the stacked weight answers as the model's own modules, to float32 rounding."""
+        import flide
+        from flide.models.tiny import tiny_model, tiny_tokenizer
+        from flide.testing import max_difference, random_request
+
+        engine = flide.patch(tiny_model("qwen3_5_text"), tiny_tokenizer())
+        rng = random.Random(5)
+        requests = [random_request(rng, max_questions=5, max_words=60) for _ in range(4)]
+        want = engine.decide(requests)
+        blocks = list(engine.flat.blocks)
+        assert blocks and all(block.mlp_sizes is not None for block in blocks)
+        for block in blocks:
+            block.mlp_op = gt.gated_mlp
+        got = engine.decide(requests)
+        assert max(max_difference(a, b) for a, b in zip(want, got)) < 1e-5

@@ -108,6 +108,22 @@ for name in sys.argv[1:]:
               {k: round(top[k], 3) for k in kernels if k in top})
 PY
 }
+# ab_arms NAME=ARGS...: a replay A/B of the 0.8B profile, one profile_round.py run per arm (ARGS: its --set / --config
+# arguments, empty for the baseline), WORKLOADS="..." (default: race multirc quality sweep64), each arm's
+# $OUT/ab_NAME.json, then the replay GPU ms and the kernels of $KERNELS per workload and arm
+ab_arms() {
+    local names=() arm name
+    for arm in "$@"; do
+        name=${arm%%=*}; names+=("$name")
+        timeout ${PROFILE_S:-110} python3 benchmarks/profile_round.py \
+            --config-json shared/models/qwen3_5/configs/qwen3.5-0.8b.json --tokenizer shared/models/qwen3_5 \
+            --data shared/data --repeats ${REPEATS:-15} --profile-runs 2 \
+            --workloads ${WORKLOADS:-race multirc quality sweep64} ${arm#*=} --out "$OUT/ab_$name.json" \
+            > "$OUT/ab_$name.log" 2>&1
+        echo "profile $name rc=$? at $(( $(date +%s) - started )) s"
+    done
+    profile_rows ab "${names[@]}"
+}
 # parallel_tests TIMEOUT LOG_LINES FILE...: one pytest process per GPU test file, all at once (small next to the H200,
 # compiling on 16 cores in parallel), waiting for every background job; a line per file in $OUT/summary.txt, the
 # logs' tails in $OUT/tests.log
@@ -348,31 +364,12 @@ mlp)
     timeout ${BENCH_S:-120} python3 benchmarks/ops/bench_gated_mlp.py ${SWEEP:+--sweep} --out "$OUT/ops_gated_mlp.json" \
         > "$OUT/ops_gated_mlp.log" 2>&1
     echo "op bench rc=$?"; grep -v DEBUG "$OUT/ops_gated_mlp.log" | tail -40
-    P="python3 benchmarks/profile_round.py --config-json shared/models/qwen3_5/configs/qwen3.5-0.8b.json \
-        --tokenizer shared/models/qwen3_5 --data shared/data --repeats 15 --profile-runs 2 \
-        --workloads race multirc quality sweep8 sweep64 race@16"
-    for ab in "main" "triton configs/h200/gated_mlp_triton.yaml"; do
-        name=${ab%% *}; config_arg=""; [ "$name" != main ] && config_arg="--config ${ab#* }"
-        timeout ${PROFILE_S:-120} $P $config_arg --out "$OUT/mlp_$name.json" > "$OUT/mlp_$name.log" 2>&1
-        echo "profile $name rc=$?"
-    done
-    KERNELS="_gated_mlp_tma_kernel nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_TNT" profile_rows mlp main triton
+    WORKLOADS="race multirc quality sweep8 sweep64 race@16" KERNELS="_gated_mlp_tma_kernel" \
+        ab_arms main= "triton=--config configs/h200/gated_mlp_triton.yaml"
     ;;
 ab)
-    # A replay A/B of the 0.8B profile, one profile_round.py run per arm: `ab NAME=ARGS ...` (ARGS: its --set / --config
-    # arguments, empty for the baseline), WORKLOADS="..." (default: race multirc quality sweep64), each arm's
-    # $OUT/ab_NAME.json; the kernels of $KERNELS per workload in the summary; then THEN='CMDS' in the time left
-    names=()
-    for arm in "$@"; do
-        name=${arm%%=*}; names+=("$name")
-        timeout ${PROFILE_S:-110} python3 benchmarks/profile_round.py \
-            --config-json shared/models/qwen3_5/configs/qwen3.5-0.8b.json --tokenizer shared/models/qwen3_5 \
-            --data shared/data --repeats ${REPEATS:-15} --profile-runs 2 \
-            --workloads ${WORKLOADS:-race multirc quality sweep64} ${arm#*=} --out "$OUT/ab_$name.json" \
-            > "$OUT/ab_$name.log" 2>&1
-        echo "profile $name rc=$? at $(( $(date +%s) - started )) s"
-    done
-    profile_rows ab "${names[@]}"
+    # A replay A/B of the 0.8B profile (`ab_arms`), then THEN='CMDS' in the time left
+    ab_arms "$@"
     [ -n "${THEN:-}" ] && bash -c "$THEN"
     ;;
 sh)

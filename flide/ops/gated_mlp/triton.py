@@ -33,7 +33,8 @@ import triton.language as tl
 from triton.language.extra import libdevice
 from triton.runtime.jit import JITFunction
 
-from ..linear.triton import Config, _capability, _grouped_tile, _programs, default_config as linear_config
+from ..linear.triton import Config, _capability, _grouped_tile, _programs, _tma_eligible
+from ..linear.triton import default_config as linear_config
 
 # Triton's interpreter has no libdevice (as in fork_conv/triton.py)
 _LIBDEVICE = os.environ.get("TRITON_INTERPRET") != "1"
@@ -131,15 +132,6 @@ def _gated_mlp_tma_kernel(x_desc, w_desc, out_desc, M, I, K, NUM_PROGRAMS, BLOCK
             gate = tl.dot(a, bg.T, gate)
             up = tl.dot(a, bu.T, up)
         out_desc.store([row, col], _silu_times(gate, up, out_desc.dtype, LIBDEVICE, EXACT))
-
-
-def _tma_eligible(x: torch.Tensor, weight: torch.Tensor, inter: int) -> bool:
-    """Whether the TMA can address x, weight and a contiguous [M, I] output (as linear/triton.py's `_tma_eligible`:
-    16-bit elements, rows contiguous, 16-byte aligned strides and bases; a property of the layer, never of M)."""
-    size = x.element_size()
-    return (x.dtype in (torch.bfloat16, torch.float16) and x.stride(1) == 1 and weight.stride(1) == 1
-            and (x.stride(0) * size) % 16 == 0 and (weight.stride(0) * size) % 16 == 0 and (inter * size) % 16 == 0
-            and x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0)
 
 
 def _launch_tma(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, cfg: Config, exact: bool) -> None:

@@ -13,9 +13,14 @@ columns of accumulators, K steps of 64, 3 stages, 8 warps: the same shared memor
 invariant like that kernel), and the products' order is that of `linear_triton` over the stacked weight.
 
 Roundings are eager PyTorch's (`reference.py`): gate and up rounded to x's dtype as the GEMM's outputs would be,
-SiLU in fp32 as eager CUDA computes it (x / (1 + exp(-x)), libdevice's exp, IEEE division) rounded to x's dtype,
-then the product rounded once. So the epilogue adds no rounding error of its own beyond eager's; the GEMM's sums
-differ from cuBLAS's by ordinary fp32-accumulation rounding (about one bf16 ulp of gate or up, rarely).
+SiLU in fp32 rounded to x's dtype, then the product rounded once. The SiLU itself is Inductor's x * sigmoid(x) by
+default (what the `torch` variant's fused kernel computes) or eager CUDA's x / (1 + exp(-x)) (`EXACT_SILU`); the
+GEMM's sums differ from cuBLAS's by ordinary fp32-accumulation rounding (about one bf16 ulp of gate or up, rarely).
+
+Measured (H100, session 41, `benchmarks/results/h100_ops_gated_mlp{,_sweep}_session41.json`, eager's SiLU form):
+1.04-1.06x the `torch` variant's time at 2,304-8,192 rows of 0.8B, 1.17x on 4B, 1.3x at 512 rows; in the replay
+QuALITY's GEMMs +2.2 ms against its pointwise work -1.4. So `auto` keeps `torch`; the Triton GEMM with two
+accumulators is what loses, not the traffic it saves.
 
 Runs on CPU tensors under TRITON_INTERPRET=1 (read by `triton.jit` when this module is imported; libdevice is then
 replaced by tl.exp / plain division), which is how tests/test_gated_mlp.py checks it; the GPU checks are
@@ -59,7 +64,7 @@ EXACT_SILU = False
 @triton.jit
 def _silu_times(gate, up, OUT_DTYPE: tl.constexpr, LIBDEVICE: tl.constexpr, EXACT: tl.constexpr):
     """silu(gate) * up from the fp32 accumulators, with eager's roundings: gate and up to OUT_DTYPE (the GEMM's
-    outputs), silu in fp32 rounded to OUT_DTYPE, the product rounded to OUT_DTYPE by the caller's store."""
+    outputs), silu in fp32 (EXACT: eager's formula, else Inductor's) rounded to OUT_DTYPE, then the product."""
     g = gate.to(OUT_DTYPE).to(tl.float32)
     u = up.to(OUT_DTYPE).to(tl.float32)
     if EXACT and LIBDEVICE:

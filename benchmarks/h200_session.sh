@@ -110,19 +110,19 @@ PY
 }
 # ab_arms NAME=ARGS...: a replay A/B of the 0.8B profile, one profile_round.py run per arm (ARGS: its --set / --config
 # arguments, empty for the baseline), WORKLOADS="..." (default: race multirc quality sweep64), each arm's
-# $OUT/ab_NAME.json, then the replay GPU ms and the kernels of $KERNELS per workload and arm
+# $OUT/PREFIX_NAME.json (AB_PREFIX, default ab), then the replay GPU ms and the kernels of $KERNELS per workload and arm
 ab_arms() {
-    local names=() arm name
+    local names=() arm name prefix=${AB_PREFIX:-ab}
     for arm in "$@"; do
         name=${arm%%=*}; names+=("$name")
         timeout ${PROFILE_S:-110} python3 benchmarks/profile_round.py \
             --config-json shared/models/qwen3_5/configs/qwen3.5-0.8b.json --tokenizer shared/models/qwen3_5 \
             --data shared/data --repeats ${REPEATS:-15} --profile-runs 2 \
-            --workloads ${WORKLOADS:-race multirc quality sweep64} ${arm#*=} --out "$OUT/ab_$name.json" \
-            > "$OUT/ab_$name.log" 2>&1
+            --workloads ${WORKLOADS:-race multirc quality sweep64} ${arm#*=} --out "$OUT/${prefix}_$name.json" \
+            > "$OUT/${prefix}_$name.log" 2>&1
         echo "profile $name rc=$? at $(( $(date +%s) - started )) s"
     done
-    profile_rows ab "${names[@]}"
+    profile_rows "$prefix" "${names[@]}"
 }
 # parallel_tests TIMEOUT LOG_LINES FILE...: one pytest process per GPU test file, all at once (small next to the H200,
 # compiling on 16 cores in parallel), waiting for every background job; a line per file in $OUT/summary.txt, the
@@ -245,18 +245,12 @@ chunked)
     done
     wait
     grep -h -E "^FAILED|^E  " "$OUT"/chunked_*.log | head -20
-    P="python3 benchmarks/profile_round.py --config-json shared/models/qwen3_5/configs/qwen3.5-0.8b.json \
-        --tokenizer shared/models/qwen3_5 --data shared/data --repeats 15 --profile-runs 2 \
-        --workloads race multirc quality sweep8 sweep64 race@16"
     # the nested rows in turns at 128 programs (16 took QuALITY's / 16 RACE's all-empty nested launch from 0.73 to
     # 0.07 ms but cost sweep 64, whose 96 nested rows it ran 6 to a program, +1.8 ms: H100, session 40)
-    for ab in "main" "rows128 flide.ops.gated_delta.questions_chunked.NESTED_ROW_PROGRAMS=128"; do
-        name=${ab%% *}; set_arg=""; [ "$name" != main ] && set_arg="--set ${ab#* }"
-        timeout ${PROFILE_S:-120} $P $set_arg --out "$OUT/profile_$name.json" > "$OUT/profile_$name.log" 2>&1
-        echo "profile $name rc=$?"
-    done
-    KERNELS="_questions_chunked_kernel _branch_kernel chunk_gated_delta_rule_fwd_kkt_solve_kernel _kkt_solve_kernel
-             _w_u_kernel _state_chain_kernel" profile_rows profile main rows128
+    AB_PREFIX=profile PROFILE_S=${PROFILE_S:-120} WORKLOADS="race multirc quality sweep8 sweep64 race@16" \
+        KERNELS="_questions_chunked_kernel _branch_kernel chunk_gated_delta_rule_fwd_kkt_solve_kernel
+                 _kkt_solve_kernel _w_u_kernel _state_chain_kernel" \
+        ab_arms main= "rows128=--set flide.ops.gated_delta.questions_chunked.NESTED_ROW_PROGRAMS=128"
     ;;
 nested)
     # where a nested fork's rows go (session 40: the bench's 64-question request is 32 sub-trunks of 24-83 tokens with
@@ -268,20 +262,13 @@ nested)
     # there vs 276 at two), rows128 (the nested launch's rows taken in turns by 128 programs a head: its all-empty
     # launch cost QuALITY 0.73 ms at 0, 0.07 at 16, which cost sweep 64 +1.8 ms), then the engine tests of chunked /
     # nested questions in the time left, ~8 min
-    P="python3 benchmarks/profile_round.py --config-json shared/models/qwen3_5/configs/qwen3.5-0.8b.json \
-        --tokenizer shared/models/qwen3_5 --data shared/data --repeats 15 --profile-runs 2 \
-        --workloads multirc sweep64 quality race"
     Q=flide.ops.gated_delta
-    for ab in "main" "leaves32 $Q.NESTED_CHUNKED_LEAF_TOKENS=32" \
-              "stored32 $Q.NESTED_CHUNKED_LEAF_TOKENS=32 $Q.questions_chunked.STORED_SUB_STATES=True" \
-              "stages1 $Q.questions_chunked.NUM_STAGES=1" \
-              "rows128 $Q.questions_chunked.NESTED_ROW_PROGRAMS=128"; do
-        name=${ab%% *}; set_arg=""; [ "$name" != main ] && set_arg="--set ${ab#* }"
-        timeout ${PROFILE_S:-110} $P $set_arg --out "$OUT/nested_$name.json" > "$OUT/nested_$name.log" 2>&1
-        echo "profile $name rc=$?"
-    done
-    KERNELS="_questions_chunked_kernel _branch_kernel _kkt_solve_kernel chunk_local_cumsum_scalar_kernel" \
-        profile_rows nested main leaves32 stored32 stages1 rows128
+    AB_PREFIX=nested WORKLOADS="multirc sweep64 quality race" \
+        KERNELS="_questions_chunked_kernel _branch_kernel _kkt_solve_kernel chunk_local_cumsum_scalar_kernel" \
+        ab_arms main= "leaves32=--set $Q.NESTED_CHUNKED_LEAF_TOKENS=32" \
+        "stored32=--set $Q.NESTED_CHUNKED_LEAF_TOKENS=32 $Q.questions_chunked.STORED_SUB_STATES=True" \
+        "stages1=--set $Q.questions_chunked.NUM_STAGES=1" \
+        "rows128=--set $Q.questions_chunked.NESTED_ROW_PROGRAMS=128"
     # the engine against the pipeline with chunked / nested questions (the long-leaves cases) in the time left
     left=$(( ${BUDGET_S:-570} - ($(date +%s) - started) ))
     if [ "$left" -gt 90 ]; then

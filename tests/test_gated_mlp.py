@@ -64,7 +64,7 @@ if not INTERPRETED:
     def test_the_op_in_the_model_answers_as_the_modules():
         """Every MLP calling the `torch` variant's custom op over the stacked weight (the op's path, as `triton` runs
         it) answers as the default path (the model's modules) to float32 rounding."""
-        tok, model = tiny_model_and_tokenizer()
+        tok, model = tiny_tokenizer_and_model()
         engine = flide.patch(model, tok)
         rng = random.Random(4)
         requests = [random_request(rng, max_questions=5, max_words=60) for _ in range(6)]
@@ -76,11 +76,11 @@ if not INTERPRETED:
         got = engine.decide(requests)
         assert max(max_difference(a, b) for a, b in zip(want, got)) < 1e-6
 
-    def tiny_model_and_tokenizer():
+    def tiny_tokenizer_and_model():
         return tiny_tokenizer(), tiny_model("qwen3_5_text")
 
     def test_unknown_variant_names_the_field():
-        tok, model = tiny_model_and_tokenizer()
+        tok, model = tiny_tokenizer_and_model()
         with pytest.raises(ValueError, match="gated_mlp"):
             flide.patch(model, tok, config={"kernels": {"gated_mlp": "nope"}})
 
@@ -88,14 +88,14 @@ if not INTERPRETED:
         """`kernels.gated_mlp: triton` on a machine without CUDA: an error naming why, not a crash at the first round."""
         if torch.cuda.is_available():
             pytest.skip("this machine has a GPU")
-        tok, model = tiny_model_and_tokenizer()
+        tok, model = tiny_tokenizer_and_model()
         with pytest.raises(ValueError, match="triton"):
             flide.patch(model, tok, config={"kernels": {"gated_mlp": "triton"}})
 
     def test_an_mlp_that_is_not_silu_gated_is_refused():
         """The op computes SiLU only: an MLP with another act (or gate / up it cannot stack) is refused with the
         field's name; the `torch` variant keeps any MLP's own modules."""
-        tok, model = tiny_model_and_tokenizer()
+        tok, model = tiny_tokenizer_and_model()
         engine = flide.patch(model, tok)
         block = _blocks(engine)[0]
         block.fuse_projections(gated_mlp_torch)

@@ -2,12 +2,13 @@
 
 - `torch`: what the flat model runs with `kernels.gated_mlp: torch`: cuBLAS over the stacked gate / up weight, then
   the SiLU-mul that Inductor fuses into one pointwise kernel (torch.compile of the same two lines);
-- `triton`: flide/ops/gated_mlp/triton.py, the SiLU-mul in the GEMM's epilogue.
+- `triton_exact_silu` / `triton_fast_silu`: flide/ops/gated_mlp/triton.py, the SiLU-mul in the GEMM's epilogue with
+  eager's SiLU formula or Inductor's x * sigmoid(x) (`EXACT_SILU` picks the variant's default).
 
     python benchmarks/ops/bench_gated_mlp.py [--rows 512 2304 8192] [--sweep] [--out FILE.json]
 
 Times: medians of CUDA-graph replays (triton.testing.do_bench_cudagraph), each pair timed back to back on one card;
-`ratio` = triton / torch time. Per model, the sum over its layers of each row count (a forward's MLP first halves).
+`ratio` = a variant's time / torch's. Per model, the sum over its layers of each row count (a forward's MLP first halves).
 --sweep also times other tiles of the Triton kernel (BLOCK_N counts output columns; other BLOCK_K: other bits).
 """
 
@@ -58,7 +59,8 @@ def main() -> None:
         for m in args.rows:
             x = torch.randn(m, hidden, device="cuda", generator=g).to(torch.bfloat16)
             want = compiled(x, weight)
-            variants = {"torch": lambda: compiled(x, weight), "triton": lambda: gt.gated_mlp(x, weight),
+            # both SiLU forms by name (the module default, EXACT_SILU, is one of them: timed once)
+            variants = {"torch": lambda: compiled(x, weight),
                         "triton_exact_silu": lambda: gt.gated_mlp(x, weight, exact_silu=True),
                         "triton_fast_silu": lambda: gt.gated_mlp(x, weight, exact_silu=False)}
             if args.sweep:

@@ -222,8 +222,8 @@ def questions_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: t
 # 2026-12-02, 1c7ea47: a row loop around the token loop), i.e. MultiRC's 1.07 ms and 64 questions' 3.25. At 16
 # (H100, session 40, the launch's ms a replay, 0 vs 16; `benchmarks/results/h100_profile_0_8b_session40_{main,
 # all_flags}.json`): QuALITY 0.727 vs 0.072, 16 RACE 0.726 vs 0.071, 8 questions 0.328 vs 0.048, RACE 0.061 vs 0.041,
-# but MultiRC 1.085 vs 1.214 and the bench's 64 questions (96 nested rows: 6 a program) 7.80 vs 9.63. So 0 still;
-# 128 (as many programs as a 64-question request has nested rows) -> on (H100, session 41, same call, replay GPU ms
+# but MultiRC 1.085 vs 1.214 and the bench's 64 questions (96 nested rows: 6 a program) 7.80 vs 9.63: 16 left off.
+# At 128 (as many programs as a 64-question request has nested rows), the default (H100, session 41, same call, GPU ms
 # 0 vs 128, `benchmarks/results/h100_profile_0_8b_session41_{main,rows128}.json`): the launch QuALITY 0.727 vs 0.227,
 # 16 RACE 0.726 vs 0.227, 8 questions 0.328 vs 0.202, 64 questions 7.804 vs 7.793, MultiRC 1.071 vs 1.061, RACE
 # 0.061 vs 0.066; the replay QuALITY 28.19 vs 27.80, 16 RACE 24.52 vs 24.06, 8 questions 11.76 vs 11.62, RACE 2.761

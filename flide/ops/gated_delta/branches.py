@@ -153,15 +153,16 @@ def _initial_state(h0_ptr, index_ptr, i_n, i_h, o_k, o_v, k_ok, v_ok, HV: tl.con
 @triton.jit
 def _branch_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, start_ptr, len_ptr, index_ptr, scale,
                    ht_ptr, snap_at_ptr, hs_ptr, sub_lo_ptr, sub_hi_ptr, sub_slot_ptr, subs_ptr, flags_ptr, max_spins,
-                   N, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
-                   BV: tl.constexpr, L2NORM: tl.constexpr, STORE_FINAL: tl.constexpr, SNAPSHOT: tl.constexpr,
-                   ROW_PROGRAMS: tl.constexpr, NESTED: tl.constexpr, SUB_STATES: tl.constexpr):
+                   reruns_ptr, N, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                   BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, STORE_FINAL: tl.constexpr,
+                   SNAPSHOT: tl.constexpr, ROW_PROGRAMS: tl.constexpr, NESTED: tl.constexpr,
+                   SUB_STATES: tl.constexpr, COUNT_RERUNS: tl.constexpr):
     i_v = tl.program_id(0)
     if ROW_PROGRAMS == 0:  # a program per (row, value head, V tile): a row of length 0 returns at once
         _branch_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, start_ptr, len_ptr, index_ptr, scale, ht_ptr,
-                    snap_at_ptr, hs_ptr, sub_lo_ptr, sub_hi_ptr, sub_slot_ptr, subs_ptr, flags_ptr, max_spins, N,
-                    tl.program_id(1) // HV, tl.program_id(1) % HV, i_v, HK, HV, K, V, BK, BV, L2NORM, STORE_FINAL,
-                    SNAPSHOT, NESTED, SUB_STATES)
+                    snap_at_ptr, hs_ptr, sub_lo_ptr, sub_hi_ptr, sub_slot_ptr, subs_ptr, flags_ptr, max_spins,
+                    reruns_ptr, N, tl.program_id(1) // HV, tl.program_id(1) % HV, i_v, HK, HV, K, V, BK, BV, L2NORM,
+                    STORE_FINAL, SNAPSHOT, NESTED, SUB_STATES, COUNT_RERUNS)
     else:  # ROW_PROGRAMS programs per (value head, V tile), each over its own block of consecutive rows
         last = N
         if not STORE_FINAL and not SNAPSHOT:
@@ -180,16 +181,16 @@ def _branch_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, start_pt
         for i_n in range(first, tl.minimum(first + per, last)):
             _branch_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, start_ptr, len_ptr, index_ptr, scale,
                         ht_ptr, snap_at_ptr, hs_ptr, sub_lo_ptr, sub_hi_ptr, sub_slot_ptr, subs_ptr, flags_ptr,
-                        max_spins, N, i_n, tl.program_id(1), i_v, HK, HV, K, V, BK, BV, L2NORM, STORE_FINAL,
-                        SNAPSHOT, NESTED, SUB_STATES)
+                        max_spins, reruns_ptr, N, i_n, tl.program_id(1), i_v, HK, HV, K, V, BK, BV, L2NORM,
+                        STORE_FINAL, SNAPSHOT, NESTED, SUB_STATES, COUNT_RERUNS)
 
 
 @triton.jit
 def _branch_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, start_ptr, len_ptr, index_ptr, scale, ht_ptr,
-                snap_at_ptr, hs_ptr, sub_lo_ptr, sub_hi_ptr, sub_slot_ptr, subs_ptr, flags_ptr, max_spins, N, i_n, i_h,
-                i_v, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
-                BV: tl.constexpr, L2NORM: tl.constexpr, STORE_FINAL: tl.constexpr, SNAPSHOT: tl.constexpr,
-                NESTED: tl.constexpr, SUB_STATES: tl.constexpr):
+                snap_at_ptr, hs_ptr, sub_lo_ptr, sub_hi_ptr, sub_slot_ptr, subs_ptr, flags_ptr, max_spins, reruns_ptr,
+                N, i_n, i_h, i_v, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, STORE_FINAL: tl.constexpr,
+                SNAPSHOT: tl.constexpr, NESTED: tl.constexpr, SUB_STATES: tl.constexpr, COUNT_RERUNS: tl.constexpr):
     """Row i_n's question (or segment) for value head i_h, V tile i_v: the recurrent form's work for one row.
     NESTED (a nested fork's question call): a leaf first runs its sub-trunk's rows, [sub_lo, sub_hi) at its first
     token, from its initial state, storing no outputs (`_sub_trunk`); without it that code is not compiled in.
@@ -198,7 +199,8 @@ def _branch_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, start_ptr, 
     slot waits until that flag is positive (acquire) and starts from `subs[slot]` instead of re-running the
     sub-trunk, then takes one off the flag, so every flag is back at zero when the launch ends. A leaf that waited
     `max_spins` polls in vain re-runs its sub-trunk (the same bits), so no order of the programs can hang the
-    launch; in practice the GPU dispatches programs in grid order and a sub-trunk's row comes before its leaves'."""
+    launch; in practice the GPU dispatches programs in grid order and a sub-trunk's row comes before its leaves'.
+    COUNT_RERUNS: each leaf that gave up adds 1 to `reruns` (`branches(reruns=)`)."""
     i_hk = i_h // (HV // HK)  # grouped value heads: value head h reads key head h // (HV // HK)
     n = tl.load(len_ptr + i_n)
     o_k = tl.arange(0, BK)
@@ -230,6 +232,9 @@ def _branch_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, start_ptr, 
                 flag = _sub_flag(flags_ptr, slot, i_h, i_v, HV, V)
                 stored = _wait_for_flag(flag, max_spins)
                 tl.atomic_add(flag, -1, sem="relaxed")  # the state in `subs` stays until the launch ends
+                if COUNT_RERUNS:  # tests: a leaf that gave up waited on a program that had not run
+                    if stored == 0:
+                        tl.atomic_add(reruns_ptr, 1, sem="relaxed")
             if stored > 0:  # L2 only (.cg): the sub-trunk's program wrote it from another SM
                 h = tl.load(_sub_state(subs_ptr, slot, i_h, o_k, o_v, HV, K, V), mask=state_ok, other=0.0,
                             cache_modifier=".cg")
@@ -452,7 +457,8 @@ def branches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
              snapshot: tuple[torch.Tensor, torch.Tensor] | None = None,
              sub: tuple[torch.Tensor, torch.Tensor] | None = None,
              sub_slot: torch.Tensor | None = None, sub_flags: torch.Tensor | None = None,
-             max_spins: int | None = None, row_programs: int | None = None) -> torch.Tensor:
+             max_spins: int | None = None, row_programs: int | None = None,
+             reruns: torch.Tensor | None = None) -> torch.Tensor:
     """o [T, Hv, V] (q's dtype) of every segment, each from `initial_state[initial_index[n]]` (-1: zero). Rows
     outside the segments are left unwritten, as fla's variant leaves them (`gated_delta.combine` selects).
 
@@ -481,7 +487,10 @@ def branches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     recurrent form's programs along the rows where `tiles` does not give them (default ROW_PROGRAMS; 0: one a row).
     With row programs each program takes a block of consecutive rows: a leaf waits only on a sub-trunk row before it
     (a request's sub-trunks come before its leaves, `round.RequestLayout`), so in its own program (done already) or
-    in one earlier in the grid, which the GPU dispatched before it (the order a program a row relies on too)."""
+    in one earlier in the grid, which the GPU dispatched before it (the order a program a row relies on too).
+    `reruns` (with `sub_slot`): an int32 [1] tensor to which each leaf (and value tile) that gave up waiting adds 1:
+    Triton's interpreter runs the programs one by one in grid order, so there a leaf that waited on a program after
+    its own gives up every time (the tests' check of the row-to-program order); None: not counted (compiled out)."""
     if form not in FORMS:
         raise ValueError(f"`form` must be one of {FORMS}, got {form!r}")
     if sub is not None:
@@ -498,6 +507,9 @@ def branches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                   or sub_flags.numel() < SUB_STATE_SLOTS * v.shape[1] * v.shape[2]):
         raise ValueError(f"`sub_flags` needs a contiguous int32 tensor of {SUB_STATE_SLOTS} x Hv x V elements "
                          f"(`new_sub_flags`), got {sub_flags.dtype} {tuple(sub_flags.shape)}")
+    if reruns is not None and (sub_slot is None or reruns.dtype != torch.int32 or reruns.numel() != 1):
+        raise ValueError(f"`reruns` needs `sub_slot` and an int32 tensor of one element, got "
+                         f"{'no sub_slot, ' if sub_slot is None else ''}{reruns.dtype} {tuple(reruns.shape)}")
     max_spins = MAX_SPINS if max_spins is None else max_spins
     state_shape = (seg_start.shape[0], v.shape[1], k.shape[2], v.shape[2])
 
@@ -562,10 +574,12 @@ def branches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
         _branch_kernel[grid](*meta, final if final is not None else h0, snap_at.contiguous(), states,
                              sub_lo.contiguous(), sub_hi.contiguous(),
                              (sub_slot if sub_slot is not None else sub_lo).contiguous(), subs,
-                             sub_flags if sub_slot is not None else sub_lo, max_spins, N, HK=HK, HV=HV, K=K, V=V,
+                             sub_flags if sub_slot is not None else sub_lo, max_spins,
+                             reruns if reruns is not None else sub_lo, N, HK=HK, HV=HV, K=K, V=V,
                              BK=BK, BV=BV, L2NORM=use_qk_l2norm, STORE_FINAL=final is not None,
                              SNAPSHOT=snapshot is not None, ROW_PROGRAMS=row_programs, NESTED=sub is not None,
-                             SUB_STATES=sub_slot is not None, num_warps=warps, num_stages=NUM_STAGES,
+                             SUB_STATES=sub_slot is not None, COUNT_RERUNS=reruns is not None, num_warps=warps,
+                             num_stages=NUM_STAGES,
                              **({"maxnreg": MAX_REGISTERS[BV]} if MAX_REGISTERS.get(BV) else {}))
     return o
 

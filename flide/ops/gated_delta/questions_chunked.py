@@ -228,6 +228,13 @@ def questions_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: t
 # 16 RACE 0.726 vs 0.227, 8 questions 0.328 vs 0.202, 64 questions 7.804 vs 7.793, MultiRC 1.071 vs 1.061, RACE
 # 0.061 vs 0.066; the replay QuALITY 28.19 vs 27.80, 16 RACE 24.52 vs 24.06, 8 questions 11.76 vs 11.62, RACE 2.761
 # vs 2.764, MultiRC 3.941 vs 3.929, 64 questions 28.62 vs 28.65.
+# Taken in turns (i, i + P, ...) the rows of a round with more nested rows than programs hung on the leaves' waits
+# (H100, session 42, 6 MultiRC requests in one round, ~250 nested rows: this launch 247.5 ms vs 9.4 a program a row;
+# `h100_profile_0_8b_session42_turns.json`): a program's later leaf waited on a sub-trunk whose program was not yet
+# dispatched, and spun out. Each program now takes a block of consecutive rows (`branches._branch_kernel`), same
+# bits; same call, blocks vs a program a row (`..._session42_{blocks,rows0}.json`): that round 10.10 vs 9.45 ms
+# (replay 29.88 vs 29.25), QuALITY 0.226 vs 0.727 (replay 27.81 vs 28.34), MultiRC 1.086 vs 1.071, 64 questions 7.96
+# vs 7.76 (one row a program either way there: within the calls' spread, session 41 had 7.79 vs 7.80).
 NESTED_ROW_PROGRAMS = 128
 
 

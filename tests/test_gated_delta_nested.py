@@ -509,5 +509,11 @@ else:
             delta_branches.branches(*args, sub=sub, sub_slot=s.slots().long())
         with pytest.raises(ValueError, match="sub_slot"):
             delta_branches.branches(*args, sub_slot=s.slots())
+        with pytest.raises(ValueError, match="`sub_first` needs `sub_slot`"):
+            delta_branches.branches(*args, sub=sub, sub_first=True, row_programs=2)
+        with pytest.raises(ValueError, match="`sub_first` needs row programs"):
+            delta_branches.branches(*args, sub=sub, sub_slot=s.slots(), sub_first=True, row_programs=0)
+        with pytest.raises(ValueError, match="`reruns` needs"):
+            delta_branches.branches(*args, sub=sub, sub_slot=s.slots(), reruns=torch.zeros(2, dtype=torch.int32))
         with pytest.raises(ValueError, match="sub_flags"):  # too few flags for the heads
             delta_branches.branches(*args, sub=sub, sub_slot=s.slots(), sub_flags=new_sub_flags(1, 1))

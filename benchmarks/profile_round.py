@@ -366,6 +366,7 @@ def main() -> None:
         engine.runner._skip_guards = True  # as `runtime.guards: skip` sets it after the capture
         report["skip_guard_eval"] = True
     print(json.dumps({k: v for k, v in report.items() if k != "rows"}), flush=True)
+    from flide.graphs.buckets import plan_rounds
     from flide.piece_cache import PieceCache
     from flide.requests import PromptTokenizer
 
@@ -376,6 +377,11 @@ def main() -> None:
     for name in args.workloads:
         requests = load(name, tokenizer, args.data)
         prepared = [engine.prepare(request) for request in requests]
+        rounds = len(plan_rounds([engine.footprint(p) for p in prepared], engine.config.capacities,
+                                 engine.max_options))
+        if rounds > 1:  # the profile times one round (host split, one replay's kernels)
+            raise SystemExit(f"workload {name}: its {len(requests)} requests need {rounds} rounds at these "
+                             f"capacities; ask for fewer (e.g. {name.partition('@')[0]}@{max(1, len(requests) // rounds)})")
         prepare_ms = median_ms(lambda: [engine.prepare(request, cold) for request in requests], 5)
         engine.run(prepared)  # warm
         row = {"workload": name, "requests": len(requests),

@@ -119,7 +119,7 @@ ab_arms() {
         timeout ${PROFILE_S:-110} python3 benchmarks/profile_round.py \
             --config-json shared/models/qwen3_5/configs/qwen3.5-0.8b.json --tokenizer shared/models/qwen3_5 \
             --data shared/data --repeats ${REPEATS:-15} --profile-runs 2 \
-            --workloads ${WORKLOADS:-race multirc quality sweep64} ${arm#*=} --out "$OUT/${prefix}_$name.json" \
+            --workloads ${WORKLOADS:-race multirc quality sweep64 multirc@6} ${arm#*=} --out "$OUT/${prefix}_$name.json" \
             > "$OUT/${prefix}_$name.log" 2>&1
         echo "profile $name rc=$? at $(( $(date +%s) - started )) s"
     done

@@ -2,7 +2,7 @@
 one graph replay, per workload, on a random-weight model in real shapes.
 
     python benchmarks/profile_round.py --config-json <qwen3.5-0.8b.json> --tokenizer <folder> \\
-        [--data <folder>] [--workloads race multirc quality sweep1 sweep8 sweep64 race@16] [--out results.json]
+        [--data <folder>] [--workloads race multirc quality sweep1 sweep8 sweep64 multirc@6 race@16] [--out results.json]
 
 For each workload it prepares the first request, runs it alone `--repeats` times and reports the median wall time
 of `engine.run` (host build + copy + replay + scores back; tokenization excluded, it runs before and off the GPU's
@@ -306,8 +306,10 @@ def main() -> None:
     parser.add_argument("--config-json", required=True)
     parser.add_argument("--tokenizer", required=True)
     parser.add_argument("--data", default=None)
+    # multirc@6: a round of several requests with nested forks (~250 nested rows, more than the nested launch's row
+    # programs), the shape under load that session 41's rows in turns hung on and no single request has
     parser.add_argument("--workloads", nargs="+", default=["race", "multirc", "quality", "sweep1", "sweep8",
-                                                           "sweep64"])
+                                                           "sweep64", "multirc@6"])
     parser.add_argument("--config", default=None, help="a Flide YAML config (default: configs/default.yaml's)")
     parser.add_argument("--eager", action="store_true", help="also time eager rounds (runtime.graphs: off)")
     parser.add_argument("--repeats", type=int, default=20)

@@ -181,7 +181,9 @@ def _branch_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, start_pt
         # of the others, so a leaf finds its sub-trunk's state stored or being made, and no sub-trunk waits behind
         # a leaf that holds an SM's slot while it polls (without it a block of S, L, L, S, L, L... rows puts leaves
         # in the first waves that poll for as long as their sub-trunk runs).
-        block = tl.program_id(2) % ROW_PROGRAMS
+        block = tl.program_id(2)
+        if SUB_FIRST:
+            block = block % ROW_PROGRAMS
         per = tl.cdiv(last, ROW_PROGRAMS)
         first = block * per
         for i_n in range(first, tl.minimum(first + per, last)):

@@ -25,7 +25,6 @@
 #     bash benchmarks/h200_session.sh nested     where a nested fork's rows go: replay A/B of long leaves chunked (re-run / stored) and 1 stage ~7 min
 #     bash benchmarks/h200_session.sh mlp        the SiLU-mul in the gate/up GEMM (kernels.gated_mlp): GPU tests, op bench, replay A/B ~7 min
 #     bash benchmarks/h200_session.sh serve      issue 4: the http bench twice (req/s 1/8/32/64, one-client gap) + serve A/B ~9 min
-#     bash benchmarks/h200_session.sh subfirst   the nested launch's sub-trunks first (NESTED_SUB_TRUNKS_FIRST): GPU tests + replay A/B ~6 min
 #     bash benchmarks/h200_session.sh ab NAME=ARGS...  replay A/B arms of the 0.8B profile (ARGS: --set / --config), then $THEN
 #     bash benchmarks/h200_session.sh sh 'CMDS'  any commands, after the same set-up (a session's own mix of parts)
 # Logs and results go to $OUT.
@@ -354,17 +353,6 @@ mlp)
     echo "op bench rc=$?"; grep -v DEBUG "$OUT/ops_gated_mlp.log" | tail -40
     WORKLOADS="race multirc quality sweep8 sweep64 race@16" KERNELS="_gated_mlp_tma_kernel" \
         ab_arms main= "triton=--config configs/h200/gated_mlp_triton.yaml"
-    ;;
-subfirst)
-    # Session 42 left: the nested launch's slotted sub-trunks by a first set of row programs
-    # (questions_chunked.NESTED_SUB_TRUNKS_FIRST, off, unmeasured): its GPU tests (no leaf gives up waiting, the bits
-    # of a program a row), then the replay A/B on the rounds with nested rows and QuALITY (whose launch is all empty
-    # rows: twice the programs), ~6 min
-    timeout ${TEST_S:-150} python3 -m pytest -q -rA -p no:logging --tb=short tests/gpu/test_gated_delta_nested_gpu.py \
-        -k "row_programs or stored" > "$OUT/subfirst_tests.log" 2>&1
-    echo "tests rc=$? $(tail -1 "$OUT/subfirst_tests.log")"; grep -E "^FAILED|^E  " "$OUT/subfirst_tests.log" | head -10
-    WORKLOADS=${WORKLOADS:-"multirc@6 multirc sweep64 quality race"} KERNELS="_branch_kernel" \
-        ab_arms main= "subfirst=--set flide.ops.gated_delta.questions_chunked.NESTED_SUB_TRUNKS_FIRST=True"
     ;;
 ab)
     # A replay A/B of the 0.8B profile (`ab_arms`), then THEN='CMDS' in the time left

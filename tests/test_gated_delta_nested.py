@@ -439,17 +439,15 @@ else:
         torch.testing.assert_close(out[rows], want[rows], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(final, want_final, atol=1e-5, rtol=1e-5)
 
-    @pytest.mark.parametrize("sub_first", [False, True], ids=["blocks", "sub-trunks-first"])
     @pytest.mark.parametrize("programs", [2, 4])
-    def test_triton_row_programs_never_wait_on_a_later_program(programs, sub_first):
+    def test_triton_row_programs_never_wait_on_a_later_program(programs):
         """(g) Row programs fewer than the rows (`row_programs`, the nested launch's NESTED_ROW_PROGRAMS): each takes a
         block of consecutive rows, so a leaf's sub-trunk (an earlier row) is in its own program or an earlier one.
         The interpreter runs the programs one by one in grid order, so a leaf that waited on a later program would
         give up (`reruns`); none does, and the bits are a program a row's. On the GPU such a wait spun out MAX_SPINS
         polls whenever the later program was not yet dispatched: with rows in turns (i, i + P, ..., session 41),
         6 MultiRC requests' nested launch took 247.5 ms instead of 9.4 (H100). In turns, here a leaf at row 4 (P = 2:
-        program 0) would wait on its sub-trunk at row 3 (program 1). `sub_first`: the slotted sub-trunks by a first
-        set of programs, the rest by a second (`questions_chunked.NESTED_SUB_TRUNKS_FIRST`): the same."""
+        program 0) would wait on its sub-trunk at row 3 (program 1)."""
         s = ordered_stream()
         heads = HEADS[0]
         x = inputs(s.T, heads, True, seed=programs)
@@ -462,14 +460,13 @@ else:
                                            sub_flags=new_sub_flags(Hv, V), max_spins=2, row_programs=0)
         flags, reruns = new_sub_flags(Hv, V), torch.zeros(1, dtype=torch.int32)
         blocks = delta_branches.branches(*args, out=poisoned(s.T, Hv, V), sub=(s.sub_lo, s.sub_hi), sub_slot=slots,
-                                         sub_flags=flags, max_spins=2, row_programs=programs, reruns=reruns,
-                                         sub_first=sub_first)
+                                         sub_flags=flags, max_spins=2, row_programs=programs, reruns=reruns)
         assert int(reruns) == 0 and not flags.any()
         assert torch.equal(blocks[rows], one_each[rows]) and blocks[~rows].isnan().all()
         # the counter counts: flags no sub-trunk lifts make every leaf with a slot give up (6 leaves x V tiles)
         never, reruns = torch.full_like(new_sub_flags(Hv, V), -1000), torch.zeros(1, dtype=torch.int32)
         delta_branches.branches(*args, sub=(s.sub_lo, s.sub_hi), sub_slot=slots, sub_flags=never, max_spins=2,
-                                row_programs=programs, reruns=reruns, sub_first=sub_first)
+                                row_programs=programs, reruns=reruns)
         assert int(reruns) == 6 * Hv * -(-V // delta_branches.BLOCK_V)
 
     def test_triton_leaves_with_a_slot_start_from_the_stored_state():
@@ -509,10 +506,6 @@ else:
             delta_branches.branches(*args, sub=sub, sub_slot=s.slots().long())
         with pytest.raises(ValueError, match="sub_slot"):
             delta_branches.branches(*args, sub_slot=s.slots())
-        with pytest.raises(ValueError, match="`sub_first` needs `sub_slot`"):
-            delta_branches.branches(*args, sub=sub, sub_first=True, row_programs=2)
-        with pytest.raises(ValueError, match="`sub_first` needs row programs"):
-            delta_branches.branches(*args, sub=sub, sub_slot=s.slots(), sub_first=True, row_programs=0)
         with pytest.raises(ValueError, match="`reruns` needs"):
             delta_branches.branches(*args, sub=sub, sub_slot=s.slots(), reruns=torch.zeros(2, dtype=torch.int32))
         with pytest.raises(ValueError, match="sub_flags"):  # too few flags for the heads

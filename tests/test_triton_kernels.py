@@ -629,11 +629,10 @@ else:
             part_rows = segment_rows(s.T, s.branch_start, lens)
             assert part_rows.any() and torch.equal(out[part_rows], part[part_rows])
         # the nested launch with row programs taking blocks of rows (questions_chunked.NESTED_ROW_PROGRAMS: one
-        # program over every row, more programs than rows), with the slotted sub-trunks first (NESTED_SUB_TRUNKS_FIRST)
-        # or a program a row (0): the same bits, the flags zero again
-        for programs, sub_first in ((0, False), (1, False), (64, False), (1, True), (3, True)):
+        # program over every row, three, more programs than rows) or a program a row (0): the same bits, the flags
+        # zero again
+        for programs in (0, 1, 3, 64):
             monkeypatch.setattr(delta_chunked, "NESTED_ROW_PROGRAMS", programs)
-            monkeypatch.setattr(delta_chunked, "NESTED_SUB_TRUNKS_FIRST", sub_first)
             turns = delta_chunked.questions_split_nested(q, k, v, g, beta, gamma, solved, s.branch_start, plain_len,
                                                          nested_len, finals, s.branch_state, *sub, s.slots(), flags,
                                                          0.3, out=poisoned(s.T, Hv, V, dtype=torch.float32))

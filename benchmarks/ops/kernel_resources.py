@@ -143,13 +143,11 @@ def conv(dtype: str, split: bool = False, heads_v: int = 16, maxnreg: int | None
                               div16_ints=("T", "D", "KEY_COLS", "HV")))
 
 
-def questions(dtype: str, heads_v: int, block_v: int, nested: bool, stored: bool, maxnreg: int | None = None,
-              sub_first: bool = False) -> str:
+def questions(dtype: str, heads_v: int, block_v: int, nested: bool, stored: bool, maxnreg: int | None = None) -> str:
     """The recurrent question kernel (`gated_delta.branches`) as a replay launches it: 128-channel heads, `heads_v`
     value heads, `block_v` value columns a program, one warp; `nested`: with the sub-trunk phase, as the split call's
-    nested launch runs it (its row programs, `questions_chunked.NESTED_ROW_PROGRAMS`; `sub_first`: the slotted
-    sub-trunks first); `stored`: leaves from the stored sub-trunk states (`sub_slot`). `maxnreg` None: the kernel's
-    own cap (`MAX_REGISTERS`); 0: none."""
+    nested launch runs it (its row programs, `questions_chunked.NESTED_ROW_PROGRAMS`); `stored`: leaves from the
+    stored sub-trunk states (`sub_slot`). `maxnreg` None: the kernel's own cap (`MAX_REGISTERS`); 0: none."""
     from flide.ops.gated_delta import branches as br
     from flide.ops.gated_delta import questions_chunked as qc
 
@@ -166,7 +164,7 @@ def questions(dtype: str, heads_v: int, block_v: int, nested: bool, stored: bool
     consts = {"HK": 16, "HV": heads_v, "K": 128, "V": 128, "BK": 128, "BV": block_v, "L2NORM": True,
               "STORE_FINAL": False, "SNAPSHOT": False,
               "ROW_PROGRAMS": qc.NESTED_ROW_PROGRAMS if nested else br.ROW_PROGRAMS, "NESTED": nested,
-              "SUB_STATES": stored, "COUNT_RERUNS": False, "SUB_FIRST": sub_first}
+              "SUB_STATES": stored, "COUNT_RERUNS": False}
     sig.update({n: "constexpr" for n in consts})
     sig = {n: sig[n] for n in br._branch_kernel.arg_names}
     cap = br.MAX_REGISTERS.get(block_v) if maxnreg is None else maxnreg or None
@@ -270,12 +268,11 @@ def main() -> None:
     if args.questions is not None:
         for heads_v, block_v in ((16, 16), (32, 32)):
             for cap in (None, 0, *args.questions):
-                for nested, stored, first in ((False, False, False), (True, False, False), (True, True, False),
-                                              (True, True, True)):
-                    form = "sub-first" if first else "stored" if stored else "nested" if nested else "plain"
+                for nested, stored in ((False, False), (True, False), (True, True)):
+                    form = "stored" if stored else "nested" if nested else "plain"
                     label = "own cap" if cap is None else "no cap" if cap == 0 else f"maxnreg {cap}"
-                    print(f"questions bf16 Hv{heads_v} BV{block_v} {form:9s} {label:12s}: "
-                          f"{questions('bf16', heads_v, block_v, nested, stored, cap, first)}",
+                    print(f"questions bf16 Hv{heads_v} BV{block_v} {form:6s} {label:12s}: "
+                          f"{questions('bf16', heads_v, block_v, nested, stored, cap)}",
                           flush=True)
         return
     if args.conv_maxnreg:

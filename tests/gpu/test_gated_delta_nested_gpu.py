@@ -248,16 +248,14 @@ def test_stored_sub_states_match_the_recomputed_ones(dtype, heads):
     assert torch.equal(gave_up, recomputed) and (never == -1000).all()
 
 
-@pytest.mark.parametrize("sub_first", [False, True], ids=["blocks", "sub-trunks-first"])
 @pytest.mark.parametrize("programs", [16, 128])
-def test_row_programs_never_leave_a_leaf_waiting_in_vain(programs, sub_first):
+def test_row_programs_never_leave_a_leaf_waiting_in_vain(programs):
     """Row programs (the nested launch's NESTED_ROW_PROGRAMS) over a round of many more rows than programs and far
     more programs than the GPU holds at once (24 states, 169 rows; 0.8B's heads: x 16 heads x 8 value tiles): no
     leaf gives up waiting for its sub-trunk (`reruns` 0: each program's rows are a block, so the sub-trunk is in its
     own program or an earlier one, dispatched first), the flags end at zero, and the bits are a program a row's.
     Taking rows in turns (session 41) a later row of an early program waited on programs not yet dispatched: 6
-    MultiRC requests' launch 247.5 ms instead of 9.4 (H100). `sub_first`: the slotted sub-trunks by a first set of
-    programs, the rest by a second (`questions_chunked.NESTED_SUB_TRUNKS_FIRST`): the same."""
+    MultiRC requests' launch 247.5 ms instead of 9.4 (H100)."""
     from flide.ops.gated_delta import branches
 
     r = nested_round(11, states=24, shuffle=False)
@@ -274,7 +272,7 @@ def test_row_programs_never_leave_a_leaf_waiting_in_vain(programs, sub_first):
     kept = flags()
     for _ in range(5):
         blocks = branches.branches(*args, sub=(r["sub_lo"], r["sub_hi"]), sub_slot=slots(r), sub_flags=kept,
-                                   row_programs=programs, reruns=reruns, sub_first=sub_first)[first:end]
+                                   row_programs=programs, reruns=reruns)[first:end]
         assert int(reruns) == 0 and not kept.any()
         assert torch.equal(blocks, one_each)
 

@@ -156,7 +156,7 @@ def _branch_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, start_pt
                    reruns_ptr, N, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                    BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, STORE_FINAL: tl.constexpr,
                    SNAPSHOT: tl.constexpr, ROW_PROGRAMS: tl.constexpr, NESTED: tl.constexpr,
-                   SUB_STATES: tl.constexpr, COUNT_RERUNS: tl.constexpr, SUB_FIRST: tl.constexpr):
+                   SUB_STATES: tl.constexpr, COUNT_RERUNS: tl.constexpr):
     i_v = tl.program_id(0)
     if ROW_PROGRAMS == 0:  # a program per (row, value head, V tile): a row of length 0 returns at once
         _branch_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, start_ptr, len_ptr, index_ptr, scale, ht_ptr,
@@ -176,26 +176,13 @@ def _branch_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, start_pt
         # later row could wait on a row of a program that was not yet dispatched because the resident ones were
         # all waiting: each such leaf then spun out MAX_SPINS polls and re-ran its sub-trunk (H100, session 42,
         # 6 MultiRC requests in one round: this launch 247.5 ms vs 9.4 with a program a row).
-        # SUB_FIRST (with SUB_STATES): 2 x ROW_PROGRAMS programs, the first ROW_PROGRAMS over their blocks' slotted
-        # sub-trunks only, the others over the rest of their blocks. The GPU dispatches all of the first before any
-        # of the others, so a leaf finds its sub-trunk's state stored or being made, and no sub-trunk waits behind
-        # a leaf that holds an SM's slot while it polls (without it a block of S, L, L, S, L, L... rows puts leaves
-        # in the first waves that poll for as long as their sub-trunk runs).
-        block = tl.program_id(2)
-        if SUB_FIRST:
-            block = block % ROW_PROGRAMS
         per = tl.cdiv(last, ROW_PROGRAMS)
-        first = block * per
+        first = tl.program_id(2) * per
         for i_n in range(first, tl.minimum(first + per, last)):
-            take = True
-            if SUB_FIRST:
-                take = _slotted_sub_trunk(start_ptr, len_ptr, sub_lo_ptr, sub_hi_ptr, sub_slot_ptr, i_n) == (
-                    tl.program_id(2) < ROW_PROGRAMS)
-            if take:
-                _branch_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, start_ptr, len_ptr, index_ptr,
-                            scale, ht_ptr, snap_at_ptr, hs_ptr, sub_lo_ptr, sub_hi_ptr, sub_slot_ptr, subs_ptr,
-                            flags_ptr, max_spins, reruns_ptr, N, i_n, tl.program_id(1), i_v, HK, HV, K, V, BK, BV,
-                            L2NORM, STORE_FINAL, SNAPSHOT, NESTED, SUB_STATES, COUNT_RERUNS)
+            _branch_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, start_ptr, len_ptr, index_ptr, scale,
+                        ht_ptr, snap_at_ptr, hs_ptr, sub_lo_ptr, sub_hi_ptr, sub_slot_ptr, subs_ptr, flags_ptr,
+                        max_spins, reruns_ptr, N, i_n, tl.program_id(1), i_v, HK, HV, K, V, BK, BV, L2NORM,
+                        STORE_FINAL, SNAPSHOT, NESTED, SUB_STATES, COUNT_RERUNS)
 
 
 @triton.jit
@@ -329,14 +316,6 @@ def _stored_leaf(start_ptr, sub_lo_ptr, sub_hi_ptr, i_n, n, slot):
     a = tl.load(sub_lo_ptr + bos, mask=leaf, other=0)
     b = tl.load(sub_hi_ptr + bos, mask=leaf, other=0)
     return leaf & (b > a)
-
-
-@triton.jit
-def _slotted_sub_trunk(start_ptr, len_ptr, sub_lo_ptr, sub_hi_ptr, sub_slot_ptr, i_n):
-    """Whether row i_n is a sub-trunk that stores its state for its leaves: tokens, a slot, and no leaf itself."""
-    n = tl.load(len_ptr + i_n)
-    slot = tl.load(sub_slot_ptr + i_n)
-    return (n > 0) & (slot >= 0) & (_stored_leaf(start_ptr, sub_lo_ptr, sub_hi_ptr, i_n, n, slot) == 0)
 
 
 @triton.jit
@@ -479,7 +458,7 @@ def branches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
              sub: tuple[torch.Tensor, torch.Tensor] | None = None,
              sub_slot: torch.Tensor | None = None, sub_flags: torch.Tensor | None = None,
              max_spins: int | None = None, row_programs: int | None = None,
-             reruns: torch.Tensor | None = None, sub_first: bool = False) -> torch.Tensor:
+             reruns: torch.Tensor | None = None) -> torch.Tensor:
     """o [T, Hv, V] (q's dtype) of every segment, each from `initial_state[initial_index[n]]` (-1: zero). Rows
     outside the segments are left unwritten, as fla's variant leaves them (`gated_delta.combine` selects).
 
@@ -511,9 +490,7 @@ def branches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     in one earlier in the grid, which the GPU dispatched before it (the order a program a row relies on too).
     `reruns` (with `sub_slot`): an int32 [1] tensor to which each leaf (and value tile) that gave up waiting adds 1:
     Triton's interpreter runs the programs one by one in grid order, so there a leaf that waited on a program after
-    its own gives up every time (the tests' check of the row-to-program order); None: not counted (compiled out).
-    `sub_first` (with `sub_slot` and row programs): twice the row programs, the first half running only the slotted
-    sub-trunks of their blocks, the second half the other rows (`_branch_kernel`'s SUB_FIRST): the same bits."""
+    its own gives up every time (the tests' check of the row-to-program order); None: not counted (compiled out)."""
     if form not in FORMS:
         raise ValueError(f"`form` must be one of {FORMS}, got {form!r}")
     if sub is not None:
@@ -534,8 +511,6 @@ def branches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
         raise ValueError(f"`reruns` needs `sub_slot` and an int32 tensor of one element, got "
                          f"{'no sub_slot, ' if sub_slot is None else ''}{reruns.dtype} {tuple(reruns.shape)}")
     max_spins = MAX_SPINS if max_spins is None else max_spins
-    if sub_first and sub_slot is None:
-        raise ValueError("`sub_first` needs `sub_slot` (the slotted sub-trunks it runs first)")
     state_shape = (seg_start.shape[0], v.shape[1], k.shape[2], v.shape[2])
 
     def state_output_ok(t: torch.Tensor) -> bool:  # where `final` / `snapshot` states go
@@ -586,10 +561,7 @@ def branches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
         if row_programs < 0:
             raise ValueError(f"the recurrent form's row programs must be >= 0 (0: one per row), got {row_programs}")
         row_programs = min(row_programs, N)
-        if sub_first and row_programs == 0:
-            raise ValueError("`sub_first` needs row programs (`row_programs` > 0): a program a row has no phases")
-        grid = ((triton.cdiv(V, BV), N * HV) if row_programs == 0
-                else (triton.cdiv(V, BV), HV, row_programs * (2 if sub_first else 1)))
+        grid = (triton.cdiv(V, BV), N * HV) if row_programs == 0 else (triton.cdiv(V, BV), HV, row_programs)
         snap_at, states = snapshot if snapshot is not None else (seg_start, h0)  # unread without SNAPSHOT
         sub_lo, sub_hi = sub if sub is not None else (seg_start, seg_start)  # unread without NESTED
         # the sub-trunks' stored states: a transient of this call, unread without slots. A sub-trunk takes a slot
@@ -606,8 +578,7 @@ def branches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                              reruns if reruns is not None else sub_lo, N, HK=HK, HV=HV, K=K, V=V,
                              BK=BK, BV=BV, L2NORM=use_qk_l2norm, STORE_FINAL=final is not None,
                              SNAPSHOT=snapshot is not None, ROW_PROGRAMS=row_programs, NESTED=sub is not None,
-                             SUB_STATES=sub_slot is not None, COUNT_RERUNS=reruns is not None,
-                             SUB_FIRST=bool(sub_first), num_warps=warps,
+                             SUB_STATES=sub_slot is not None, COUNT_RERUNS=reruns is not None, num_warps=warps,
                              num_stages=NUM_STAGES,
                              **({"maxnreg": MAX_REGISTERS[BV]} if MAX_REGISTERS.get(BV) else {}))
     return o

@@ -236,14 +236,6 @@ def questions_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: t
 # (replay 29.88 vs 29.25), QuALITY 0.226 vs 0.727 (replay 27.81 vs 28.34), MultiRC 1.086 vs 1.071, 64 questions 7.96
 # vs 7.76 (one row a program either way there: within the calls' spread, session 41 had 7.79 vs 7.80).
 NESTED_ROW_PROGRAMS = 128
-# The nested launch's slotted sub-trunks first (`branches(sub_first=True)`): a second set of row programs, dispatched
-# after the first, runs the leaves, so no leaf holds a slot of an SM polling for its sub-trunk while the sub-trunk
-# waits for a slot. Why it might pay: the bench's 64 questions put 96 nested rows (sub-trunk, leaf, leaf, ...) x 16
-# heads x 8 tiles = 12,288 one-warp programs through ~1,850 slots (14 an SM on 132 SMs), and in each wave two leaves
-# of three poll for their sub-trunk's ~50 token steps before their own ~70. The cost: twice the programs that return
-# at once in a round without nested rows (QuALITY's launch: 0.227 ms at 128 programs). Built in session 42 without a
-# device: unmeasured, off (A/B: `--set flide.ops.gated_delta.questions_chunked.NESTED_SUB_TRUNKS_FIRST=True`).
-NESTED_SUB_TRUNKS_FIRST = False
 
 
 def questions_split_nested(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g_raw: torch.Tensor, beta: torch.Tensor,
@@ -269,8 +261,7 @@ def questions_split_nested(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g_
     o = torch.empty(v.shape, dtype=q.dtype, device=q.device) if out is None else out
     branches.branches(q, k, v, g_raw, beta, seg_start, nested_len, initial_state, initial_index, scale, False, out=o,
                       sub=(sub_lo, sub_hi), sub_slot=sub_slot, sub_flags=sub_flags,
-                      row_programs=NESTED_ROW_PROGRAMS or None,
-                      sub_first=NESTED_SUB_TRUNKS_FIRST and NESTED_ROW_PROGRAMS > 0)
+                      row_programs=NESTED_ROW_PROGRAMS or None)
     # leaves of the chunked part (`NESTED_CHUNKED_LEAF_TOKENS`): its nested form, each leaf re-running its sub-trunk's
     # chunks or, with STORED_SUB_STATES, starting from the state its sub-trunk stored in a slot (slots are per
     # sub-trunk row: the two launches never share one)

@@ -637,6 +637,16 @@ else:
                                                          nested_len, finals, s.branch_state, *sub, s.slots(), flags,
                                                          0.3, out=poisoned(s.T, Hv, V, dtype=torch.float32))
             assert not flags.any() and torch.equal(turns[rows], out[rows]) and turns[~rows].isnan().all()
+        # the nested launch's own value-column width (NESTED_BLOCK_V: 32, the head's whole V here, against 16): other
+        # sums over K, the reference's values; the chunked rows untouched
+        monkeypatch.setattr(delta_chunked, "NESTED_BLOCK_V", 32)
+        wide = delta_chunked.questions_split_nested(q, k, v, g, beta, gamma, solved, s.branch_start, plain_len,
+                                                    nested_len, finals, s.branch_state, *sub, s.slots(), flags, 0.3,
+                                                    out=poisoned(s.T, Hv, V, dtype=torch.float32))
+        plain_rows = segment_rows(s.T, s.branch_start, plain_len)
+        assert not flags.any() and wide[~rows].isnan().all() and torch.equal(wide[plain_rows], out[plain_rows])
+        scale = max(1.0, want[rows].abs().max().item())
+        torch.testing.assert_close(wide[rows], want[rows], atol=2e-5 * scale, rtol=1e-5)
         # a split call in a round without nested forks: its nested table all empty, nothing written by it
         empty = delta_branches.branches(q, k, v, g, beta, s.branch_start, torch.zeros_like(nested_len), finals,
                                         s.branch_state, 0.3, False, sub=sub, row_programs=3,

@@ -236,6 +236,14 @@ def questions_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: t
 # (replay 29.88 vs 29.25), QuALITY 0.226 vs 0.727 (replay 27.81 vs 28.34), MultiRC 1.086 vs 1.071, 64 questions 7.96
 # vs 7.76 (one row a program either way there: within the calls' spread, session 41 had 7.79 vs 7.80).
 NESTED_ROW_PROGRAMS = 128
+# Value columns a program of the nested launch (None: the recurrent kernel's own, `branches.BLOCK_V`: 16 at 0.8B's 16
+# value heads). Why another width might pay here: the nested launch is the throughput-bound one (the bench's 64
+# questions: 96 rows x 16 heads x 8 tiles = 12,288 one-warp programs through ~1,850 slots, 7.8 ms a replay), and 32
+# columns won where the question call was throughput-bound (H200, 2026-12-01, the question call alone: 64 RACE
+# requests 0.848 vs 0.923 ms, 16 RACE 0.244 vs 0.289) while losing on one long question (sweep 1 0.086 vs 0.068), which
+# never reaches this launch. Not measured on the nested launch yet (A/B: `--set flide.ops.gated_delta.
+# questions_chunked.NESTED_BLOCK_V=32`); a width changes the bits (the sums over K follow the program's layout).
+NESTED_BLOCK_V: int | None = None
 
 
 def questions_split_nested(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g_raw: torch.Tensor, beta: torch.Tensor,
@@ -261,7 +269,8 @@ def questions_split_nested(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g_
     o = torch.empty(v.shape, dtype=q.dtype, device=q.device) if out is None else out
     branches.branches(q, k, v, g_raw, beta, seg_start, nested_len, initial_state, initial_index, scale, False, out=o,
                       sub=(sub_lo, sub_hi), sub_slot=sub_slot, sub_flags=sub_flags,
-                      row_programs=NESTED_ROW_PROGRAMS or None)
+                      row_programs=NESTED_ROW_PROGRAMS or None,
+                      tiles=(NESTED_BLOCK_V, branches.NUM_WARPS) if NESTED_BLOCK_V else None)
     # leaves of the chunked part (`NESTED_CHUNKED_LEAF_TOKENS`): its nested form, each leaf re-running its sub-trunk's
     # chunks or, with STORED_SUB_STATES, starting from the state its sub-trunk stored in a slot (slots are per
     # sub-trunk row: the two launches never share one)

@@ -2,7 +2,8 @@
 one graph replay, per workload, on a random-weight model in real shapes.
 
     python benchmarks/profile_round.py --config-json <qwen3.5-0.8b.json> --tokenizer <folder> \\
-        [--data <folder>] [--workloads race multirc quality sweep1 sweep8 sweep64 multirc@6 race@16] [--out results.json]
+        [--data <folder>] [--workloads race multirc quality sweep1 sweep8 sweep64 multirc@6 race@16] \\
+        [--out results.json]
 
 For each workload it prepares the first request, runs it alone `--repeats` times and reports the median wall time
 of `engine.run` (host build + copy + replay + scores back; tokenization excluded, it runs before and off the GPU's
@@ -32,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import flide
 from flide import workloads
 from flide.bench import workloads as bench_workloads
+from flide.graphs.buckets import plan_rounds
 from flide.loading import load_tokenizer, random_model
 
 FAMILIES = [  # first match wins: (family, substrings of the kernel name)
@@ -108,7 +110,6 @@ def host_split(engine, prepared: list, repeats: int, cprofile: bool = False) -> 
     `answers` (softmax and answer dicts), and `gpu_span` (CUDA events around copy + replay + scores copy: the device's
     time for the round, kernels and the gaps between them); `answers_again` / `build_again`: the same two right after
     (not part of the round: what they cost warm)."""
-    from flide.graphs.buckets import plan_rounds
     from flide.round import build_round
 
     runner = engine.runner
@@ -368,7 +369,6 @@ def main() -> None:
         engine.runner._skip_guards = True  # as `runtime.guards: skip` sets it after the capture
         report["skip_guard_eval"] = True
     print(json.dumps({k: v for k, v in report.items() if k != "rows"}), flush=True)
-    from flide.graphs.buckets import plan_rounds
     from flide.piece_cache import PieceCache
     from flide.requests import PromptTokenizer
 
@@ -382,8 +382,9 @@ def main() -> None:
         rounds = len(plan_rounds([engine.footprint(p) for p in prepared], engine.config.capacities,
                                  engine.max_options))
         if rounds > 1:  # the profile times one round (host split, one replay's kernels)
+            fewer = f"{name.partition('@')[0]}@{max(1, len(requests) // rounds)}"
             raise SystemExit(f"workload {name}: its {len(requests)} requests need {rounds} rounds at these "
-                             f"capacities; ask for fewer (e.g. {name.partition('@')[0]}@{max(1, len(requests) // rounds)})")
+                             f"capacities; ask for fewer (e.g. {fewer})")
         prepare_ms = median_ms(lambda: [engine.prepare(request, cold) for request in requests], 5)
         engine.run(prepared)  # warm
         row = {"workload": name, "requests": len(requests),

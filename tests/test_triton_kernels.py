@@ -529,6 +529,14 @@ else:
         assert out[~rows].isnan().all()
         scale = max(1.0, want[rows].abs().max().item())
         torch.testing.assert_close(out[rows], want[rows], atol=2e-5 * scale, rtol=1e-5)
+        # the tiles 16-bit inputs take (BLOCK_V 64 value columns a program: V=48 in one partial tile, V=16 / 32 in
+        # one capped to the head), on the same fp32 inputs: the reference's values
+        wide = delta_chunked.questions_chunked(q, k, v, beta, gamma, solved, r.branch_start, r.branch_len, finals,
+                                               r.branch_state, 0.3, out=poisoned(tokens, Hv, V, dtype=torch.float32),
+                                               tiles=(delta_chunked.BLOCK_V, delta_chunked.NUM_WARPS,
+                                                      delta_chunked.NUM_STAGES))
+        assert wide[~rows].isnan().all()
+        torch.testing.assert_close(wide[rows], want[rows], atol=2e-5 * scale, rtol=1e-5)
 
     def nested_question_call(sub_len: int, seed: int):
         """test_gated_delta_nested's hand-built nested stream (a sub-trunk of `sub_len` tokens; 2 value heads, K 16,
@@ -637,16 +645,28 @@ else:
                                                          nested_len, finals, s.branch_state, *sub, s.slots(), flags,
                                                          0.3, out=poisoned(s.T, Hv, V, dtype=torch.float32))
             assert not flags.any() and torch.equal(turns[rows], out[rows]) and turns[~rows].isnan().all()
-        # the nested launch's own value-column width (NESTED_BLOCK_V: 32, the head's whole V here, against 16): other
-        # sums over K, the reference's values; the chunked rows untouched
+        # the nested launch's own value-column width (NESTED_BLOCK_V: 32, the head's whole V here, against 16) in a
+        # stream of NESTED_BLOCK_V_MIN_TOKENS tokens or more: other sums over K, the reference's values; the chunked
+        # rows untouched. One token short of it: the recurrent kernel's own width, the bits above
         monkeypatch.setattr(delta_chunked, "NESTED_BLOCK_V", 32)
-        wide = delta_chunked.questions_split_nested(q, k, v, g, beta, gamma, solved, s.branch_start, plain_len,
-                                                    nested_len, finals, s.branch_state, *sub, s.slots(), flags, 0.3,
-                                                    out=poisoned(s.T, Hv, V, dtype=torch.float32))
         plain_rows = segment_rows(s.T, s.branch_start, plain_len)
-        assert not flags.any() and wide[~rows].isnan().all() and torch.equal(wide[plain_rows], out[plain_rows])
         scale = max(1.0, want[rows].abs().max().item())
-        torch.testing.assert_close(wide[rows], want[rows], atol=2e-5 * scale, rtol=1e-5)
+        for min_tokens in (s.T, s.T + 1):
+            monkeypatch.setattr(delta_chunked, "NESTED_BLOCK_V_MIN_TOKENS", min_tokens)
+            tiles = []
+            launch = delta_branches.branches
+            monkeypatch.setattr(delta_branches, "branches",
+                                lambda *a, **kw: tiles.append(kw.get("tiles")) or launch(*a, **kw))
+            wide = delta_chunked.questions_split_nested(q, k, v, g, beta, gamma, solved, s.branch_start, plain_len,
+                                                        nested_len, finals, s.branch_state, *sub, s.slots(), flags,
+                                                        0.3, out=poisoned(s.T, Hv, V, dtype=torch.float32))
+            assert not flags.any() and wide[~rows].isnan().all() and torch.equal(wide[plain_rows], out[plain_rows])
+            torch.testing.assert_close(wide[rows], want[rows], atol=2e-5 * scale, rtol=1e-5)
+            monkeypatch.setattr(delta_branches, "branches", launch)
+            if min_tokens > s.T:
+                assert tiles == [None] and torch.equal(wide[rows], out[rows])
+            else:
+                assert tiles == [(32, delta_branches.NUM_WARPS)]
         # a split call in a round without nested forks: its nested table all empty, nothing written by it
         empty = delta_branches.branches(q, k, v, g, beta, s.branch_start, torch.zeros_like(nested_len), finals,
                                         s.branch_state, 0.3, False, sub=sub, row_programs=3,

@@ -134,11 +134,14 @@ def test_chunked_questions_nested_fork_matches_the_reference(seed, heads, dtype,
     monkeypatch.setattr(questions_chunked, "NESTED_ROW_PROGRAMS", 16)
     o_turns, _ = layer_fork(x, meta(r), split_tables, chunked=True, sub=sub(r), question_lens=lens)
     assert torch.equal(o_turns, o_split)
-    # its own value-column width (questions_chunked.NESTED_BLOCK_V, 32): the reference's answers, the plain rows' bits
+    # its own value-column width (questions_chunked.NESTED_BLOCK_V, 32, in streams of NESTED_BLOCK_V_MIN_TOKENS or
+    # more) and the recurrent kernel's (16) below: the reference's answers, the plain rows' bits
     monkeypatch.setattr(questions_chunked, "NESTED_BLOCK_V", 32)
-    o_wide, _ = layer_fork(x, meta(r), split_tables, chunked=True, sub=sub(r), question_lens=lens)
-    assert rel_err(o_wide, ref_o) < TOL[dtype] and rel_err(o_wide[leaves], ref_o[leaves]) < TOL[dtype]
-    assert torch.equal(o_wide[plain_rows], o_plain[plain_rows])
+    for min_tokens in (0, o.shape[0] + 1):
+        monkeypatch.setattr(questions_chunked, "NESTED_BLOCK_V_MIN_TOKENS", min_tokens)
+        o_wide, _ = layer_fork(x, meta(r), split_tables, chunked=True, sub=sub(r), question_lens=lens)
+        assert rel_err(o_wide, ref_o) < TOL[dtype] and rel_err(o_wide[leaves], ref_o[leaves]) < TOL[dtype]
+        assert torch.equal(o_wide[plain_rows], o_plain[plain_rows])
 
 
 def test_chunked_question_ops_opcheck_on_cuda():

@@ -35,14 +35,20 @@ from . import SUB_STATE_SLOTS
 from .branches import rows_used
 from .state_chain import _chunk_output
 
-# value columns a program, warps, stages: the fused state chain's (state_chain.py), whose step this is. As compiled for
-# sm_90 (`benchmarks/ops/kernel_resources.py --chunked-questions`, Triton 3.9 here): bf16 at 16 value heads 255
-# registers, 60 bytes of spills (nested 116), 85 KB of shared memory at 2 stages: two programs an SM. Loading k a
-# second time transposed instead of `tl.trans` took 117 KB (one program an SM) for 28 bytes less of spills. fp32
-# inputs take one stage (two need 255 KB, over sm_90's 227)
-BLOCK_V = 32
-NUM_WARPS = 4
-NUM_STAGES = 2
+# Value columns a program, warps, stages for 16-bit inputs. A program's w = A (beta e^g k) and q k^T do not depend on
+# its value columns, so every value tile recomputes them: 64 columns at 8 warps do that half as often as 32 at 4 (the
+# fused state chain's tiles, state_chain.py, whose step this is). As compiled for sm_90 by the device's Triton 3.6
+# (`benchmarks/ops/kernel_resources.py --chunked-questions`, 0.8B's 16 value heads): 64 / 8 / 1 stage 255 registers,
+# 124 bytes of spills (nested 296), 48 KB of shared memory; 32 / 4 / 2 stages spilled 276 (480), 85 KB. H100, session
+# 43, same call, replay GPU ms 64 / 8 / 1 vs 32 / 4 / 2 (`benchmarks/results/h100_profile_0_8b_session43_{q64,main}
+# .json`, 8 repeats): the question launch RACE 0.290 vs 0.392 (replay 2.671 vs 2.775), QuALITY 1.326 vs 1.535 (27.65
+# vs 27.84), 8 questions of a 2,000-token state 0.791 vs 0.880 (11.52 vs 11.64), 6 MultiRC requests in a round 0.296
+# vs 0.507 (29.76 vs 29.89); MultiRC alone and 64 questions (their questions are nested: the recurrent launch) equal.
+BLOCK_V = 64
+NUM_WARPS = 8
+NUM_STAGES = 1
+# fp32 inputs (the tests' precision): 32 / 4 / 1 stage; 64 / 8 spills 884 bytes there and takes 144 KB
+FP32_TILES = (32, 4, 1)
 # Programs per (value tile, value head) along the question rows, each running rows i, i + P, ... up to the last row
 # with tokens. A program per capacity row lost on the H100 (session 36: QuALITY's question call 3.31 ms over 18
 # layers for 16 questions, quality1's 0.81 ms with NO question row): a bucket's 512 question rows x 16 heads x 4
@@ -193,7 +199,7 @@ def questions_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: t
         return o
     if initial_state.shape[0] == 0:  # nothing to read: a dummy pointer that no program loads (every index is -1)
         initial_state = torch.zeros(1, HV, K, V, dtype=torch.float32, device=q.device)
-    BV, warps, stages = tiles or (BLOCK_V, NUM_WARPS, NUM_STAGES if q.element_size() <= 2 else 1)
+    BV, warps, stages = tiles or ((BLOCK_V, NUM_WARPS, NUM_STAGES) if q.element_size() <= 2 else FP32_TILES)
     BV = min(BV, max(16, triton.next_power_of_2(V)))
     P = max(1, min(ROW_PROGRAMS if row_programs is None else row_programs, N))
     if sub is not None and any(t.shape != (T,) for t in sub):
@@ -236,14 +242,20 @@ def questions_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: t
 # (replay 29.88 vs 29.25), QuALITY 0.226 vs 0.727 (replay 27.81 vs 28.34), MultiRC 1.086 vs 1.071, 64 questions 7.96
 # vs 7.76 (one row a program either way there: within the calls' spread, session 41 had 7.79 vs 7.80).
 NESTED_ROW_PROGRAMS = 128
-# Value columns a program of the nested launch (None: the recurrent kernel's own, `branches.BLOCK_V`: 16 at 0.8B's 16
-# value heads). Why another width might pay here: the nested launch is the throughput-bound one (the bench's 64
-# questions: 96 rows x 16 heads x 8 tiles = 12,288 one-warp programs through ~1,850 slots, 7.8 ms a replay), and 32
-# columns won where the question call was throughput-bound (H200, 2026-12-01, the question call alone: 64 RACE
-# requests 0.848 vs 0.923 ms, 16 RACE 0.244 vs 0.289) while losing on one long question (sweep 1 0.086 vs 0.068), which
-# never reaches this launch. Not measured on the nested launch yet (A/B: `--set flide.ops.gated_delta.
-# questions_chunked.NESTED_BLOCK_V=32`); a width changes the bits (the sums over K follow the program's layout).
-NESTED_BLOCK_V: int | None = None
+# Value columns a program of the nested launch in streams of at least NESTED_BLOCK_V_MIN_TOKENS tokens (a bucket's
+# length: static per CUDA graph); shorter streams and None: the recurrent kernel's own (`branches.BLOCK_V`: 16 at
+# 0.8B's 16 value heads). Why: the nested launch is throughput-bound in long rounds (the bench's 64 questions: 96 rows
+# x 16 heads x 8 tiles = 12,288 one-warp programs through ~1,850 slots, 7.9 ms a replay), and a program of 32 columns
+# loads and gates each token once for twice the columns; with few rows (MultiRC alone: 24) the half as many programs
+# leave SMs idle. H100, session 43, same call, 32 vs 16 columns everywhere, replay GPU ms (`benchmarks/results/
+# h100_profile_0_8b_session43_{bv32,main}.json`, 8 repeats): the launch 64 questions 7.227 vs 7.947 (replay 28.12 vs
+# 28.82), 6 MultiRC requests in one round (~250 rows, 8,192 bucket) 9.52 vs 10.09 (29.32 vs 29.89), but MultiRC alone
+# (768 bucket) 1.243 vs 1.093 (4.136 vs 3.971); rounds without nested rows gain a little (its all-empty launch: QuALITY
+# 0.163 vs 0.227, 8 questions 0.116 vs 0.202). Where between 768 and 8,192 tokens 32 starts to win is not measured;
+# 2,048 (a round of ~3 MultiRC requests, ~70 nested rows) is a guess between them. A width changes those rows' bits
+# (the sums over K follow the program's layout), within the tests' bounds of the reference.
+NESTED_BLOCK_V: int | None = 32
+NESTED_BLOCK_V_MIN_TOKENS = 2048
 
 
 def questions_split_nested(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g_raw: torch.Tensor, beta: torch.Tensor,
@@ -267,10 +279,11 @@ def questions_split_nested(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g_
     from . import branches
 
     o = torch.empty(v.shape, dtype=q.dtype, device=q.device) if out is None else out
+    wide = NESTED_BLOCK_V is not None and q.shape[0] >= NESTED_BLOCK_V_MIN_TOKENS
     branches.branches(q, k, v, g_raw, beta, seg_start, nested_len, initial_state, initial_index, scale, False, out=o,
                       sub=(sub_lo, sub_hi), sub_slot=sub_slot, sub_flags=sub_flags,
                       row_programs=NESTED_ROW_PROGRAMS or None,
-                      tiles=(NESTED_BLOCK_V, branches.NUM_WARPS) if NESTED_BLOCK_V else None)
+                      tiles=(NESTED_BLOCK_V, branches.NUM_WARPS) if wide else None)
     # leaves of the chunked part (`NESTED_CHUNKED_LEAF_TOKENS`): its nested form, each leaf re-running its sub-trunk's
     # chunks or, with STORED_SUB_STATES, starting from the state its sub-trunk stored in a slot (slots are per
     # sub-trunk row: the two launches never share one)

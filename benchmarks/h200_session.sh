@@ -25,6 +25,7 @@
 #     bash benchmarks/h200_session.sh nested     where a nested fork's rows go: replay A/B of long leaves chunked (re-run / stored) and 1 stage ~7 min
 #     bash benchmarks/h200_session.sh mlp        the SiLU-mul in the gate/up GEMM (kernels.gated_mlp): GPU tests, op bench, replay A/B ~7 min
 #     bash benchmarks/h200_session.sh serve      issue 4: the http bench twice (req/s 1/8/32/64, one-client gap) + serve A/B ~9 min
+#     bash benchmarks/h200_session.sh widen      session 43's candidate tiles: their GPU tests, then the replay A/B        ~9 min
 #     bash benchmarks/h200_session.sh ab NAME=ARGS...  replay A/B arms of the 0.8B profile (ARGS: --set / --config), then $THEN
 #     bash benchmarks/h200_session.sh sh 'CMDS'  any commands, after the same set-up (a session's own mix of parts)
 # Logs and results go to $OUT.
@@ -353,6 +354,26 @@ mlp)
     echo "op bench rc=$?"; grep -v DEBUG "$OUT/ops_gated_mlp.log" | tail -40
     WORKLOADS="race multirc quality sweep8 sweep64 race@16" KERNELS="_gated_mlp_tma_kernel" \
         ab_arms main= "triton=--config configs/h200/gated_mlp_triton.yaml"
+    ;;
+widen)
+    # Session 43's two candidates (NOTES, Session 43 item 1), measured faster on an H100 but not yet GPU-tested: the
+    # chunked question launch's WIDE_TILES (64 columns / 8 warps / 1 stage) and the nested launch's 32 columns in
+    # streams of 2,048+ tokens. Their GPU tests first, in parallel (both tile sets against the reference; 32 nested
+    # columns on both sides of the threshold; the engine with chunked / nested questions), then the replay A/B: both
+    # on vs the defaults, and the nested width on each side of the threshold (multirc@2: the 1,536 bucket; @3: 2,304)
+    Q=flide.ops.gated_delta.questions_chunked
+    for t in "split tests/gpu/test_questions_chunked_gpu.py" "engine tests/gpu/test_engine_gpu.py -k chunked_or_nested" \
+             "nested tests/gpu/test_gated_delta_nested_gpu.py -k row_programs_or_stored"; do
+        set -- $t; name=$1; file=$2; expr=${4:-}; expr=${expr//_or_/ or }
+        (timeout ${TEST_S:-250} python3 -m pytest -q -rA -p no:logging --tb=short "$file" ${expr:+-k "$expr"} \
+            > "$OUT/widen_$name.log" 2>&1; echo "$name rc=$? $(tail -1 "$OUT/widen_$name.log")") &
+    done
+    wait
+    grep -h -E "^FAILED|^E  " "$OUT"/widen_*.log | head -20
+    AB_PREFIX=widen WORKLOADS="race multirc multirc@2 multirc@3 quality sweep8 sweep64" \
+        KERNELS="_questions_chunked_kernel _branch_kernel" ab_arms main= \
+        "both=--set $Q.BLOCK_V=64 $Q.NUM_WARPS=8 $Q.NUM_STAGES=1 $Q.NESTED_BLOCK_V=32" \
+        "nested_everywhere=--set $Q.BLOCK_V=64 $Q.NUM_WARPS=8 $Q.NUM_STAGES=1 $Q.NESTED_BLOCK_V=32 $Q.NESTED_BLOCK_V_MIN_TOKENS=0"
     ;;
 ab)
     # A replay A/B of the 0.8B profile (`ab_arms`), then THEN='CMDS' in the time left

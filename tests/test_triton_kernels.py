@@ -529,12 +529,12 @@ else:
         assert out[~rows].isnan().all()
         scale = max(1.0, want[rows].abs().max().item())
         torch.testing.assert_close(out[rows], want[rows], atol=2e-5 * scale, rtol=1e-5)
-        # the tiles 16-bit inputs take (BLOCK_V 64 value columns a program: V=48 in one partial tile, V=16 / 32 in
+        # the candidate 16-bit tiles (WIDE_TILES: 64 value columns a program, V=48 in one partial tile, V=16 / 32 in
         # one capped to the head), on the same fp32 inputs: the reference's values
+        assert delta_chunked.WIDE_TILES[0] == 64
         wide = delta_chunked.questions_chunked(q, k, v, beta, gamma, solved, r.branch_start, r.branch_len, finals,
                                                r.branch_state, 0.3, out=poisoned(tokens, Hv, V, dtype=torch.float32),
-                                               tiles=(delta_chunked.BLOCK_V, delta_chunked.NUM_WARPS,
-                                                      delta_chunked.NUM_STAGES))
+                                               tiles=delta_chunked.WIDE_TILES)
         assert wide[~rows].isnan().all()
         torch.testing.assert_close(wide[rows], want[rows], atol=2e-5 * scale, rtol=1e-5)
 

@@ -43,11 +43,18 @@ def layer_fork(x, meta, tables, chunked: bool, **kwargs):
     return select_rows(*parts[:5]), parts.finals
 
 
+@pytest.mark.parametrize("wide", [False, True], ids=["default-tiles", "wide-tiles"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("tokens,longest", [(500, 70), (3600, 200), (8192, 300)],
                          ids=["fused-chain", "split-call", "bucket8192"])
 @pytest.mark.parametrize("hv", [16, 32], ids=["Hv16", "Hv32"])
-def test_chunked_questions_match_the_reference_and_keep_the_states_bits(tokens, longest, hv, dtype):
+def test_chunked_questions_match_the_reference_and_keep_the_states_bits(tokens, longest, hv, dtype, wide,
+                                                                        monkeypatch):
+    if wide:  # the candidate 16-bit tiles (questions_chunked.WIDE_TILES) as the launch's
+        from flide.ops.gated_delta import questions_chunked
+
+        for name, value in zip(("BLOCK_V", "NUM_WARPS", "NUM_STAGES"), questions_chunked.WIDE_TILES):
+            monkeypatch.setattr(questions_chunked, name, value)
     x, raw, r = laid_out(tokens, dtype, seed=tokens + hv, hv=hv, longest=longest)
     meta = (r.state_start, r.state_len, r.branch_start, r.branch_len, r.branch_state)
     tables = fork_tables(r.state_start, r.state_len, r.branch_start, r.branch_len, r.state_chunks, r.branch_chunks,

@@ -360,7 +360,9 @@ widen)
     # chunked question launch's WIDE_TILES (64 columns / 8 warps / 1 stage) and the nested launch's 32 columns in
     # streams of 2,048+ tokens. Their GPU tests first, in parallel (both tile sets against the reference; 32 nested
     # columns on both sides of the threshold; the engine with chunked / nested questions), then the replay A/B: both
-    # on vs the defaults, and the nested width on each side of the threshold (multirc@2: the 1,536 bucket; @3: 2,304)
+    # on vs the defaults, both with long leaves chunked from stored sub-trunk states (session 41: the chunked launch
+    # 6.44 ms vs the recurrent 7.78 on the 64 questions, before the wide tiles); multirc@3 (the 2,304 bucket) is the
+    # nested width's threshold side measured here. ~9 min with the compile cache
     Q=flide.ops.gated_delta.questions_chunked
     for t in "split tests/gpu/test_questions_chunked_gpu.py" "engine tests/gpu/test_engine_gpu.py -k chunked_or_nested" \
              "nested tests/gpu/test_gated_delta_nested_gpu.py -k row_programs_or_stored"; do
@@ -370,10 +372,11 @@ widen)
     done
     wait
     grep -h -E "^FAILED|^E  " "$OUT"/widen_*.log | head -20
-    AB_PREFIX=widen WORKLOADS="race multirc multirc@2 multirc@3 quality sweep8 sweep64" \
+    AB_PREFIX=widen PROFILE_S=${PROFILE_S:-100} WORKLOADS="race multirc multirc@3 quality sweep8 sweep64" \
         KERNELS="_questions_chunked_kernel _branch_kernel" ab_arms main= \
         "both=--set $Q.BLOCK_V=64 $Q.NUM_WARPS=8 $Q.NUM_STAGES=1 $Q.NESTED_BLOCK_V=32" \
-        "nested_everywhere=--set $Q.BLOCK_V=64 $Q.NUM_WARPS=8 $Q.NUM_STAGES=1 $Q.NESTED_BLOCK_V=32 $Q.NESTED_BLOCK_V_MIN_TOKENS=0"
+        "stored=--set $Q.BLOCK_V=64 $Q.NUM_WARPS=8 $Q.NUM_STAGES=1 $Q.NESTED_BLOCK_V=32 \
+            flide.ops.gated_delta.NESTED_CHUNKED_LEAF_TOKENS=32 $Q.STORED_SUB_STATES=True"
     ;;
 ab)
     # A replay A/B of the 0.8B profile (`ab_arms`), then THEN='CMDS' in the time left

@@ -82,15 +82,22 @@ def fork_parts_reference(raw, meta):
     return fork(resolve("gated_delta", "reference"), *(t.float() for t in raw), *meta, SCALE, True)
 
 
+@pytest.mark.parametrize("wide", [False, True], ids=["default-tiles", "wide-tiles"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("heads", [(16, 16), (16, 32)], ids=["Hk16-Hv16", "Hk16-Hv32"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_chunked_questions_nested_fork_matches_the_reference(seed, heads, dtype, monkeypatch):
+def test_chunked_questions_nested_fork_matches_the_reference(seed, heads, dtype, wide, monkeypatch):
     """Sub-trunks of 3-120 tokens (one or two chunks) with 2-4 leaves each, in a shuffled order: every row against
     the reference's nested fork (each leaf re-runs its sub-trunk's rows), the leaves alone too; states, sub-trunks
-    and plain questions with the bits of the chunked fork without sub-trunks."""
+    and plain questions with the bits of the chunked fork without sub-trunks. `wide`: with the candidate 16-bit tiles
+    of the chunked launch (questions_chunked.WIDE_TILES) throughout."""
     from .test_gated_delta_nested_gpu import inputs, leaf_tokens, meta, nested_round, reference_fork, sub
 
+    if wide:
+        from flide.ops.gated_delta import questions_chunked
+
+        for name, value in zip(("BLOCK_V", "NUM_WARPS", "NUM_STAGES"), questions_chunked.WIDE_TILES):
+            monkeypatch.setattr(questions_chunked, name, value)
     r = nested_round(seed)
     x_raw = inputs(r, dtype, seed + 100, heads)
     q, k, v, decay, beta = x_raw

@@ -611,6 +611,14 @@ else:
                                                      finals, s.branch_state, 0.3, sub=sub, sub_slot=slots,
                                                      out=poisoned(s.T, Hv, V, dtype=torch.float32))
             assert torch.equal(stored.nan_to_num(7.0), out.nan_to_num(7.0))
+        # the candidate 16-bit tiles (WIDE_TILES, the head's whole V in one program here), one launch and stored:
+        # the reference's values, each form the other's bits
+        wide = [delta_chunked.questions_chunked(q, k, v, beta, gamma, solved, s.branch_start, s.branch_len, finals,
+                                                s.branch_state, 0.3, sub=sub, sub_slot=slots,
+                                                out=poisoned(s.T, Hv, V, dtype=torch.float32),
+                                                tiles=delta_chunked.WIDE_TILES) for slots in (None, s.slots())]
+        torch.testing.assert_close(wide[0][rows], want[rows], atol=2e-5 * scale, rtol=1e-5)
+        assert torch.equal(wide[1].nan_to_num(7.0), wide[0].nan_to_num(7.0))
 
     @pytest.mark.parametrize("sub_len", [9, 70], ids=["sub9", "sub70"])
     def test_gated_delta_questions_chunked_split_nested_match_the_reference(sub_len, monkeypatch):

@@ -37,7 +37,9 @@ from .state_chain import _chunk_output
 
 # Value columns a program, warps, stages for 16-bit inputs: the fused state chain's (state_chain.py), whose step this
 # is. As compiled for sm_90 by the device's Triton 3.6 (`benchmarks/ops/kernel_resources.py --chunked-questions`,
-# 0.8B's 16 value heads): 255 registers, 276 bytes of spills (nested 480), 85 KB of shared memory: two programs an SM.
+# 0.8B's 16 value heads): 255 registers, 276 bytes of spills (nested 480), 85 KB of shared memory: two programs an SM
+# (Triton 3.9 here: 60 / 116 bytes). Loading k a second time transposed instead of `tl.trans` took 117 KB (one program
+# an SM) for 28 bytes less of spills.
 BLOCK_V = 32
 NUM_WARPS = 4
 NUM_STAGES = 2
@@ -51,7 +53,8 @@ NUM_STAGES = 2
 # equal. NOT the default yet: their bf16 GPU tests have not run (the device was not lent again that session);
 # `tests/gpu/test_questions_chunked_gpu.py` runs both tile sets, then these become BLOCK_V / NUM_WARPS / NUM_STAGES.
 WIDE_TILES = (64, 8, 1)
-# fp32 inputs (the tests' precision): 32 / 4 / 1 stage; 64 / 8 spills 884 bytes there and takes 144 KB
+# fp32 inputs (the tests' precision): 32 / 4 / 1 stage (two stages need 255 KB, over sm_90's 227); 64 / 8 spills 884
+# bytes there and takes 144 KB
 FP32_TILES = (32, 4, 1)
 # Programs per (value tile, value head) along the question rows, each running rows i, i + P, ... up to the last row
 # with tokens. A program per capacity row lost on the H100 (session 36: QuALITY's question call 3.31 ms over 18

@@ -659,18 +659,18 @@ else:
         monkeypatch.setattr(delta_chunked, "NESTED_BLOCK_V", 32)
         plain_rows = segment_rows(s.T, s.branch_start, plain_len)
         scale = max(1.0, want[rows].abs().max().item())
+        tiles = []  # the nested launch's `tiles` argument, call by call
+        launch = delta_branches.branches
+        monkeypatch.setattr(delta_branches, "branches",
+                            lambda *a, **kw: tiles.append(kw.get("tiles")) or launch(*a, **kw))
         for min_tokens in (s.T, s.T + 1):
             monkeypatch.setattr(delta_chunked, "NESTED_BLOCK_V_MIN_TOKENS", min_tokens)
-            tiles = []
-            launch = delta_branches.branches
-            monkeypatch.setattr(delta_branches, "branches",
-                                lambda *a, **kw: tiles.append(kw.get("tiles")) or launch(*a, **kw))
+            tiles.clear()
             wide = delta_chunked.questions_split_nested(q, k, v, g, beta, gamma, solved, s.branch_start, plain_len,
                                                         nested_len, finals, s.branch_state, *sub, s.slots(), flags,
                                                         0.3, out=poisoned(s.T, Hv, V, dtype=torch.float32))
             assert not flags.any() and wide[~rows].isnan().all() and torch.equal(wide[plain_rows], out[plain_rows])
             torch.testing.assert_close(wide[rows], want[rows], atol=2e-5 * scale, rtol=1e-5)
-            monkeypatch.setattr(delta_branches, "branches", launch)
             if min_tokens > s.T:
                 assert tiles == [None] and torch.equal(wide[rows], out[rows])
             else:

@@ -34,6 +34,14 @@ def laid_out(tokens: int, dtype, seed: int, hv: int, longest: int):
     return (qn, kn, vn, decay, beta), raw, r
 
 
+def use_wide_tiles(monkeypatch) -> None:
+    """The chunked question launch with the candidate 16-bit tiles (`questions_chunked.WIDE_TILES`) as its own."""
+    from flide.ops.gated_delta import questions_chunked
+
+    for name, value in zip(("BLOCK_V", "NUM_WARPS", "NUM_STAGES"), questions_chunked.WIDE_TILES):
+        monkeypatch.setattr(questions_chunked, name, value)
+
+
 def layer_fork(x, meta, tables, chunked: bool, **kwargs):
     """The laid-out `fla` fork as the GDN layer runs it, questions chunked or token by token."""
     fla = resolve("gated_delta", "fla")
@@ -50,11 +58,8 @@ def layer_fork(x, meta, tables, chunked: bool, **kwargs):
 @pytest.mark.parametrize("hv", [16, 32], ids=["Hv16", "Hv32"])
 def test_chunked_questions_match_the_reference_and_keep_the_states_bits(tokens, longest, hv, dtype, wide,
                                                                         monkeypatch):
-    if wide:  # the candidate 16-bit tiles (questions_chunked.WIDE_TILES) as the launch's
-        from flide.ops.gated_delta import questions_chunked
-
-        for name, value in zip(("BLOCK_V", "NUM_WARPS", "NUM_STAGES"), questions_chunked.WIDE_TILES):
-            monkeypatch.setattr(questions_chunked, name, value)
+    if wide:
+        use_wide_tiles(monkeypatch)
     x, raw, r = laid_out(tokens, dtype, seed=tokens + hv, hv=hv, longest=longest)
     meta = (r.state_start, r.state_len, r.branch_start, r.branch_len, r.branch_state)
     tables = fork_tables(r.state_start, r.state_len, r.branch_start, r.branch_len, r.state_chunks, r.branch_chunks,
@@ -94,10 +99,7 @@ def test_chunked_questions_nested_fork_matches_the_reference(seed, heads, dtype,
     from .test_gated_delta_nested_gpu import inputs, leaf_tokens, meta, nested_round, reference_fork, sub
 
     if wide:
-        from flide.ops.gated_delta import questions_chunked
-
-        for name, value in zip(("BLOCK_V", "NUM_WARPS", "NUM_STAGES"), questions_chunked.WIDE_TILES):
-            monkeypatch.setattr(questions_chunked, name, value)
+        use_wide_tiles(monkeypatch)
     r = nested_round(seed)
     x_raw = inputs(r, dtype, seed + 100, heads)
     q, k, v, decay, beta = x_raw

@@ -372,11 +372,12 @@ widen)
     done
     wait
     grep -h -E "^FAILED|^E  " "$OUT"/widen_*.log | head -20
+    # the candidate tiles read from WIDE_TILES, so the A/B measures what the tests checked
+    read -r bv warps stages < <(python3 -c "from $Q import WIDE_TILES; print(*WIDE_TILES)")
+    wide="$Q.BLOCK_V=$bv $Q.NUM_WARPS=$warps $Q.NUM_STAGES=$stages $Q.NESTED_BLOCK_V=32"
     AB_PREFIX=widen PROFILE_S=${PROFILE_S:-100} WORKLOADS="race multirc multirc@3 quality sweep8 sweep64" \
-        KERNELS="_questions_chunked_kernel _branch_kernel" ab_arms main= \
-        "both=--set $Q.BLOCK_V=64 $Q.NUM_WARPS=8 $Q.NUM_STAGES=1 $Q.NESTED_BLOCK_V=32" \
-        "stored=--set $Q.BLOCK_V=64 $Q.NUM_WARPS=8 $Q.NUM_STAGES=1 $Q.NESTED_BLOCK_V=32 \
-            flide.ops.gated_delta.NESTED_CHUNKED_LEAF_TOKENS=32 $Q.STORED_SUB_STATES=True"
+        KERNELS="_questions_chunked_kernel _branch_kernel" ab_arms main= "both=--set $wide" \
+        "stored=--set $wide flide.ops.gated_delta.NESTED_CHUNKED_LEAF_TOKENS=32 $Q.STORED_SUB_STATES=True"
     ;;
 ab)
     # A replay A/B of the 0.8B profile (`ab_arms`), then THEN='CMDS' in the time left

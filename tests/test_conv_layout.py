@@ -65,6 +65,21 @@ def test_the_question_form_is_decided_when_a_layer_is_swapped_in(form, chunked):
     assert layer.chunked_questions is (fla.CHUNKED_QUESTIONS if chunked is None else chunked)
 
 
+def test_batch_invariant_layers_keep_fixed_question_tiles():
+    """A nested fork's question launch widens its tiles in long streams (`questions_chunked.NESTED_BLOCK_V_MIN_TOKENS`),
+    which changes those rows' bits with the bucket: batch-invariant mode's layers ask for fixed tiles."""
+    layer = FlideGatedDeltaNet(gdn_original(), fork_conv.fork_conv_triton, gated_delta.gated_delta_fla,
+                               question_form="chunked", batch_invariant=True)
+    assert layer.chunked_questions and layer.fixed_tiles
+    assert not FlideGatedDeltaNet(gdn_original(), fork_conv.fork_conv_triton, gated_delta.gated_delta_fla,
+                                  question_form="chunked").fixed_tiles
+    tok = tiny_tokenizer()
+    for invariant in (True, False):
+        engine = flide.patch(tiny_model("qwen3_5_text"), tok, config={"kernels": {"batch_invariant": invariant}})
+        mixers = [block.mixer for block in engine.flat.blocks if hasattr(block.mixer, "conv_op")]
+        assert mixers and all(mixer.fixed_tiles is invariant for mixer in mixers)
+
+
 @pytest.mark.parametrize("conv,delta,fuse", [
     ("fork_conv_triton", "gated_delta_fla", False),  # no fused layout
     ("fork_conv_triton", "gated_delta_fla_cuda", True),  # no chunked question call

@@ -655,7 +655,8 @@ else:
             assert not flags.any() and torch.equal(turns[rows], out[rows]) and turns[~rows].isnan().all()
         # the nested launch's own value-column width (NESTED_BLOCK_V: 32, the head's whole V here, against 16) in a
         # stream of NESTED_BLOCK_V_MIN_TOKENS tokens or more: other sums over K, the reference's values; the chunked
-        # rows untouched. One token short of it: the recurrent kernel's own width, the bits above
+        # rows untouched. One token short of it, or with fixed tiles (batch-invariant mode: no width that follows the
+        # bucket): the recurrent kernel's own width, the bits above
         monkeypatch.setattr(delta_chunked, "NESTED_BLOCK_V", 32)
         plain_rows = segment_rows(s.T, s.branch_start, plain_len)
         scale = max(1.0, want[rows].abs().max().item())
@@ -663,15 +664,16 @@ else:
         launch = delta_branches.branches
         monkeypatch.setattr(delta_branches, "branches",
                             lambda *a, **kw: tiles.append(kw.get("tiles")) or launch(*a, **kw))
-        for min_tokens in (s.T, s.T + 1):
+        for min_tokens, fixed_tiles in ((s.T, False), (s.T + 1, False), (s.T, True)):
             monkeypatch.setattr(delta_chunked, "NESTED_BLOCK_V_MIN_TOKENS", min_tokens)
             tiles.clear()
             wide = delta_chunked.questions_split_nested(q, k, v, g, beta, gamma, solved, s.branch_start, plain_len,
                                                         nested_len, finals, s.branch_state, *sub, s.slots(), flags,
-                                                        0.3, out=poisoned(s.T, Hv, V, dtype=torch.float32))
+                                                        0.3, out=poisoned(s.T, Hv, V, dtype=torch.float32),
+                                                        fixed_tiles=fixed_tiles)
             assert not flags.any() and wide[~rows].isnan().all() and torch.equal(wide[plain_rows], out[plain_rows])
             torch.testing.assert_close(wide[rows], want[rows], atol=2e-5 * scale, rtol=1e-5)
-            if min_tokens > s.T:
+            if min_tokens > s.T or fixed_tiles:
                 assert tiles == [None] and torch.equal(wide[rows], out[rows])
             else:
                 assert tiles == [(32, delta_branches.NUM_WARPS)]

@@ -34,12 +34,13 @@ def supported_model_types() -> list[str]:
 
 
 def swap_mixers(text_model: nn.Module, ops: dict, fuse_conv_layout: bool = True,
-                qk_prep: Callable | None = None, nested_ops: dict | None = None, question_form: str = "auto") -> None:
+                qk_prep: Callable | None = None, nested_ops: dict | None = None, question_form: str = "auto",
+                batch_invariant: bool = False) -> None:
     """Replaces every decoder layer's attention / Gated DeltaNet module with Flide's (idempotent); `ops` is
     `resolve_all(kernels)`, `fuse_conv_layout` `kernels.fuse_conv_layout`, `qk_prep` the attention layers' fused q / k
     preparation (`kernels.fuse_attention_prep`), used where the layer's is the one it computes; `nested_ops` the
     variants' nested-fork companions (`flide.ops.registry.nested`) when rounds may hold sub-trunks, else None;
-    `question_form` `kernels.gated_delta_questions`."""
+    `question_form` `kernels.gated_delta_questions`, `batch_invariant` `kernels.batch_invariant`."""
     nested_ops = nested_ops or {}
     for index, layer in enumerate(text_model.layers):
         for name in ("input_layernorm", "post_attention_layernorm", "mlp"):
@@ -51,7 +52,8 @@ def swap_mixers(text_model: nn.Module, ops: dict, fuse_conv_layout: bool = True,
             layer.linear_attn = FlideGatedDeltaNet(original, ops["fork_conv"], ops["gated_delta"],
                                                    ops["gated_norm"], fuse_conv_layout=fuse_conv_layout,
                                                    nested_op=nested_ops.get("gated_delta"),
-                                                   question_form=question_form)
+                                                   question_form=question_form,
+                                                   batch_invariant=batch_invariant)
         elif hasattr(layer, "self_attn"):
             original = getattr(layer.self_attn, "original", layer.self_attn)
             layer.self_attn = FlideAttention(original, ops["fork_attention"], qk_prep,
@@ -84,7 +86,7 @@ def adapt(model: nn.Module, tokenizer, kernels: KernelConfig, residual: str = "m
         # the chunked form's rows depend on no other row by construction, but its invariance tests have not run on a
         # GPU: batch-invariant mode keeps the recurrent question kernel unless `chunked` is asked for
         question_form = "recurrent"
-    swap_mixers(text_model, ops, kernels.fuse_conv_layout, qk_prep, nested_ops, question_form)
+    swap_mixers(text_model, ops, kernels.fuse_conv_layout, qk_prep, nested_ops, question_form, kernels.batch_invariant)
     # the decoder's own nn.Linear layers stay unless another `linear` variant is picked (batch-invariant mode)
     if kernels.linear != "torch":
         separate(text_model)

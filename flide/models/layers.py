@@ -189,7 +189,8 @@ class FlideGatedDeltaNet(_Swapped):
               "nested_op")
 
     def __init__(self, original: nn.Module, conv_op: Callable, delta_op: Callable, norm_op: Callable | None = None,
-                 fuse_conv_layout: bool = True, nested_op: Callable | None = None, question_form: str = "auto"):
+                 fuse_conv_layout: bool = True, nested_op: Callable | None = None, question_form: str = "auto",
+                 batch_invariant: bool = False):
         super().__init__(original, self.NAMES)
         if original.conv1d.bias is not None:
             raise ValueError("Gated DeltaNet with a conv bias is not supported.")
@@ -236,6 +237,8 @@ class FlideGatedDeltaNet(_Swapped):
                                                 (question_form == "auto" and gated_delta_fla.CHUNKED_QUESTIONS))
         # and, in nested forks, the leaves and their sub-trunks by the recurrent nested kernel (read here too)
         self.split_nested = self.chunked_questions and nested_op is not None and gated_delta_fla.SPLIT_NESTED_QUESTIONS
+        # batch-invariant mode: no launch's tiles may follow the bucket (a row's bits would change with its round)
+        self.fixed_tiles = batch_invariant
         # nested forks (`runtime.nested_forks`): the question call whose leaves continue their sub-trunk's state,
         # and the flags they wait on for it (zero between calls: kept here, not filled a call; not in state_dict)
         self.nested_op = nested_op
@@ -296,7 +299,8 @@ class FlideGatedDeltaNet(_Swapped):
                                            **({} if self.nested_op is None else
                                               {"sub": (r.sub_lo, r.sub_hi, self._sub_slot(ctx), self.sub_flags),
                                                "nested_kernel": self.nested_op}),
-                                           **({"question_lens": ctx.question_lens or question_lens(r)}
+                                           **({"question_lens": ctx.question_lens or question_lens(r),
+                                               "fixed_tiles": self.fixed_tiles}
                                               if laid_out and self.split_nested else {}))
             if self.norm_op is not None:  # the select and the norm in one op
                 normed = self.norm_op(parts.o_states, parts.o_branches, gate, self.norm.weight, parts.states_end,

@@ -215,20 +215,22 @@ def gated_delta_questions_split_nested(q: torch.Tensor, k: torch.Tensor, v: torc
                                        plain_len: torch.Tensor, nested_len: torch.Tensor,
                                        initial_state: torch.Tensor, initial_index: torch.Tensor,
                                        sub_lo: torch.Tensor, sub_hi: torch.Tensor, sub_slot: torch.Tensor,
-                                       sub_flags: torch.Tensor, scale: float) -> torch.Tensor:
+                                       sub_flags: torch.Tensor, scale: float, fixed_tiles: bool = False
+                                       ) -> torch.Tensor:
     """A nested fork's question call with its plain rows in chunked form and its leaves and their sub-trunks by the
     recurrent nested kernel (`questions_chunked.questions_split_nested`; `sub_flags` are zero before and after the
-    call, as in `gated_delta_branches_nested_triton`, so declared unmutated)."""
+    call, as in `gated_delta_branches_nested_triton`, so declared unmutated; `fixed_tiles`: the nested launch's
+    width does not follow the stream's length, batch-invariant mode)."""
     from . import questions_chunked
 
     return questions_chunked.questions_split_nested(q, k, v, g_raw, beta, g, A, seg_start, plain_len, nested_len,
                                                     initial_state, initial_index, sub_lo, sub_hi, sub_slot,
-                                                    sub_flags, scale)
+                                                    sub_flags, scale, fixed_tiles=fixed_tiles)
 
 
 @gated_delta_questions_split_nested.register_fake
 def _fake_questions_split_nested(q, k, v, g_raw, beta, g, A, seg_start, plain_len, nested_len, initial_state,
-                                 initial_index, sub_lo, sub_hi, sub_slot, sub_flags, scale):
+                                 initial_index, sub_lo, sub_hi, sub_slot, sub_flags, scale, fixed_tiles=False):
     return q.new_empty(v.shape)
 
 
@@ -561,7 +563,8 @@ def fork_parts(kernel, q, k, v, g, beta, state_start, state_len, branch_start, b
                scale: float, use_qk_l2norm: bool, branch_kernel=None, state_kernel=None,
                tables: ForkTables | None = None, wy: bool = False, laid_out: bool = False,
                sub: tuple[torch.Tensor, ...] | None = None, nested_kernel=None, chunked: bool = False,
-               question_lens: tuple[torch.Tensor, torch.Tensor] | None = None) -> ForkParts:
+               question_lens: tuple[torch.Tensor, torch.Tensor] | None = None, fixed_tiles: bool = False
+               ) -> ForkParts:
     """Forked gated delta rule, in two calls of one varlen kernel.
 
     Call 1 runs every state from a zero state and keeps each one's final recurrent state (float32); call 2 runs every
@@ -592,7 +595,8 @@ def fork_parts(kernel, q, k, v, g, beta, state_start, state_len, branch_start, b
     `question_lens` (with `chunked` and `sub`; (plain_len, nested_len) [NB], the rows' lengths split by
     `nested_rows`, derived once per forward, with the tables' combined chunk rows leaving the nested rows out:
     `fork_tables(skip_branches=)`): the plain rows in chunked form and the leaves and their sub-trunks by the
-    recurrent nested kernel, in one call (`questions_chunked.questions_split_nested`).
+    recurrent nested kernel, in one call (`questions_chunked.questions_split_nested`; `fixed_tiles`, batch-invariant
+    mode: that call's tiles do not follow the stream's length).
     """
     if sub is not None:
         if wy:
@@ -624,7 +628,7 @@ def fork_parts(kernel, q, k, v, g, beta, state_start, state_len, branch_start, b
                 tables.state_chunks, tables.state_chunk_offsets, tables.long_chunks, tables.long_chunk_offsets, scale)
             if sub is not None and question_lens is not None:
                 o_branches = split_call(q, k, v, g, beta, gamma, solved, branch_start, *question_lens, finals,
-                                        branch_state, *sub, scale)
+                                        branch_state, *sub, scale, fixed_tiles)
             else:
                 # (sub_lo, sub_hi, the rows' sub-trunk state slots), unread without sub-trunks
                 nest = sub[:3] if sub is not None else (branch_start, branch_start, branch_start)

@@ -271,7 +271,8 @@ def questions_split_nested(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g_
                            g: torch.Tensor, A: torch.Tensor, seg_start: torch.Tensor, plain_len: torch.Tensor,
                            nested_len: torch.Tensor, initial_state: torch.Tensor, initial_index: torch.Tensor,
                            sub_lo: torch.Tensor, sub_hi: torch.Tensor, sub_slot: torch.Tensor,
-                           sub_flags: torch.Tensor, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+                           sub_flags: torch.Tensor, scale: float, out: torch.Tensor | None = None,
+                           fixed_tiles: bool = False) -> torch.Tensor:
     """A nested fork's question call in two launches into one output: the rows of `plain_len` (no leaf, no sub-trunk
     a leaf continues) in chunked form (`questions_chunked`, from the state call's g / A over those rows' chunks), the
     rows of `nested_len` (the leaves and their sub-trunks: `gated_delta.nested_rows`) by the recurrent nested kernel
@@ -284,11 +285,13 @@ def questions_split_nested(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g_
     chunked form a leaf paid a full 64-token step for its 2 tokens and re-ran (or reloaded) its sub-trunk's chunks:
     H100, session 37, question call 6.11 ms (4.39 with stored sub-trunk states) vs the recurrent kernel's 3.27, MultiRC
     1.57 (1.49) vs 1.07. A row's form follows from its request alone (whether it is a leaf or a sub-trunk a leaf of
-    its own request continues), so every question is computed the same way whatever round it is in."""
+    its own request continues), so every question is computed the same way whatever round it is in. The nested
+    launch's width follows the stream's length (`NESTED_BLOCK_V_MIN_TOKENS`), which changes those rows' bits with the
+    bucket: `fixed_tiles` (batch-invariant mode) keeps the recurrent kernel's own width in every bucket."""
     from . import branches
 
     o = torch.empty(v.shape, dtype=q.dtype, device=q.device) if out is None else out
-    wide = NESTED_BLOCK_V is not None and q.shape[0] >= NESTED_BLOCK_V_MIN_TOKENS
+    wide = NESTED_BLOCK_V is not None and q.shape[0] >= NESTED_BLOCK_V_MIN_TOKENS and not fixed_tiles
     branches.branches(q, k, v, g_raw, beta, seg_start, nested_len, initial_state, initial_index, scale, False, out=o,
                       sub=(sub_lo, sub_hi), sub_slot=sub_slot, sub_flags=sub_flags,
                       row_programs=NESTED_ROW_PROGRAMS or None,

@@ -39,6 +39,8 @@ def setup(request):
     engine = flide.patch(model, tok, config=config(True, questions))
     chunked = [getattr(block.mixer, "chunked_questions", False) for block in engine.flat.blocks]
     assert any(chunked) == (questions == "chunked")
+    # no GDN question launch whose tiles follow the bucket (the nested launch's width in long streams)
+    assert all(block.mixer.fixed_tiles for block in engine.flat.blocks if hasattr(block.mixer, "conv_op"))
     return dtype_name, tok, plain, requests, engine
 
 

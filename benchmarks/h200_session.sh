@@ -25,7 +25,7 @@
 #     bash benchmarks/h200_session.sh nested     where a nested fork's rows go: replay A/B of long leaves chunked (re-run / stored) and 1 stage ~7 min
 #     bash benchmarks/h200_session.sh mlp        the SiLU-mul in the gate/up GEMM (kernels.gated_mlp): GPU tests, op bench, replay A/B ~7 min
 #     bash benchmarks/h200_session.sh serve      issue 4: the http bench twice (req/s 1/8/32/64, one-client gap) + serve A/B ~9 min
-#     bash benchmarks/h200_session.sh widen      session 43's candidate tiles: their GPU tests, then the replay A/B        ~9 min
+#     bash benchmarks/h200_session.sh widen      the question launches' tiles: GPU tests of both sets, then the replay A/B ~9 min
 #     bash benchmarks/h200_session.sh ab NAME=ARGS...  replay A/B arms of the 0.8B profile (ARGS: --set / --config), then $THEN
 #     bash benchmarks/h200_session.sh sh 'CMDS'  any commands, after the same set-up (a session's own mix of parts)
 # Logs and results go to $OUT.
@@ -356,28 +356,28 @@ mlp)
         ab_arms main= "triton=--config configs/h200/gated_mlp_triton.yaml"
     ;;
 widen)
-    # Session 43's two candidates (NOTES, Session 43 item 1), measured faster on an H100 but not yet GPU-tested: the
-    # chunked question launch's WIDE_TILES (64 columns / 8 warps / 1 stage) and the nested launch's 32 columns in
-    # streams of 2,048+ tokens. Their GPU tests first, in parallel (both tile sets against the reference; 32 nested
-    # columns on both sides of the threshold; the engine with chunked / nested questions), then the replay A/B: both
-    # on vs the defaults, both with long leaves chunked from stored sub-trunk states (session 41: the chunked launch
-    # 6.44 ms vs the recurrent 7.78 on the 64 questions, before the wide tiles); multirc@3 (the 2,304 bucket) is the
-    # nested width's threshold side measured here. ~9 min with the compile cache
+    # The question launches' tiles (session 44's defaults: the chunked launch's 64 columns / 8 warps / 1 stage, the
+    # nested launch's 32 columns in streams of 8,192+ tokens): their GPU tests first, in parallel (both tile sets
+    # against the reference; 32 nested columns on both sides of the threshold; the engine with chunked / nested
+    # questions), then the replay A/B: the defaults vs the tiles before (NARROW_TILES, 16 nested columns) vs the
+    # defaults with long leaves chunked from stored sub-trunk states (session 44, H100: the 64-question sweep 26.62 vs
+    # 27.97 ms, every other workload 0.06-0.39 ms slower). ~9 min with the compile cache (TEST_S per test file; 250 s
+    # left the chunked-question file 21 tests short on a bare H100 in session 44)
     Q=flide.ops.gated_delta.questions_chunked
     for t in "split tests/gpu/test_questions_chunked_gpu.py" "engine tests/gpu/test_engine_gpu.py -k chunked_or_nested" \
              "nested tests/gpu/test_gated_delta_nested_gpu.py -k row_programs_or_stored"; do
         set -- $t; name=$1; file=$2; expr=${4:-}; expr=${expr//_or_/ or }
-        (timeout ${TEST_S:-250} python3 -m pytest -q -rA -p no:logging --tb=short "$file" ${expr:+-k "$expr"} \
+        (timeout ${TEST_S:-300} python3 -m pytest -q -rA -p no:logging --tb=short "$file" ${expr:+-k "$expr"} \
             > "$OUT/widen_$name.log" 2>&1; echo "$name rc=$? $(tail -1 "$OUT/widen_$name.log")") &
     done
     wait
     grep -h -E "^FAILED|^E  " "$OUT"/widen_*.log | head -20
-    # the candidate tiles read from WIDE_TILES, so the A/B measures what the tests checked
-    read -r bv warps stages < <(python3 -c "from $Q import WIDE_TILES; print(*WIDE_TILES)")
-    wide="$Q.BLOCK_V=$bv $Q.NUM_WARPS=$warps $Q.NUM_STAGES=$stages $Q.NESTED_BLOCK_V=32"
+    # the tiles before read from NARROW_TILES, so the A/B measures what the tests checked
+    read -r bv warps stages < <(python3 -c "from $Q import NARROW_TILES; print(*NARROW_TILES)")
     AB_PREFIX=widen PROFILE_S=${PROFILE_S:-100} WORKLOADS="race multirc multirc@3 quality sweep8 sweep64" \
-        KERNELS="_questions_chunked_kernel _branch_kernel" ab_arms main= "both=--set $wide" \
-        "stored=--set $wide flide.ops.gated_delta.NESTED_CHUNKED_LEAF_TOKENS=32 $Q.STORED_SUB_STATES=True"
+        KERNELS="_questions_chunked_kernel _branch_kernel" ab_arms main= \
+        "narrow=--set $Q.BLOCK_V=$bv $Q.NUM_WARPS=$warps $Q.NUM_STAGES=$stages $Q.NESTED_BLOCK_V=None" \
+        "stored=--set flide.ops.gated_delta.NESTED_CHUNKED_LEAF_TOKENS=32 $Q.STORED_SUB_STATES=True"
     ;;
 ab)
     # A replay A/B of the 0.8B profile (`ab_arms`), then THEN='CMDS' in the time left

@@ -529,14 +529,18 @@ else:
         assert out[~rows].isnan().all()
         scale = max(1.0, want[rows].abs().max().item())
         torch.testing.assert_close(out[rows], want[rows], atol=2e-5 * scale, rtol=1e-5)
-        # the candidate 16-bit tiles (WIDE_TILES: 64 value columns a program, V=48 in one partial tile, V=16 / 32 in
-        # one capped to the head), on the same fp32 inputs: the reference's values
-        assert delta_chunked.WIDE_TILES[0] == 64
+        # the 16-bit tiles (BLOCK_V: 64 value columns a program, V=48 in one partial tile, V=16 / 32 in one capped
+        # to the head), on the same fp32 inputs: the reference's values
+        assert delta_chunked.BLOCK_V == 64
         wide = delta_chunked.questions_chunked(q, k, v, beta, gamma, solved, r.branch_start, r.branch_len, finals,
                                                r.branch_state, 0.3, out=poisoned(tokens, Hv, V, dtype=torch.float32),
-                                               tiles=delta_chunked.WIDE_TILES)
+                                               tiles=sixteen_bit_tiles())
         assert wide[~rows].isnan().all()
         torch.testing.assert_close(wide[rows], want[rows], atol=2e-5 * scale, rtol=1e-5)
+
+    def sixteen_bit_tiles() -> tuple[int, int, int]:
+        """The chunked question launch's tiles for 16-bit inputs (fp32 inputs take FP32_TILES by default)."""
+        return delta_chunked.BLOCK_V, delta_chunked.NUM_WARPS, delta_chunked.NUM_STAGES
 
     def nested_question_call(sub_len: int, seed: int):
         """test_gated_delta_nested's hand-built nested stream (a sub-trunk of `sub_len` tokens; 2 value heads, K 16,
@@ -611,12 +615,12 @@ else:
                                                      finals, s.branch_state, 0.3, sub=sub, sub_slot=slots,
                                                      out=poisoned(s.T, Hv, V, dtype=torch.float32))
             assert torch.equal(stored.nan_to_num(7.0), out.nan_to_num(7.0))
-        # the candidate 16-bit tiles (WIDE_TILES, the head's whole V in one program here), one launch and stored:
-        # the reference's values, each form the other's bits
+        # the 16-bit tiles (64 columns: the head's whole V in one program here), one launch and stored: the
+        # reference's values, each form the other's bits
         wide = [delta_chunked.questions_chunked(q, k, v, beta, gamma, solved, s.branch_start, s.branch_len, finals,
                                                 s.branch_state, 0.3, sub=sub, sub_slot=slots,
                                                 out=poisoned(s.T, Hv, V, dtype=torch.float32),
-                                                tiles=delta_chunked.WIDE_TILES) for slots in (None, s.slots())]
+                                                tiles=sixteen_bit_tiles()) for slots in (None, s.slots())]
         torch.testing.assert_close(wide[0][rows], want[rows], atol=2e-5 * scale, rtol=1e-5)
         assert torch.equal(wide[1].nan_to_num(7.0), wide[0].nan_to_num(7.0))
 

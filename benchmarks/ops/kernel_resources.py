@@ -243,7 +243,7 @@ def main() -> None:
 
         default = (qc.BLOCK_V, qc.NUM_WARPS, qc.NUM_STAGES)
         for heads_v in (16, 32):
-            for tiles in (default, qc.WIDE_TILES, (16, 4, 2), (32, 4, 1), (64, 8, 2)):
+            for tiles in (default, qc.NARROW_TILES, (16, 4, 2), (32, 4, 1), (64, 8, 2)):
                 for nested in (False, True):
                     print(f"chunked questions bf16 Hv{heads_v} BV{tiles[0]} w{tiles[1]} s{tiles[2]} "
                           f"{'nested' if nested else 'plain'}: {chunked_questions('bf16', heads_v, tiles, nested)}",

@@ -34,11 +34,12 @@ def laid_out(tokens: int, dtype, seed: int, hv: int, longest: int):
     return (qn, kn, vn, decay, beta), raw, r
 
 
-def use_wide_tiles(monkeypatch) -> None:
-    """The chunked question launch with the candidate 16-bit tiles (`questions_chunked.WIDE_TILES`) as its own."""
+def use_narrow_tiles(monkeypatch) -> None:
+    """The chunked question launch with the 16-bit tiles before session 44 (`questions_chunked.NARROW_TILES`, kept for
+    the A/B) as its own."""
     from flide.ops.gated_delta import questions_chunked
 
-    for name, value in zip(("BLOCK_V", "NUM_WARPS", "NUM_STAGES"), questions_chunked.WIDE_TILES):
+    for name, value in zip(("BLOCK_V", "NUM_WARPS", "NUM_STAGES"), questions_chunked.NARROW_TILES):
         monkeypatch.setattr(questions_chunked, name, value)
 
 
@@ -51,15 +52,15 @@ def layer_fork(x, meta, tables, chunked: bool, **kwargs):
     return select_rows(*parts[:5]), parts.finals
 
 
-@pytest.mark.parametrize("wide", [False, True], ids=["default-tiles", "wide-tiles"])
+@pytest.mark.parametrize("narrow", [False, True], ids=["default-tiles", "narrow-tiles"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("tokens,longest", [(500, 70), (3600, 200), (8192, 300)],
                          ids=["fused-chain", "split-call", "bucket8192"])
 @pytest.mark.parametrize("hv", [16, 32], ids=["Hv16", "Hv32"])
-def test_chunked_questions_match_the_reference_and_keep_the_states_bits(tokens, longest, hv, dtype, wide,
+def test_chunked_questions_match_the_reference_and_keep_the_states_bits(tokens, longest, hv, dtype, narrow,
                                                                         monkeypatch):
-    if wide:
-        use_wide_tiles(monkeypatch)
+    if narrow:
+        use_narrow_tiles(monkeypatch)
     x, raw, r = laid_out(tokens, dtype, seed=tokens + hv, hv=hv, longest=longest)
     meta = (r.state_start, r.state_len, r.branch_start, r.branch_len, r.branch_state)
     tables = fork_tables(r.state_start, r.state_len, r.branch_start, r.branch_len, r.state_chunks, r.branch_chunks,
@@ -87,19 +88,19 @@ def fork_parts_reference(raw, meta):
     return fork(resolve("gated_delta", "reference"), *(t.float() for t in raw), *meta, SCALE, True)
 
 
-@pytest.mark.parametrize("wide", [False, True], ids=["default-tiles", "wide-tiles"])
+@pytest.mark.parametrize("narrow", [False, True], ids=["default-tiles", "narrow-tiles"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("heads", [(16, 16), (16, 32)], ids=["Hk16-Hv16", "Hk16-Hv32"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_chunked_questions_nested_fork_matches_the_reference(seed, heads, dtype, wide, monkeypatch):
+def test_chunked_questions_nested_fork_matches_the_reference(seed, heads, dtype, narrow, monkeypatch):
     """Sub-trunks of 3-120 tokens (one or two chunks) with 2-4 leaves each, in a shuffled order: every row against
     the reference's nested fork (each leaf re-runs its sub-trunk's rows), the leaves alone too; states, sub-trunks
-    and plain questions with the bits of the chunked fork without sub-trunks. `wide`: with the candidate 16-bit tiles
-    of the chunked launch (questions_chunked.WIDE_TILES) throughout."""
+    and plain questions with the bits of the chunked fork without sub-trunks. `narrow`: with the chunked launch's
+    16-bit tiles before session 44 (questions_chunked.NARROW_TILES) throughout."""
     from .test_gated_delta_nested_gpu import inputs, leaf_tokens, meta, nested_round, reference_fork, sub
 
-    if wide:
-        use_wide_tiles(monkeypatch)
+    if narrow:
+        use_narrow_tiles(monkeypatch)
     r = nested_round(seed)
     x_raw = inputs(r, dtype, seed + 100, heads)
     q, k, v, decay, beta = x_raw

@@ -35,24 +35,25 @@ from . import SUB_STATE_SLOTS
 from .branches import rows_used
 from .state_chain import _chunk_output
 
-# Value columns a program, warps, stages for 16-bit inputs: the fused state chain's (state_chain.py), whose step this
-# is. As compiled for sm_90 by the device's Triton 3.6 (`benchmarks/ops/kernel_resources.py --chunked-questions`,
-# 0.8B's 16 value heads): 255 registers, 276 bytes of spills (nested 480), 85 KB of shared memory: two programs an SM
-# (Triton 3.9 here: 60 / 116 bytes). Loading k a second time transposed instead of `tl.trans` took 117 KB (one program
-# an SM) for 28 bytes less of spills.
-BLOCK_V = 32
-NUM_WARPS = 4
-NUM_STAGES = 2
-# The candidate tiles: 64 columns, 8 warps, 1 stage. A program's w = A (beta e^g k) and q k^T do not depend on its
-# value columns, so every value tile recomputes them: 64 columns do that half as often. Triton 3.6: 255 registers,
-# 124 bytes of spills (nested 296), 48 KB. H100, session 43, same call, replay GPU ms WIDE_TILES vs the default
-# (`benchmarks/results/h100_profile_0_8b_session43_{q64,main}.json`, 8 repeats; `--set ...questions_chunked.BLOCK_V=64
-# ...NUM_WARPS=8 ...NUM_STAGES=1`): the question launch RACE 0.290 vs 0.392 (replay 2.671 vs 2.775), QuALITY 1.326 vs
-# 1.535 (27.65 vs 27.84), 8 questions of a 2,000-token state 0.791 vs 0.880 (11.52 vs 11.64), 6 MultiRC requests in a
-# round 0.296 vs 0.507 (29.76 vs 29.89); MultiRC alone and 64 questions (nested questions: the recurrent launch)
-# equal. NOT the default yet: their bf16 GPU tests have not run (the device was not lent again that session);
-# `tests/gpu/test_questions_chunked_gpu.py` runs both tile sets, then these become BLOCK_V / NUM_WARPS / NUM_STAGES.
-WIDE_TILES = (64, 8, 1)
+# Value columns a program, warps, stages for 16-bit inputs: 64 columns, 8 warps, 1 stage (since session 44). A
+# program's w = A (beta e^g k) and q k^T do not depend on its value columns, so every value tile recomputes them: 64
+# columns do that half as often as the fused state chain's 32 (NARROW_TILES, the default before). As compiled for
+# sm_90 by the device's Triton 3.6 (`benchmarks/ops/kernel_resources.py --chunked-questions`, 0.8B's 16 value heads):
+# 255 registers, 124 bytes of spills (nested 296), 48 KB of shared memory; NARROW_TILES 276 bytes (nested 480), 85 KB
+# (Triton 3.9 here: 60 / 116 bytes). Replay GPU ms, 0.8B, these vs NARROW_TILES, H100, same call (8 repeats):
+# session 43 (`benchmarks/results/h100_profile_0_8b_session43_{q64,main}.json`): the question launch RACE 0.290 vs
+# 0.392 (replay 2.671 vs 2.775), QuALITY 1.326 vs 1.535 (27.65 vs 27.84), 8 questions of a 2,000-token state 0.791 vs
+# 0.880 (11.52 vs 11.64), 6 MultiRC requests in a round 0.296 vs 0.507 (29.76 vs 29.89); MultiRC alone and 64
+# questions (nested questions: the recurrent launch) equal; session 44 (`h100_profile_0_8b_session44_widen_{both,
+# main}.json`, with NESTED_BLOCK_V 32 from 2,048 tokens): RACE 0.288 vs 0.398 (2.660 vs 2.783), QuALITY 1.322 vs 1.531
+# (27.43 vs 27.63), 8 questions 0.797 vs 0.884 (11.51 vs 11.68), 3 MultiRC requests 0.255 vs 0.441. GPU-tested against
+# the reference in bf16 and fp32 (`tests/gpu/test_questions_chunked_gpu.py`, both tile sets). Loading k a second time
+# transposed instead of `tl.trans` took 117 KB at 32 columns (one program an SM) for 28 bytes less of spills.
+BLOCK_V = 64
+NUM_WARPS = 8
+NUM_STAGES = 1
+# the default before session 44 (the fused state chain's tiles), kept for the A/B and tested beside the default
+NARROW_TILES = (32, 4, 2)
 # fp32 inputs (the tests' precision): 32 / 4 / 1 stage (two stages need 255 KB, over sm_90's 227); 64 / 8 spills 884
 # bytes there and takes 144 KB
 FP32_TILES = (32, 4, 1)
@@ -250,21 +251,23 @@ def questions_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: t
 # vs 7.76 (one row a program either way there: within the calls' spread, session 41 had 7.79 vs 7.80).
 NESTED_ROW_PROGRAMS = 128
 # Value columns a program of the nested launch in streams of at least NESTED_BLOCK_V_MIN_TOKENS tokens (a bucket's
-# length: static per CUDA graph); shorter streams and None (the default): the recurrent kernel's own (`branches.
-# BLOCK_V`: 16 at 0.8B's 16 value heads). Why 32 would pay: the nested launch is throughput-bound in long rounds (the
+# length: static per CUDA graph; since session 44); shorter streams, and None: the recurrent kernel's own (`branches.
+# BLOCK_V`: 16 at 0.8B's 16 value heads). Why 32 pays: the nested launch is throughput-bound in long rounds (the
 # bench's 64 questions: 96 rows x 16 heads x 8 tiles = 12,288 one-warp programs through ~1,850 slots, 7.9 ms a
 # replay), and a program of 32 columns loads and gates each token once for twice the columns; with few rows (MultiRC
-# alone: 24) half as many programs leave SMs idle. H100, session 43, same call, 32 vs 16 columns in every stream,
-# replay GPU ms (`benchmarks/results/h100_profile_0_8b_session43_{bv32,main}.json`, 8 repeats): the launch 64
+# alone: 24) half as many programs leave SMs idle. H100, same call, replay GPU ms, 8 repeats, 32 vs 16 columns:
+# session 43, in every stream (`benchmarks/results/h100_profile_0_8b_session43_{bv32,main}.json`): the launch 64
 # questions 7.227 vs 7.947 (replay 28.12 vs 28.82), 6 MultiRC requests in one round (~250 rows, 8,192 bucket) 9.52 vs
 # 10.09 (29.32 vs 29.89), but MultiRC alone (768 bucket) 1.243 vs 1.093 (4.136 vs 3.971); rounds without nested rows
-# gain a little (the all-empty launch: QuALITY 0.163 vs 0.227, 8 questions 0.116 vs 0.202). Where between 768 and
-# 8,192 tokens 32 starts to win is not measured; 2,048 (a round of ~3 MultiRC requests, ~70 nested rows) is a guess
-# between them. A width changes those rows' bits (the sums over K follow the program's layout), within the tests'
-# bounds of the reference. Not on yet: `tests/gpu/test_questions_chunked_gpu.py -k nested_fork` (32 columns against
-# the reference) has not run on a GPU; after it, 32 here.
-NESTED_BLOCK_V: int | None = None
-NESTED_BLOCK_V_MIN_TOKENS = 2048
+# gain a little (the all-empty launch: QuALITY 0.163 vs 0.227, 8 questions 0.116 vs 0.202). Session 44, from 2,048
+# tokens (`h100_profile_0_8b_session44_widen_{both,main}.json`): 3 MultiRC requests in one round (3,598 tokens: the
+# 4,096 bucket, ~72 nested rows) 4.201 vs 4.129 (32 loses), 64 questions (8,192 bucket) 7.172 vs 7.893 (replay 27.97
+# vs 28.66). Hence from 8,192 tokens, where it was measured to win; the buckets between (4,608-7,168) are not
+# measured. A width changes those rows' bits (the sums over K follow the program's layout), within the tests' bounds
+# of the reference (GPU-tested with 32 columns in bf16 and fp32: `tests/gpu/test_questions_chunked_gpu.py -k
+# nested_fork`), and so with the bucket: batch-invariant mode keeps the recurrent kernel's own (`fixed_tiles`).
+NESTED_BLOCK_V: int | None = 32
+NESTED_BLOCK_V_MIN_TOKENS = 8192
 
 
 def questions_split_nested(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g_raw: torch.Tensor, beta: torch.Tensor,

@@ -362,7 +362,7 @@ widen)
     # questions), then the replay A/B: the defaults vs the tiles before (NARROW_TILES, 16 nested columns) vs the
     # defaults with long leaves chunked from stored sub-trunk states (session 44, H100: the 64-question sweep 26.62 vs
     # 27.97 ms, every other workload 0.06-0.39 ms slower). ~9 min with the compile cache (TEST_S per test file; 250 s
-    # left the chunked-question file 21 tests short on a bare H100 in session 44)
+    # left the chunked-question file 21 tests short on a bare H100 in session 44; AB=0: the tests only)
     Q=flide.ops.gated_delta.questions_chunked
     for t in "split tests/gpu/test_questions_chunked_gpu.py" "engine tests/gpu/test_engine_gpu.py -k chunked_or_nested" \
              "nested tests/gpu/test_gated_delta_nested_gpu.py -k row_programs_or_stored"; do
@@ -372,6 +372,7 @@ widen)
     done
     wait
     grep -h -E "^FAILED|^E  " "$OUT"/widen_*.log | head -20
+    [ "${AB:-1}" = 0 ] && exit 0  # AB=0: the tests only (give them TEST_S up to ~540 s)
     # the tiles before read from NARROW_TILES, so the A/B measures what the tests checked
     read -r bv warps stages < <(python3 -c "from $Q import NARROW_TILES; print(*NARROW_TILES)")
     AB_PREFIX=widen PROFILE_S=${PROFILE_S:-100} WORKLOADS="race multirc multirc@3 quality sweep8 sweep64" \

@@ -557,20 +557,22 @@ else:
                                         s.sub_lo, s.sub_hi)
         return s, x, finals, want
 
-    def split_nested_call(s, x, finals, want, plain_len, nested_len):
-        """`questions_split_nested` on the hand-built stream split by `plain_len` / `nested_len`, A solved over the
-        plain rows' chunks (as the combined tables leave the nested rows out), checked: the flags zero after, every
-        question row equal to the reference's nested call (fp32), nothing else written. Returns (gamma, solved,
-        flags, out, question rows)."""
+    def split_nested_call(s, x, finals, want, plain_len, nested_len, group_len=None):
+        """`questions_split_nested` on the hand-built stream split by `plain_len` / `nested_len` (/ `group_len`: the
+        long leaves' groups), A solved over the chunked rows' chunks (as the combined tables leave the nested rows
+        out), checked: the flags zero after, every question row equal to the reference's nested call (fp32), nothing
+        else written. Returns (gamma, solved, flags, out, question rows)."""
         from flide.ops.gated_delta import new_sub_flags
 
         q, k, v, g, beta = x
         Hv, V = v.shape[1:]
-        _, _, gamma, solved = delta_wy.wy_reference(k, v, g, beta, s.branch_start, plain_len, with_solve=True)
+        chunked_len = plain_len if group_len is None else plain_len + group_len
+        _, _, gamma, solved = delta_wy.wy_reference(k, v, g, beta, s.branch_start, chunked_len, with_solve=True)
         flags = new_sub_flags(Hv, V)
         out = delta_chunked.questions_split_nested(q, k, v, g, beta, gamma, solved, s.branch_start, plain_len,
                                                    nested_len, finals, s.branch_state, s.sub_lo, s.sub_hi, s.slots(),
-                                                   flags, 0.3, out=poisoned(s.T, Hv, V, dtype=torch.float32))
+                                                   flags, 0.3, out=poisoned(s.T, Hv, V, dtype=torch.float32),
+                                                   group_len=group_len)
         assert not flags.any()
         rows = segment_rows(s.T, s.branch_start, s.branch_len)
         assert out[~rows].isnan().all()
@@ -689,39 +691,48 @@ else:
 
     @pytest.mark.parametrize("leaf_tokens", [1, 0], ids=["leaves-over-1", "leaves-over-0"])
     def test_gated_delta_questions_chunked_split_nested_sends_long_leaves_chunked(leaf_tokens, monkeypatch):
-        """`NESTED_CHUNKED_LEAF_TOKENS` L: a sub-trunk whose every leaf has more than L tokens goes to the chunked
-        launch with its leaves (each re-running its sub-trunk's chunks there), the others stay recurrent. The
-        hand-built stream's sub-trunk P has leaves of 3, 4 and 1 tokens, P2 one of 2: at L = 1 P's group stays
-        recurrent and P2's goes chunked, at L = 0 both go chunked. Every question row equal to the reference's nested
-        call (fp32), the flags zero after, each part with the bits of its kernel alone on its rows."""
+        """`NESTED_CHUNKED_LEAF_TOKENS` L: a sub-trunk whose every leaf has more than L tokens goes chunked with its
+        leaves (each re-running its sub-trunk's chunks there: `group_len`, a launch of the nested form of its own),
+        the others stay recurrent, the plain rows chunked in the plain form. The hand-built stream's sub-trunk P has
+        leaves of 3, 4 and 1 tokens, P2 one of 2: at L = 1 P's group stays recurrent and P2's goes chunked, at L = 0
+        both go chunked. Every question row equal to the reference's nested call (fp32), the flags zero after, each
+        part with the bits of its kernel alone on its rows."""
         from flide.ops import gated_delta as delta_pkg
         from flide.ops.gated_delta import split_question_lens
 
         s, (q, k, v, g, beta), finals, want = nested_question_call(9, seed=6)
         sub = (s.sub_lo, s.sub_hi)
         monkeypatch.setattr(delta_pkg, "NESTED_CHUNKED_LEAF_TOKENS", leaf_tokens)
-        plain_len, nested_len = split_question_lens(s.branch_start, s.branch_len, *sub)
-        assert torch.equal(plain_len + nested_len, s.branch_len)
+        plain_len, nested_len, group_len = split_question_lens(s.branch_start, s.branch_len, *sub)
+        assert torch.equal(plain_len + nested_len + group_len, s.branch_len)
+        assert not ((plain_len > 0) & (nested_len > 0) | (plain_len > 0) & (group_len > 0)
+                    | (nested_len > 0) & (group_len > 0)).any()
         groups = {}  # sub-trunk row -> its leaves' rows
         for leaf, parent in s.leaves:
             groups.setdefault(parent, []).append(leaf)
         recurrent = {row for parent, leaves in groups.items()
                      if min(int(s.branch_len[leaf]) for leaf in leaves) <= leaf_tokens for row in [parent, *leaves]}
+        grouped = {row for parent, leaves in groups.items() for row in [parent, *leaves]}
         assert set((nested_len > 0).nonzero().flatten().tolist()) == recurrent
-        assert (len(recurrent) > 0) == (leaf_tokens == 1)
-        gamma, solved, _, out, rows = split_nested_call(s, (q, k, v, g, beta), finals, want, plain_len, nested_len)
-        chunked = delta_chunked.questions_chunked(q, k, v, beta, gamma, solved, s.branch_start, plain_len, finals,
+        assert set((group_len > 0).nonzero().flatten().tolist()) == grouped - recurrent
+        assert (len(recurrent) > 0) == (leaf_tokens == 1) and grouped - recurrent
+        lens = (plain_len, nested_len, group_len)
+        gamma, solved, _, out, rows = split_nested_call(s, (q, k, v, g, beta), finals, want, *lens)
+        plain = delta_chunked.questions_chunked(q, k, v, beta, gamma, solved, s.branch_start, plain_len, finals,
+                                                s.branch_state, 0.3)
+        chunked = delta_chunked.questions_chunked(q, k, v, beta, gamma, solved, s.branch_start, group_len, finals,
                                                   s.branch_state, 0.3, sub=sub)
-        part_rows = segment_rows(s.T, s.branch_start, plain_len)
-        assert torch.equal(out[part_rows], chunked[part_rows])
+        for part, part_len in ((plain, plain_len), (chunked, group_len)):
+            part_rows = segment_rows(s.T, s.branch_start, part_len)
+            assert part_rows.any() and torch.equal(out[part_rows], part[part_rows])
         if recurrent:
             alone = delta_branches.branches(q, k, v, g, beta, s.branch_start, nested_len, finals, s.branch_state, 0.3,
                                             False, sub=sub)
             part_rows = segment_rows(s.T, s.branch_start, nested_len)
             assert torch.equal(out[part_rows], alone[part_rows])
-        # the chunked part's leaves from their sub-trunks' stored states (STORED_SUB_STATES): the same bits
+        # the chunked groups' leaves from their sub-trunks' stored states (STORED_SUB_STATES): the same bits
         monkeypatch.setattr(delta_chunked, "STORED_SUB_STATES", True)
-        _, _, _, stored, _ = split_nested_call(s, (q, k, v, g, beta), finals, want, plain_len, nested_len)
+        _, _, _, stored, _ = split_nested_call(s, (q, k, v, g, beta), finals, want, *lens)
         assert torch.equal(stored[rows], out[rows])
 
     @pytest.mark.parametrize("tokens,heads,longest", CHUNKED_CASES,

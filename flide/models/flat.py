@@ -121,7 +121,7 @@ class FlatBlock(nn.Module):
         nested = fields[ROUND_FIELDS:]
         conv, slots = (tuple(nested[:2]), nested[2]) if nested else (None, None)
         return self.run_deferred(h, pending, FlatContext(r, cos, sin, tables=tables, conv_range=conv,
-                                                         sub_slot=slots, question_lens=tuple(nested[3:5]) or None))
+                                                         sub_slot=slots, question_lens=tuple(nested[3:]) or None))
 
     def run_deferred(self, h: torch.Tensor, pending: torch.Tensor,
                      ctx: FlatContext) -> tuple[torch.Tensor, torch.Tensor]:
@@ -212,7 +212,7 @@ class FlatModel(nn.Module):
             # kernels a layer otherwise, and a dozen small ops), and the split question rows
             nested = (*conv_range(r), sub_state_slots(r), *lens) if self.nested else ()
             ctx = FlatContext(r, cos[0], sin[0], tables=tables, conv_range=tuple(nested[:2]) or None,
-                              sub_slot=nested[2] if nested else None, question_lens=tuple(nested[3:5]) or None)
+                              sub_slot=nested[2] if nested else None, question_lens=tuple(nested[3:]) or None)
             # each block returns its MLP output un-added, for the next block's input-norm kernel to add
             # (`run_deferred`); the first adds zeros (h + 0 has h's bits), so every block has one signature and
             # compiles as one region per layer kind

@@ -47,8 +47,8 @@ class FlatContext:
     # nested forks: [NB] int32, each branch row's slot for its sub-trunk's stored state (`sub_state_slots`), derived
     # once per forward; None: each GDN layer derives it from the round
     sub_slot: torch.Tensor | None = None
-    # nested forks with chunked questions split off their nested rows (`question_lens`): (plain_len, nested_len)
-    # [NB], derived once per forward; None: each GDN layer derives them from the round
+    # nested forks with chunked questions split off their nested rows (`question_lens`): (plain_len, nested_len[,
+    # group_len]) [NB], derived once per forward; None: each GDN layer derives them from the round
     question_lens: tuple | None = None
 
 
@@ -66,8 +66,8 @@ def sub_state_slots(r: RoundTensors) -> torch.Tensor:
     return sub_slots(r.branch_start, r.branch_len, r.branch_state, r.sub_lo, r.sub_hi)
 
 
-def question_lens(r: RoundTensors) -> tuple[torch.Tensor, torch.Tensor]:
-    """(plain_len, nested_len) [NB] of the round's question rows (`gated_delta.split_question_lens`)."""
+def question_lens(r: RoundTensors) -> tuple[torch.Tensor, ...]:
+    """(plain_len, nested_len[, group_len]) [NB] of the round's question rows (`gated_delta.split_question_lens`)."""
     return split_question_lens(r.branch_start, r.branch_len, r.sub_lo, r.sub_hi)
 
 

@@ -180,7 +180,9 @@ def test_chunked_question_ops_opcheck_on_cuda():
 
     no_range = torch.zeros(q.shape[0], dtype=torch.int32, device="cuda")
     no_slot = torch.full_like(r.branch_start, -1, dtype=torch.int32)
-    torch.library.opcheck(split_op, (q, k, v, x[3], beta, gamma, solved, r.branch_start, r.branch_len,
-                                     torch.zeros_like(r.branch_len), finals, t.branch_from, no_range, no_range,
-                                     no_slot, new_sub_flags(v.shape[1], v.shape[2], "cuda"), SCALE),
-                          test_utils=checks)
+    # with the defaults, and with fixed tiles and an (empty) table of long leaves' groups
+    for extra in ((), (True, torch.zeros_like(r.branch_len))):
+        torch.library.opcheck(split_op, (q, k, v, x[3], beta, gamma, solved, r.branch_start, r.branch_len,
+                                         torch.zeros_like(r.branch_len), finals, t.branch_from, no_range, no_range,
+                                         no_slot, new_sub_flags(v.shape[1], v.shape[2], "cuda"), SCALE, *extra),
+                              test_utils=checks)

@@ -215,22 +215,24 @@ def gated_delta_questions_split_nested(q: torch.Tensor, k: torch.Tensor, v: torc
                                        plain_len: torch.Tensor, nested_len: torch.Tensor,
                                        initial_state: torch.Tensor, initial_index: torch.Tensor,
                                        sub_lo: torch.Tensor, sub_hi: torch.Tensor, sub_slot: torch.Tensor,
-                                       sub_flags: torch.Tensor, scale: float, fixed_tiles: bool = False
-                                       ) -> torch.Tensor:
+                                       sub_flags: torch.Tensor, scale: float, fixed_tiles: bool = False,
+                                       group_len: torch.Tensor | None = None) -> torch.Tensor:
     """A nested fork's question call with its plain rows in chunked form and its leaves and their sub-trunks by the
     recurrent nested kernel (`questions_chunked.questions_split_nested`; `sub_flags` are zero before and after the
     call, as in `gated_delta_branches_nested_triton`, so declared unmutated; `fixed_tiles`: the nested launch's
-    width does not follow the stream's length, batch-invariant mode)."""
+    width does not follow the stream's length, batch-invariant mode; `group_len`: the long leaves' groups, chunked
+    in the nested form, `split_question_lens`)."""
     from . import questions_chunked
 
     return questions_chunked.questions_split_nested(q, k, v, g_raw, beta, g, A, seg_start, plain_len, nested_len,
                                                     initial_state, initial_index, sub_lo, sub_hi, sub_slot,
-                                                    sub_flags, scale, fixed_tiles=fixed_tiles)
+                                                    sub_flags, scale, fixed_tiles=fixed_tiles, group_len=group_len)
 
 
 @gated_delta_questions_split_nested.register_fake
 def _fake_questions_split_nested(q, k, v, g_raw, beta, g, A, seg_start, plain_len, nested_len, initial_state,
-                                 initial_index, sub_lo, sub_hi, sub_slot, sub_flags, scale, fixed_tiles=False):
+                                 initial_index, sub_lo, sub_hi, sub_slot, sub_flags, scale, fixed_tiles=False,
+                                 group_len=None):
     return q.new_empty(v.shape)
 
 
@@ -454,8 +456,11 @@ SUB_STATE_SLOTS = 32
 # a row's length, and leaves are not always a few tokens: the bench's 64-question request is 32 sub-trunks of 24-83
 # tokens with 2 leaves of 38-105 each, all 96 rows recurrent, 7.8 of its 28.8 ms replay (H100, session 40), where
 # MultiRC's leaves are 21-41 tokens (after a 12-25-token judge line) and chunked cost it 4.63 vs 4.01 ms (session 37).
-# A property of each request alone (batch-invariant). Unmeasured: None until `h200_session.sh nested` (with `--set
-# flide.ops.gated_delta.NESTED_CHUNKED_LEAF_TOKENS=32`) says otherwise.
+# A property of each request alone (batch-invariant). H100, session 44 (`h100_profile_0_8b_session44_widen_stored.json`,
+# 32 with questions_chunked.STORED_SUB_STATES, replay GPU ms vs off): 64 questions 26.62 vs 27.97, but every other
+# round 0.06-0.39 ms slower (RACE 2.785 vs 2.660), as the plain rows then ran in the nested form's launches too.
+# Since then the long leaves' groups take a launch of their own (`split_question_lens`' group_len) and the plain
+# rows keep the plain form's: not measured yet (`h200_session.sh widen`'s `stored` arm), None until it is.
 NESTED_CHUNKED_LEAF_TOKENS: int | None = None
 
 
@@ -520,13 +525,21 @@ def nested_rows(branch_start: torch.Tensor, branch_len: torch.Tensor, sub_lo: to
 
 
 def split_question_lens(branch_start: torch.Tensor, branch_len: torch.Tensor, sub_lo: torch.Tensor,
-                        sub_hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                        sub_hi: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """(plain_len, nested_len) [NB]: each question row's length in the first where it is no leaf and no sub-trunk a
-    leaf continues (`nested_rows`, with NESTED_CHUNKED_LEAF_TOKENS; 0 in the second), else in the second: the chunked
-    and the recurrent part of a nested fork's question call (`fork_parts(question_lens=)`). Device ops only."""
+    leaf continues (`nested_rows`; 0 in the second), else in the second: the chunked and the recurrent part of a
+    nested fork's question call (`fork_parts(question_lens=)`). With NESTED_CHUNKED_LEAF_TOKENS a third, group_len:
+    the groups of long leaves (`nested_rows` with it: a sub-trunk whose every leaf is longer, and those leaves), 0 in
+    the other two; they run chunked in the nested form, in a launch of their own, so that the plain rows keep the
+    plain form's leaner binary. Device ops only."""
     nested = nested_rows(branch_start, branch_len, sub_lo, sub_hi, NESTED_CHUNKED_LEAF_TOKENS)
     none = torch.zeros_like(branch_len)
-    return torch.where(nested, none, branch_len), torch.where(nested, branch_len, none)
+    if NESTED_CHUNKED_LEAF_TOKENS is None:
+        return torch.where(nested, none, branch_len), torch.where(nested, branch_len, none)
+    grouped = nested_rows(branch_start, branch_len, sub_lo, sub_hi)  # every leaf and sub-trunk
+    group = grouped & ~nested
+    return (torch.where(grouped, none, branch_len), torch.where(nested, branch_len, none),
+            torch.where(group, branch_len, none))
 
 
 class ForkParts(NamedTuple):
@@ -563,7 +576,7 @@ def fork_parts(kernel, q, k, v, g, beta, state_start, state_len, branch_start, b
                scale: float, use_qk_l2norm: bool, branch_kernel=None, state_kernel=None,
                tables: ForkTables | None = None, wy: bool = False, laid_out: bool = False,
                sub: tuple[torch.Tensor, ...] | None = None, nested_kernel=None, chunked: bool = False,
-               question_lens: tuple[torch.Tensor, torch.Tensor] | None = None, fixed_tiles: bool = False
+               question_lens: tuple[torch.Tensor, ...] | None = None, fixed_tiles: bool = False
                ) -> ForkParts:
     """Forked gated delta rule, in two calls of one varlen kernel.
 
@@ -627,8 +640,9 @@ def fork_parts(kernel, q, k, v, g, beta, state_start, state_len, branch_start, b
                 q, k, v, g, beta, tables.all_cu_seqlens, tables.all_chunks, tables.state_cu_seqlens,
                 tables.state_chunks, tables.state_chunk_offsets, tables.long_chunks, tables.long_chunk_offsets, scale)
             if sub is not None and question_lens is not None:
-                o_branches = split_call(q, k, v, g, beta, gamma, solved, branch_start, *question_lens, finals,
-                                        branch_state, *sub, scale, fixed_tiles)
+                plain_len, nested_len, *group_len = question_lens
+                o_branches = split_call(q, k, v, g, beta, gamma, solved, branch_start, plain_len, nested_len, finals,
+                                        branch_state, *sub, scale, fixed_tiles, *group_len)
             else:
                 # (sub_lo, sub_hi, the rows' sub-trunk state slots), unread without sub-trunks
                 nest = sub[:3] if sub is not None else (branch_start, branch_start, branch_start)

@@ -30,7 +30,6 @@ import triton
 import triton.language as tl
 
 from ...config import GDN_CHUNK
-from .. import gated_delta as _package  # its NESTED_CHUNKED_LEAF_TOKENS, read when a call is traced
 from . import SUB_STATE_SLOTS
 from .branches import rows_used
 from .state_chain import _chunk_output
@@ -275,7 +274,7 @@ def questions_split_nested(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g_
                            nested_len: torch.Tensor, initial_state: torch.Tensor, initial_index: torch.Tensor,
                            sub_lo: torch.Tensor, sub_hi: torch.Tensor, sub_slot: torch.Tensor,
                            sub_flags: torch.Tensor, scale: float, out: torch.Tensor | None = None,
-                           fixed_tiles: bool = False) -> torch.Tensor:
+                           fixed_tiles: bool = False, group_len: torch.Tensor | None = None) -> torch.Tensor:
     """A nested fork's question call in two launches into one output: the rows of `plain_len` (no leaf, no sub-trunk
     a leaf continues) in chunked form (`questions_chunked`, from the state call's g / A over those rows' chunks), the
     rows of `nested_len` (the leaves and their sub-trunks: `gated_delta.nested_rows`) by the recurrent nested kernel
@@ -299,10 +298,12 @@ def questions_split_nested(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g_
                       sub=(sub_lo, sub_hi), sub_slot=sub_slot, sub_flags=sub_flags,
                       row_programs=NESTED_ROW_PROGRAMS or None,
                       tiles=(NESTED_BLOCK_V, branches.NUM_WARPS) if wide else None)
-    # leaves of the chunked part (`NESTED_CHUNKED_LEAF_TOKENS`): its nested form, each leaf re-running its sub-trunk's
-    # chunks or, with STORED_SUB_STATES, starting from the state its sub-trunk stored in a slot (slots are per
-    # sub-trunk row: the two launches never share one)
-    chunked_leaves = _package.NESTED_CHUNKED_LEAF_TOKENS is not None
-    return questions_chunked(q, k, v, beta, g, A, seg_start, plain_len, initial_state, initial_index, scale,
-                             sub=(sub_lo, sub_hi) if chunked_leaves else None, out=o,
-                             sub_slot=sub_slot if chunked_leaves else None)
+    # the groups of long leaves (`NESTED_CHUNKED_LEAF_TOKENS`: `group_len`) chunked in the nested form, each leaf
+    # re-running its sub-trunk's chunks or, with STORED_SUB_STATES, starting from the state its sub-trunk stored in a
+    # slot (slots are per sub-trunk row: no two launches share one), in a launch of their own: the nested binary
+    # spills more and, stored, is two launches, which every round's plain rows paid when they shared it (H100,
+    # session 44, `h100_profile_0_8b_session44_widen_stored.json`: RACE's launch 0.407 vs 0.288 ms)
+    if group_len is not None:
+        questions_chunked(q, k, v, beta, g, A, seg_start, group_len, initial_state, initial_index, scale,
+                          sub=(sub_lo, sub_hi), out=o, sub_slot=sub_slot)
+    return questions_chunked(q, k, v, beta, g, A, seg_start, plain_len, initial_state, initial_index, scale, out=o)

@@ -361,7 +361,8 @@ widen)
     # against the reference; 32 nested columns on both sides of the threshold; the engine with chunked / nested
     # questions), then the replay A/B: the defaults vs the tiles before (NARROW_TILES, 16 nested columns) vs the
     # defaults with long leaves chunked from stored sub-trunk states (session 44, H100: the 64-question sweep 26.62 vs
-    # 27.97 ms, every other workload 0.06-0.39 ms slower). ~9 min with the compile cache (TEST_S per test file; 250 s
+    # 27.97 ms, every other workload 0.06-0.39 ms slower, when the plain rows shared the groups' nested launches;
+    # they have a launch of their own since c63bdb9). ~9 min with the compile cache (TEST_S per test file; 250 s
     # left the chunked-question file 21 tests short on a bare H100 in session 44; AB=0: the tests only)
     Q=flide.ops.gated_delta.questions_chunked
     for t in "split tests/gpu/test_questions_chunked_gpu.py" "engine tests/gpu/test_engine_gpu.py -k chunked_or_nested" \

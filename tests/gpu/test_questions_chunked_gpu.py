@@ -25,6 +25,19 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 SCALE = 128 ** -0.5
 
 
+# The reference's answers of the last case: the tile parameters come innermost (`narrow` off, then on), and the
+# reference (a token-by-token loop, most of a case's time at 8,192 tokens) does not depend on them
+_last_reference: list = [None, None]
+
+
+def reference_once(key: tuple, compute):
+    """`compute()` of the case `key`, computed once for consecutive cases with the same inputs."""
+    if _last_reference[0] != key:
+        _last_reference[:] = [key, None]  # drop the old answers before computing the new
+        _last_reference[1] = compute()
+    return _last_reference[1]
+
+
 def laid_out(tokens: int, dtype, seed: int, hv: int, longest: int):
     """A random round on the GPU (`test_gated_delta_gpu.inputs`, 4 key heads) and its inputs laid out as the fused
     conv writes them (q / k normalised): (laid out, raw, round)."""
@@ -74,7 +87,7 @@ def test_chunked_questions_match_the_reference_and_keep_the_states_bits(tokens, 
     end = int(r.branch_start[0] + r.branch_len.sum())
     questions = ~states & (torch.arange(tokens, device="cuda") < end)
     assert questions.any() and torch.isfinite(o).all() and (o[end:] == 0).all()
-    ref_o, _ = fork_parts_reference(raw, meta)
+    ref_o, _ = reference_once(("match", tokens, longest, hv, dtype), lambda: fork_parts_reference(raw, meta))
     assert rel_err(o[questions], ref_o[questions]) < TOL[dtype]
     assert rel_err(o[questions], o_rec[questions]) < TOL[dtype]
     # the same round again: the same bits (no atomics, no autotuning between calls)
@@ -111,7 +124,7 @@ def test_chunked_questions_nested_fork_matches_the_reference(seed, heads, dtype,
     tables = fork_tables(*meta(r)[:4], r["state_chunks"], branch_chunks, branch_state=r["branch_state"])
     o, finals = layer_fork(x, meta(r), tables, chunked=True, sub=sub(r))
     o_plain, finals_plain = layer_fork(x, meta(r), tables, chunked=True)
-    ref_o, _ = reference_fork(x_raw, r)
+    ref_o, _ = reference_once(("nested", seed, heads, dtype), lambda: reference_fork(x_raw, r))
     leaves = leaf_tokens(r)
     # the spare (empty) state rows' finals are unwritten by the state call from the tables (fla.EMPTY_STATE_FINALS):
     # whatever the allocator handed out, so only the used rows are compared (H200, session 38: seed 2's differed)

@@ -297,7 +297,8 @@ def questions_split_nested(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g_
     branches.branches(q, k, v, g_raw, beta, seg_start, nested_len, initial_state, initial_index, scale, False, out=o,
                       sub=(sub_lo, sub_hi), sub_slot=sub_slot, sub_flags=sub_flags,
                       row_programs=NESTED_ROW_PROGRAMS or None,
-                      tiles=(NESTED_BLOCK_V, branches.NUM_WARPS) if wide else None)
+                      tiles=(min(NESTED_BLOCK_V, triton.next_power_of_2(v.shape[2])), branches.NUM_WARPS)
+                      if wide else None)  # (no wider than the head: a tiny model's V of 16 keeps its 16)
     # the groups of long leaves (`NESTED_CHUNKED_LEAF_TOKENS`: `group_len`) chunked in the nested form, each leaf
     # re-running its sub-trunk's chunks or, with STORED_SUB_STATES, starting from the state its sub-trunk stored in a
     # slot (slots are per sub-trunk row: no two launches share one), in a launch of their own: the nested binary

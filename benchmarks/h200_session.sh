@@ -125,6 +125,18 @@ ab_arms() {
     done
     profile_rows "$prefix" "${names[@]}"
 }
+# named_tests PREFIX TIMEOUT "NAME FILE [-k EXPR]"...: one pytest process per spec, all at once, EXPR's `_or_` read as
+# ` or ` (one word for the spec's split); each log in $OUT/PREFIX_NAME.log, a line per spec, then the failures
+named_tests() {
+    local prefix=$1 timeout=$2 t name file expr; shift 2
+    for t in "$@"; do
+        set -- $t; name=$1; file=$2; expr=${4:-}; expr=${expr//_or_/ or }
+        (timeout "$timeout" python3 -m pytest -q -rA -p no:logging --tb=short "$file" ${expr:+-k "$expr"} \
+            > "$OUT/${prefix}_$name.log" 2>&1; echo "$name rc=$? $(tail -1 "$OUT/${prefix}_$name.log")") &
+    done
+    wait
+    grep -h -E "^FAILED|^E  " "$OUT"/${prefix}_*.log | head -20
+}
 # parallel_tests TIMEOUT LOG_LINES FILE...: one pytest process per GPU test file, all at once (small next to the H200,
 # compiling on 16 cores in parallel), waiting for every background job; a line per file in $OUT/summary.txt, the
 # logs' tails in $OUT/tests.log
@@ -235,17 +247,11 @@ chunked)
     # in four processes, then the replay A/B of
     # the split call's nested launch with programs taking rows in turns (questions_chunked.NESTED_ROW_PROGRAMS 16 vs
     # 0: the launch of empty rows costs QuALITY / 16 RACE 0.73 ms), ~7 min with compiles
-    for t in "engine tests/gpu/test_engine_gpu.py -k chunked_or_nested" \
-             "split tests/gpu/test_questions_chunked_gpu.py -k nested_or_opcheck" \
-             "invariant tests/gpu/test_batch_invariant_gpu.py -k chunked" \
-             "graphs tests/gpu/test_graphs_gpu.py -k replay_or_rounds_or_graphs_or_oversized" \
-             "solve tests/gpu/test_gated_delta_gpu.py -k own_w_u_or_own_kkt_or_chunked_or_unfilled"; do
-        set -- $t; name=$1; file=$2; expr=${4//_or_/ or }
-        (timeout ${TEST_S:-250} python3 -m pytest -q -rA -p no:logging --tb=short "$file" -k "$expr" \
-            > "$OUT/chunked_$name.log" 2>&1; echo "$name rc=$? $(tail -1 "$OUT/chunked_$name.log")") &
-    done
-    wait
-    grep -h -E "^FAILED|^E  " "$OUT"/chunked_*.log | head -20
+    named_tests chunked ${TEST_S:-250} "engine tests/gpu/test_engine_gpu.py -k chunked_or_nested" \
+        "split tests/gpu/test_questions_chunked_gpu.py -k nested_or_opcheck" \
+        "invariant tests/gpu/test_batch_invariant_gpu.py -k chunked" \
+        "graphs tests/gpu/test_graphs_gpu.py -k replay_or_rounds_or_graphs_or_oversized" \
+        "solve tests/gpu/test_gated_delta_gpu.py -k own_w_u_or_own_kkt_or_chunked_or_unfilled"
     # the nested rows in turns at 128 programs (16 took QuALITY's / 16 RACE's all-empty nested launch from 0.73 to
     # 0.07 ms but cost sweep 64, whose 96 nested rows it ran 6 to a program, +1.8 ms: H100, session 40)
     AB_PREFIX=profile PROFILE_S=${PROFILE_S:-120} WORKLOADS="race multirc quality sweep8 sweep64 race@16" \
@@ -365,14 +371,9 @@ widen)
     # they have a launch of their own since c63bdb9). ~9 min with the compile cache (TEST_S per test file; 250 s
     # left the chunked-question file 21 tests short on a bare H100 in session 44; AB=0: the tests only)
     Q=flide.ops.gated_delta.questions_chunked
-    for t in "split tests/gpu/test_questions_chunked_gpu.py" "engine tests/gpu/test_engine_gpu.py -k chunked_or_nested" \
-             "nested tests/gpu/test_gated_delta_nested_gpu.py -k row_programs_or_stored"; do
-        set -- $t; name=$1; file=$2; expr=${4:-}; expr=${expr//_or_/ or }
-        (timeout ${TEST_S:-300} python3 -m pytest -q -rA -p no:logging --tb=short "$file" ${expr:+-k "$expr"} \
-            > "$OUT/widen_$name.log" 2>&1; echo "$name rc=$? $(tail -1 "$OUT/widen_$name.log")") &
-    done
-    wait
-    grep -h -E "^FAILED|^E  " "$OUT"/widen_*.log | head -20
+    named_tests widen ${TEST_S:-300} "split tests/gpu/test_questions_chunked_gpu.py" \
+        "engine tests/gpu/test_engine_gpu.py -k chunked_or_nested" \
+        "nested tests/gpu/test_gated_delta_nested_gpu.py -k row_programs_or_stored"
     [ "${AB:-1}" = 0 ] && exit 0  # AB=0: the tests only (give them TEST_S up to ~540 s)
     # the tiles before read from NARROW_TILES, so the A/B measures what the tests checked
     read -r bv warps stages < <(python3 -c "from $Q import NARROW_TILES; print(*NARROW_TILES)")

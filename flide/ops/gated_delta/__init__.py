@@ -605,8 +605,8 @@ def fork_parts(kernel, q, k, v, g, beta, state_start, state_len, branch_start, b
     `chunked` (with `laid_out` and `tables` whose combined chunk rows cover the questions; the variant is in
     CHUNKED_QUESTION_KERNELS): the questions run in chunked form (`questions_chunked.py`) from the state call's gate
     cumsums and solved rows, nested forks too (only `sub`'s two ranges are read: a leaf runs its sub-trunk's chunks).
-    `question_lens` (with `chunked` and `sub`; (plain_len, nested_len) [NB], the rows' lengths split by
-    `nested_rows`, derived once per forward, with the tables' combined chunk rows leaving the nested rows out:
+    `question_lens` (with `chunked` and `sub`; (plain_len, nested_len[, group_len]) [NB], the rows' lengths split by
+    `split_question_lens`, derived once per forward, with the tables' combined chunk rows leaving the nested rows out:
     `fork_tables(skip_branches=)`): the plain rows in chunked form and the leaves and their sub-trunks by the
     recurrent nested kernel, in one call (`questions_chunked.questions_split_nested`; `fixed_tiles`, batch-invariant
     mode: that call's tiles do not follow the stream's length).

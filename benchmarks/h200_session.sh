@@ -125,12 +125,12 @@ ab_arms() {
     done
     profile_rows "$prefix" "${names[@]}"
 }
-# named_tests PREFIX TIMEOUT "NAME FILE [-k EXPR]"...: one pytest process per spec, all at once, EXPR's `_or_` read as
-# ` or ` (one word for the spec's split); each log in $OUT/PREFIX_NAME.log, a line per spec, then the failures
+# named_tests PREFIX TIMEOUT "NAME FILE [-k EXPR]"...: one pytest process per spec, all at once, EXPR's `_or_` /
+# `_and_` read as ` or ` / ` and ` (one word for the spec's split); each log in $OUT/PREFIX_NAME.log, a line per spec, then the failures
 named_tests() {
     local prefix=$1 timeout=$2 t name file expr; shift 2
     for t in "$@"; do
-        set -- $t; name=$1; file=$2; expr=${4:-}; expr=${expr//_or_/ or }
+        set -- $t; name=$1; file=$2; expr=${4:-}; expr=${expr//_or_/ or }; expr=${expr//_and_/ and }
         (timeout "$timeout" python3 -m pytest -q -rA -p no:logging --tb=short "$file" ${expr:+-k "$expr"} \
             > "$OUT/${prefix}_$name.log" 2>&1; echo "$name rc=$? $(tail -1 "$OUT/${prefix}_$name.log")") &
     done
@@ -371,8 +371,12 @@ widen)
     # they have a launch of their own since c63bdb9). ~9 min with the compile cache (TEST_S per test file; 250 s
     # left the chunked-question file 21 tests short on a bare H100 in session 44; AB=0: the tests only)
     Q=flide.ops.gated_delta.questions_chunked
-    named_tests widen ${TEST_S:-300} "split tests/gpu/test_questions_chunked_gpu.py" \
-        "engine tests/gpu/test_engine_gpu.py -k chunked_or_nested" \
+    # one process per slice (session 44: the chunked-question file in one process ran 28 of its 49 tests in 250 s,
+    # most of it the CPU-side reference's token loop); TESTS=0: the A/B only
+    F=tests/gpu/test_questions_chunked_gpu.py E=tests/gpu/test_engine_gpu.py
+    [ "${TESTS:-1}" = 1 ] && named_tests widen ${TEST_S:-300} "match $F -k match_the_reference" \
+        "fork0 $F -k nested_fork_and_[0-" "fork1 $F -k nested_fork_and_[1-" "fork2 $F -k nested_fork_and_[2-" \
+        "opcheck $F -k opcheck" "engine_chunked $E -k chunked_questions_equal" "engine_nested $E -k nested_forks" \
         "nested tests/gpu/test_gated_delta_nested_gpu.py -k row_programs_or_stored"
     [ "${AB:-1}" = 0 ] && exit 0  # AB=0: the tests only (give them TEST_S up to ~540 s)
     # the tiles before read from NARROW_TILES, so the A/B measures what the tests checked

@@ -363,9 +363,9 @@ mlp)
     ;;
 widen)
     # The question launches' tiles (session 44's defaults: the chunked launch's 64 columns / 8 warps / 1 stage, the
-    # nested launch's 32 columns in streams of 4,608+ tokens since session 45): their GPU tests first, in parallel (both tile sets
-    # against the reference; 32 nested columns on both sides of the threshold; the engine with chunked / nested
-    # questions), then the replay A/B: the defaults vs the tiles before (NARROW_TILES, 16 nested columns) vs the
+    # nested launch's 32 columns in streams of 4,608+ tokens since session 45): their GPU tests first, in parallel
+    # (both tile sets against the reference; 32 nested columns on both sides of the threshold; the engine with chunked
+    # / nested questions), then the replay A/B: the defaults vs the tiles before (NARROW_TILES, 16 nested columns) vs the
     # defaults with long leaves chunked from stored sub-trunk states (session 44, H100: the 64-question sweep 26.62 vs
     # 27.97 ms, every other workload 0.06-0.39 ms slower, when the plain rows shared the groups' nested launches;
     # they have a launch of their own since c63bdb9). ~9 min with the compile cache (TEST_S per test file; 250 s

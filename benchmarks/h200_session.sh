@@ -126,7 +126,8 @@ ab_arms() {
     profile_rows "$prefix" "${names[@]}"
 }
 # named_tests PREFIX TIMEOUT "NAME FILE [-k EXPR]"...: one pytest process per spec, all at once, EXPR's `_or_` /
-# `_and_` read as ` or ` / ` and ` (one word for the spec's split); each log in $OUT/PREFIX_NAME.log, a line per spec, then the failures
+# `_and_` read as ` or ` / ` and ` (one word for the spec's split); each log in $OUT/PREFIX_NAME.log, a line per
+# spec, then the failures
 named_tests() {
     local prefix=$1 timeout=$2 t name file expr; shift 2
     for t in "$@"; do
@@ -365,10 +366,10 @@ widen)
     # The question launches' tiles (session 44's defaults: the chunked launch's 64 columns / 8 warps / 1 stage, the
     # nested launch's 32 columns in streams of 4,608+ tokens since session 45): their GPU tests first, in parallel
     # (both tile sets against the reference; 32 nested columns on both sides of the threshold; the engine with chunked
-    # / nested questions), then the replay A/B: the defaults vs the tiles before (NARROW_TILES, 16 nested columns) vs the
-    # defaults with long leaves chunked from stored sub-trunk states (session 44, H100: the 64-question sweep 26.62 vs
-    # 27.97 ms, every other workload 0.06-0.39 ms slower, when the plain rows shared the groups' nested launches;
-    # they have a launch of their own since c63bdb9). ~9 min with the compile cache (TEST_S per test file; 250 s
+    # / nested questions), then the replay A/B: the defaults vs the tiles before (NARROW_TILES, 16 nested columns) vs
+    # the defaults with long leaves chunked from stored sub-trunk states (H100, the 64-question sweep vs every other
+    # workload: session 44, sharing the plain rows' launch, 26.62 vs 27.97 ms, others 0.06-0.39 ms slower; session 45,
+    # in a launch of their own since c63bdb9, 26.85 vs 28.04, others 0.10-0.33 slower). ~9 min with the compile cache (TEST_S per test file; 250 s
     # left the chunked-question file 21 tests short on a bare H100 in session 44; AB=0: the tests only)
     Q=flide.ops.gated_delta.questions_chunked
     # one process per slice (session 44: the chunked-question file in one process ran 28 of its 49 tests in 250 s,

@@ -460,7 +460,8 @@ SUB_STATE_SLOTS = 32
 # 32 with questions_chunked.STORED_SUB_STATES, replay GPU ms vs off): 64 questions 26.62 vs 27.97, but every other
 # round 0.06-0.39 ms slower (RACE 2.785 vs 2.660), as the plain rows then ran in the nested form's launches too.
 # Since then the long leaves' groups take a launch of their own (`split_question_lens`' group_len) and the plain
-# rows keep the plain form's: not measured yet (`h200_session.sh widen`'s `stored` arm), None until it is.
+# rows keep the plain form's. Session 45 (`..._session45_widen_{stored,main}.json`): 64 questions 26.85 vs 28.04,
+# RACE 2.786 vs 2.667, QuALITY 27.78 vs 27.45: the groups' launches (two, stored) cost every round even empty. None.
 NESTED_CHUNKED_LEAF_TOKENS: int | None = None
 
 

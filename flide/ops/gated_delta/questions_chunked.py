@@ -264,9 +264,10 @@ NESTED_ROW_PROGRAMS = 128
 # vs 28.66). Session 45, the buckets between (`h100_profile_0_8b_session45_thr*.json`, replay 32 vs 16 columns at
 # every length): 32 questions on a 2,000-token state (4,792 tokens: the 5,120 bucket) 18.12 vs 18.33 ms (the launch
 # 4.080 vs 4.263), 4 MultiRC requests (5,972: 6,144) 22.12 vs 22.52 (7.043 vs 7.430), 5 (7,150: 7,168) 25.76 vs
-# 26.52 (8.177 vs 8.958). Hence from 4,608 tokens, the bucket above the 4,096 where 32 lost. A width changes those rows' bits (the sums over K follow the program's layout), within the tests' bounds
-# of the reference (GPU-tested with 32 columns in bf16 and fp32: `tests/gpu/test_questions_chunked_gpu.py -k
-# nested_fork`), and so with the bucket: batch-invariant mode keeps the recurrent kernel's own (`fixed_tiles`).
+# 26.52 (8.177 vs 8.958). Hence from 4,608 tokens, the bucket above the 4,096 where 32 lost. A width changes those
+# rows' bits (the sums over K follow the program's layout), within the tests' bounds of the reference (GPU-tested
+# with 32 columns in bf16 and fp32: `tests/gpu/test_questions_chunked_gpu.py -k nested_fork`), and so with the
+# bucket: batch-invariant mode keeps the recurrent kernel's own (`fixed_tiles`).
 NESTED_BLOCK_V: int | None = 32
 NESTED_BLOCK_V_MIN_TOKENS = 4608
 
